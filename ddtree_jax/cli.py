@@ -1,0 +1,201 @@
+"""`ddtree-generate`: batched offline generation from a JSONL prompts file to a JSONL outputs file."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ddtree_jax.errors import DDTreeError
+
+DEFAULT_BUDGET = 32
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(
+        prog="ddtree-generate",
+        description="Batched generation with autoregressive, DFlash or DDTree decoding.",
+    )
+    p.add_argument("--target", required=True, help="HF target directory (Qwen3 or Llama 3)")
+    p.add_argument("--draft", help="DFlash drafter directory (z-lab layout)")
+    p.add_argument("--prompts", required=True, help="JSONL: {id, prompt | messages | input_ids}")
+    p.add_argument("--out", required=True, help="JSONL output, one line per prompt, input order")
+    p.add_argument(
+        "--method", choices=["ar", "dflash", "ddtree"], help="default: ddtree with --draft, else ar"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat-template", action="store_true", help="encode 'prompt' text as is")
+    p.add_argument(
+        "--budget", type=int, help=f"ddtree: tree nodes besides the root (default {DEFAULT_BUDGET})"
+    )
+    p.add_argument("--block-size", type=int, help="draft block size (<= the drafter's; depth = block - 1)")
+    p.add_argument(
+        "--branching", type=int, help="ddtree: drafter candidates per depth (default min(budget, 32))"
+    )
+    p.add_argument("--draft-window", type=int, help="drafter attends to the last N context tokens only")
+    p.add_argument(
+        "--attention",
+        choices=["auto", "reference", "pallas"],
+        default="auto",
+        help="decode attention: the Pallas kernel (auto on GPU) or the jnp reference",
+    )
+    p.add_argument("--host-stepped", action="store_true", help="drive rounds from Python, time each stage")
+    p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel devices")
+    return p
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject flag combinations before any model is loaded."""
+    _positive(args, "max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp")
+    if args.method is None:
+        args.method = "ddtree" if args.draft else "ar"
+    if args.method != "ar" and not args.draft:
+        raise DDTreeError(f"--method {args.method} needs --draft DIR")
+    if args.method != "ddtree" and (args.budget or args.branching):
+        raise DDTreeError("--budget and --branching apply to --method ddtree only")
+    if args.temperature not in (None, 0.0) or args.top_p is not None or args.top_k is not None:
+        raise DDTreeError("--temperature/--top-p/--top-k: sampling is not implemented yet (greedy only)")
+    if args.tp != 1 or args.dp != 1:
+        raise DDTreeError("--tp/--dp > 1: tensor and data parallelism are not implemented yet")
+    if args.block_size is not None and args.block_size < 2:
+        raise DDTreeError("--block-size must be >= 2")
+
+
+def make_generator(args: argparse.Namespace):
+    """Load target, drafter and tokenizer, and describe the program to compile."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import drafter, target
+    from ddtree_jax.attention import default_implementation
+    from ddtree_jax.engine import Plan
+    from ddtree_jax.generation import Generator
+    from ddtree_jax.sharding import make_mesh, param_sharding
+    from ddtree_jax.text import TextCodec
+
+    if args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    dtype = jnp.dtype(args.dtype)
+    sharding = param_sharding(make_mesh(args.tp, args.dp))
+    cfg, params = target.load(args.target, dtype, sharding)
+    dcfg = draft_params = None
+    if args.method != "ar":
+        dcfg, draft_params = drafter.load(args.draft, cfg, dtype, sharding)
+        if args.block_size is not None:
+            if args.block_size > dcfg.block_size:
+                raise DDTreeError(f"--block-size {args.block_size} exceeds the drafter's {dcfg.block_size}")
+            dcfg = dataclasses.replace(dcfg, block_size=args.block_size)
+    budget = (args.budget or DEFAULT_BUDGET) if args.method == "ddtree" else 0
+    branching = {"ar": 1, "dflash": 1, "ddtree": args.branching or min(budget, 32)}[args.method]
+    plan = Plan(
+        target=cfg,
+        draft=dcfg,
+        method=args.method,
+        batch_size=args.batch_size,
+        prompt_len=16,
+        max_new_tokens=args.max_new_tokens,
+        budget=budget,
+        branching=min(branching, cfg.vocab_size),
+        attention=default_implementation() if args.attention == "auto" else args.attention,
+        draft_window=args.draft_window,
+    )
+    codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
+    return Generator(params, draft_params, plan, cfg.eos_token_ids, codec, args.host_stepped)
+
+
+def check_lengths(prompts, max_positions: int, max_new_tokens: int) -> None:
+    """Every prompt plus its generation must fit the model's context."""
+    for p in prompts:
+        if len(p.input_ids) + max_new_tokens > max_positions:
+            raise DDTreeError(
+                f"prompt {p.id!r} (line {p.line}): {len(p.input_ids)} tokens + --max-new-tokens "
+                f"{max_new_tokens} exceed the model's context of {max_positions}"
+            )
+
+
+def summarize(results, gen, wall: float) -> str:
+    """The end-of-run summary."""
+    tokens = sum(len(r.output_ids) for r in results)
+    accepted = [a for r in results for a in r.acceptance_lengths]
+    lines = [
+        f"prompts: {len(results)}   output tokens: {tokens}   "
+        f"generation: {gen.generate_seconds:.2f} s ({tokens / max(gen.generate_seconds, 1e-9):.1f} tok/s)   "
+        f"compile: {gen.compile_seconds:.2f} s   wall: {wall:.2f} s",
+    ]
+    if accepted:
+        hist = collections.Counter(accepted)
+        lines.append(
+            f"mean acceptance length: {sum(accepted) / len(accepted):.3f} over {len(accepted)} rounds   "
+            "histogram: " + " ".join(f"{k}:{hist[k]}" for k in sorted(hist))
+        )
+    if gen.stage_seconds:
+        lines.append("stage seconds: " + " ".join(f"{k}={v:.3f}" for k, v in gen.stage_seconds.items()))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Generate for every prompt and write the output file atomically."""
+    from tqdm import tqdm
+
+    from ddtree_jax.prompts import read_prompts
+
+    start = time.perf_counter()
+    check_args(args)
+    out_path = Path(args.out)
+    if not out_path.parent.exists():
+        raise DDTreeError(f"{out_path.parent}: output directory does not exist")
+    gen = make_generator(args)
+    cfg = gen.plan_template.target
+    prompts = read_prompts(args.prompts, gen.codec, not args.no_chat_template, cfg.vocab_size)
+    check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens)
+    batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
+    results = []
+    try:
+        with os.fdopen(fd, "w") as f:
+            for batch in tqdm(batches, desc="batches", unit="batch", file=sys.stderr):
+                for result in gen.run_batch(batch):
+                    results.append(result)
+                    f.write(json.dumps(result.to_json()) + "\n")
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    print(summarize(results, gen, time.perf_counter() - start))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except DDTreeError as e:
+        print(f"ddtree-generate: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

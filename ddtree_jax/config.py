@@ -1,0 +1,235 @@
+"""Model configurations from HF `config.json` files: the target (Qwen3, Llama 3) and the DFlash drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddtree_jax.errors import DDTreeError
+
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base theta and optional `llama3` frequency scaling."""
+
+    theta: float
+    head_dim: int
+    llama3: tuple[float, float, float, int] | None = None  # factor, low, high, original max positions
+
+    def inv_freq(self) -> np.ndarray:
+        """[head_dim // 2] float32 inverse frequencies, computed as HF does (float32)."""
+        exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim
+        inv = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.llama3 is None:
+            return inv
+        factor, low, high, old_len = self.llama3
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDims:
+    """The shape of one decoder layer, shared by target and drafter layers."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qk_norm: bool  # Qwen3 normalises q and k per head before RoPE; Llama does not
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head (G)."""
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A Qwen3ForCausalLM or LlamaForCausalLM target."""
+
+    architecture: str  # "qwen3" | "llama"
+    vocab_size: int
+    num_layers: int
+    dims: LayerDims
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A DFlash block-diffusion drafter (z-lab layout): Qwen3 layers conditioned on target features."""
+
+    num_layers: int
+    dims: LayerDims
+    rope: RopeConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    vocab_size: int
+
+    @property
+    def depth(self) -> int:
+        """D = block_size - 1: the deepest tree level the drafter proposes."""
+        return self.block_size - 1
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object, naming the file in the error when it is missing or malformed."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise DDTreeError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise DDTreeError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise DDTreeError(f"{path}: expected a JSON object")
+    return data
+
+
+def _field(raw: dict[str, Any], name: str, path: Path, kind: type = int) -> Any:
+    if name not in raw:
+        raise DDTreeError(f"{path}: missing field '{name}'")
+    value = raw[name]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise DDTreeError(f"{path}: field '{name}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(raw: dict[str, Any], head_dim: int, path: Path) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older files have `rope_theta` / `rope_scaling`.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return RopeConfig(float(theta), head_dim)
+    if kind != "llama3":
+        raise DDTreeError(f"{path}: rope type '{kind}' is not supported (default and llama3 are)")
+    llama3 = (
+        float(scaling["factor"]),
+        float(scaling["low_freq_factor"]),
+        float(scaling["high_freq_factor"]),
+        int(scaling["original_max_position_embeddings"]),
+    )
+    return RopeConfig(float(theta), head_dim, llama3)
+
+
+def _dims(raw: dict[str, Any], path: Path, qk_norm: bool) -> LayerDims:
+    hidden = _field(raw, "hidden_size", path)
+    heads = _field(raw, "num_attention_heads", path)
+    kv_heads = raw.get("num_key_value_heads") or heads
+    head_dim = raw.get("head_dim") or hidden // heads
+    if heads % kv_heads:
+        raise DDTreeError(
+            f"{path}: num_attention_heads {heads} not a multiple of num_key_value_heads {kv_heads}"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise DDTreeError(f"{path}: '{flag}: true' is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise DDTreeError(f"{path}: hidden_act '{raw['hidden_act']}' is not supported (silu is)")
+    return LayerDims(
+        hidden_size=hidden,
+        intermediate_size=_field(raw, "intermediate_size", path),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        qk_norm=qk_norm,
+    )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def load_target_config(directory: str | Path) -> TargetConfig:
+    """Parse `config.json` (and `generation_config.json` for stop ids) of an HF target directory."""
+    directory = Path(directory)
+    path = directory / "config.json"
+    raw = read_json(path)
+    archs = raw.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise DDTreeError(f"{path}: unsupported architecture {archs!r}; supported: {sorted(ARCHITECTURES)}")
+    dims = _dims(raw, path, qk_norm=arch == "qwen3")
+    eos = _as_ids(raw.get("eos_token_id"))
+    gen_path = directory / "generation_config.json"
+    if gen_path.exists():
+        eos = _as_ids(read_json(gen_path).get("eos_token_id")) or eos
+    return TargetConfig(
+        architecture=arch,
+        vocab_size=_field(raw, "vocab_size", path),
+        num_layers=_field(raw, "num_hidden_layers", path),
+        dims=dims,
+        rope=_rope(raw, dims.head_dim, path),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=_field(raw, "max_position_embeddings", path),
+        eos_token_ids=eos,
+    )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's default: the middle layer for one draft layer, else evenly spaced over [1, L - 3]."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def load_draft_config(directory: str | Path, target: TargetConfig) -> DraftConfig:
+    """Parse a z-lab DFlash drafter `config.json` and check it fits the target."""
+    path = Path(directory) / "config.json"
+    raw = read_json(path)
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
+        raise DDTreeError(f"{path}: missing 'dflash_config.mask_token_id' (not a DFlash drafter?)")
+    dims = _dims(raw, path, qk_norm=True)
+    num_layers = _field(raw, "num_hidden_layers", path)
+    num_target_layers = int(raw.get("num_target_layers", target.num_layers))
+    layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
+    cfg = DraftConfig(
+        num_layers=num_layers,
+        dims=dims,
+        rope=_rope(raw, dims.head_dim, path),
+        block_size=_field(raw, "block_size", path),
+        mask_token_id=int(dflash["mask_token_id"]),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        vocab_size=target.vocab_size,
+    )
+    if dims.hidden_size != target.dims.hidden_size:
+        raise DDTreeError(
+            f"{path}: hidden_size {dims.hidden_size} differs from the target's {target.dims.hidden_size}"
+        )
+    if num_target_layers != target.num_layers:
+        raise DDTreeError(
+            f"{path}: num_target_layers {num_target_layers} but the target has {target.num_layers} layers"
+        )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise DDTreeError(f"{path}: target_layer_ids {bad} outside the target's {target.num_layers} layers")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise DDTreeError(f"{path}: mask_token_id {cfg.mask_token_id} outside the vocabulary")
+    if cfg.block_size < 2:
+        raise DDTreeError(f"{path}: block_size must be at least 2")
+    return cfg

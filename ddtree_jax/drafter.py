@@ -1,0 +1,74 @@
+"""The DFlash block-diffusion drafter: one forward proposes a whole block of tokens.
+
+Its context K/V come only from target features (`context_kv`), so they are committed like target K/V.
+The block `[bonus, mask x D]` attends to the context and to itself bidirectionally; its outputs go
+through the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import target
+from ddtree_jax.attention import cache_attend
+from ddtree_jax.config import DraftConfig
+from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.layers import decoder_layer, layer_specs, project_kv, rms_norm, rope_tables
+from ddtree_jax.weights import Params, WeightSpec, linear, norm
+
+
+def weight_specs(cfg: DraftConfig) -> list[WeightSpec]:
+    """Every drafter weight with its z-lab name (no embedding, no lm_head: the target's are used)."""
+    h = cfg.dims.hidden_size
+    specs = [
+        linear(("fc",), "fc.weight", len(cfg.target_layer_ids) * h, h, (None, None)),
+        norm(("hidden_norm",), "hidden_norm.weight", h),
+    ]
+    for i in range(cfg.num_layers):
+        specs += layer_specs(f"layers.{i}.", ("layers", i), cfg.dims)
+    specs.append(norm(("norm",), "norm.weight", h))
+    return specs
+
+
+def context_kv(
+    params: Params, cfg: DraftConfig, features: jax.Array, positions: jax.Array
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Per draft layer, K/V [B, T, Hkv, D] of committed tokens from their target features [B, T, F]."""
+    ctx = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.dims.rms_norm_eps)
+    rope = rope_tables(positions, cfg.rope.inv_freq())
+    return [project_kv(p, ctx, cfg.dims, rope) for p in params["layers"]]
+
+
+def draft_logits(
+    params: Params,
+    cfg: DraftConfig,
+    target_params: Params,
+    bonus: jax.Array,
+    cache: KVCache,
+    *,
+    attention: str = "reference",
+    window: int | None = None,
+) -> jax.Array:
+    """float32 logits [B, D, V] for depths 1..D after the bonus [B] at position cache.lengths."""
+    b, k = bonus.shape[0], cfg.block_size
+    block = jnp.full((b, k), cfg.mask_token_id, jnp.int32).at[:, 0].set(bonus)
+    positions = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
+    rope = rope_tables(positions, cfg.rope.inv_freq())
+    mask = jnp.ones((b, k, k), jnp.bool_)  # the block is bidirectional
+    x = target.embed(target_params, block)
+    for i, p in enumerate(params["layers"]):
+        attend = cache_attend(attention, cache, i, mask, window)
+        with jax.named_scope(f"draft_layer{i}"):
+            x, _ = decoder_layer(p, x, cfg.dims, rope, attend)
+    hidden = rms_norm(x[:, 1:], params["norm"], cfg.dims.rms_norm_eps)
+    return target.logits(target_params, hidden)
+
+
+def load(directory, target_cfg, dtype: jnp.dtype, sharding) -> tuple[DraftConfig, Params]:
+    """Config and parameters of a z-lab DFlash drafter directory, converted and placed."""
+    from ddtree_jax.checkpoint import load_params
+    from ddtree_jax.config import load_draft_config
+
+    cfg = load_draft_config(directory, target_cfg)
+    return cfg, load_params(directory, weight_specs(cfg), dtype, sharding)

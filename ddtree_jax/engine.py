@@ -1,0 +1,311 @@
+"""The decoding engine: prefill, then rounds of draft -> tree build -> verify -> walk + commit.
+
+One code path serves three methods (DESIGN.md, "One decoding round"):
+  ar      the tree is the root alone (T = 1): plain autoregressive decoding
+  dflash  the tree is a chain of the drafter's per-depth top-1 tokens (T = block_size)
+  ddtree  the tree is the best `budget` nodes of the drafter's top-k lattice (T = budget + 1)
+Every shape is static: one compiled program per `Plan`. `generate` runs the whole generation
+(prefill and a `lax.while_loop` of rounds) as one jitted program; `HostStepper` calls the jitted
+stages from Python and times each of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import drafter, target, tree
+from ddtree_jax.config import DraftConfig, TargetConfig
+from ddtree_jax.kv_cache import KVCache, empty_cache, gather_slots, write
+from ddtree_jax.sampling import choose
+from ddtree_jax.weights import Params
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one compiled generation program."""
+
+    target: TargetConfig
+    draft: DraftConfig | None
+    method: str
+    batch_size: int
+    prompt_len: int  # padded prompt length (bucket)
+    max_new_tokens: int
+    budget: int = 0  # ddtree: non-root tree nodes N
+    branching: int = 1  # ddtree: candidates per depth k
+    attention: str = "reference"
+    draft_window: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method != "ar" and self.draft is None:
+            raise ValueError(f"method {self.method!r} needs a drafter")
+        if self.method == "ddtree" and self.budget < 1:
+            raise ValueError("ddtree needs budget >= 1")
+
+    @property
+    def depth(self) -> int:
+        """D, the deepest tree level (0 for ar)."""
+        return 0 if self.method == "ar" else self.draft.depth
+
+    @property
+    def tree_size(self) -> int:
+        """T, tree tokens verified per round, root included."""
+        return {"ar": 1, "dflash": self.depth + 1, "ddtree": self.budget + 1}[self.method]
+
+    @property
+    def path_slots(self) -> int:
+        """W = D + 1: the most tokens one round can commit."""
+        return self.depth + 1
+
+    @property
+    def capacity(self) -> int:
+        """S, cache slots per sequence: prompt, generated tokens and W spare slots, padded to 64."""
+        need = self.prompt_len + self.max_new_tokens + self.path_slots
+        return -(-need // 64) * 64
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs feed the drafter."""
+        return () if self.method == "ar" else self.draft.target_layer_ids
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """The whole decoding state of a batch; finished sequences keep theirs frozen."""
+
+    cache: KVCache  # target K/V, lengths = committed tokens L_b
+    draft_cache: KVCache | None  # drafter context K/V (same lengths), None for ar
+    bonus: jax.Array  # [B] the target's last choice, not yet in the cache (the next root)
+    output: jax.Array  # [B, max_new + W] generated tokens
+    num_output: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    stopped: jax.Array  # [B] bool: finished on a stop id (else on the length limit)
+    acceptance: jax.Array  # [B, max_new] tokens added by each round
+    rounds: jax.Array  # [B]
+
+
+def _write_tokens(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    return jax.vmap(lambda row, n, s: jax.lax.dynamic_update_slice(row, n, (s,)))(buf, new, start)
+
+
+def prefill(
+    params: Params,
+    draft_params: Params | None,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    active: jax.Array,
+    stop_ids: jax.Array,
+    plan: Plan,
+) -> DecodeState:
+    """Run the right-padded prompts [B, P] (lengths [B]), fill both caches, choose the first token."""
+    cfg, b, p = plan.target, plan.batch_size, plan.prompt_len
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    causal = jnp.tril(jnp.ones((p, p), jnp.bool_))[None]
+    mask = causal & (positions[:, None, :] < prompt_lengths[:, None, None])
+    out = target.forward(params, cfg, prompts, positions, mask, None, feature_layers=plan.feature_layers)
+    dtype = params["embed"].dtype
+    d = cfg.dims
+    cache = empty_cache(cfg.num_layers, b, d.num_kv_heads, plan.capacity, d.head_dim, dtype)
+    cache = write(cache, out.kv, jnp.zeros((b,), jnp.int32))
+    cache.lengths = prompt_lengths
+    last = out.hidden[jnp.arange(b), prompt_lengths - 1]
+    first = choose(target.logits(params, last[:, None]))[:, 0]
+
+    draft_cache = None
+    if plan.method != "ar":
+        dd = plan.draft.dims
+        draft_cache = empty_cache(
+            plan.draft.num_layers, b, dd.num_kv_heads, plan.capacity, dd.head_dim, dtype
+        )
+        kv = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
+        draft_cache = write(draft_cache, kv, jnp.zeros((b,), jnp.int32))
+        draft_cache.lengths = prompt_lengths
+
+    stopped = active & jnp.isin(first, stop_ids)
+    slots = plan.max_new_tokens + plan.path_slots
+    return DecodeState(
+        cache=cache,
+        draft_cache=draft_cache,
+        bonus=first,
+        output=jnp.zeros((b, slots), jnp.int32).at[:, 0].set(first),
+        num_output=active.astype(jnp.int32),
+        done=~active | stopped | (plan.max_new_tokens <= 1),
+        stopped=stopped,
+        acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
+        rounds=jnp.zeros((b,), jnp.int32),
+    )
+
+
+def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
+    """The drafter's per-depth top-k: log-probs and tokens [B, D, k], sorted descending."""
+    logits = drafter.draft_logits(
+        draft_params,
+        plan.draft,
+        params,
+        state.bonus,
+        state.draft_cache,
+        attention=plan.attention,
+        window=plan.draft_window,
+    )
+    logp, tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), plan.branching)
+    return logp, tok.astype(jnp.int32)
+
+
+def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, plan: Plan) -> tree.Tree:
+    """The round's tree: the root alone (ar), a chain (dflash) or the lattice top-N (ddtree)."""
+    if plan.method == "ar":
+        return tree.chain_tree(state.bonus, jnp.zeros((plan.batch_size, 0, 1), jnp.int32))
+    if plan.method == "dflash":
+        return tree.chain_tree(state.bonus, tok)
+    return tree.build_tree(state.bonus, logp, tok, plan.budget)
+
+
+def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
+    """One target pass over the tree: the target's choice at every node, the tree K/V and features."""
+    positions = state.cache.lengths[:, None] + t.depth
+    out = target.forward(
+        params,
+        plan.target,
+        t.tokens,
+        positions,
+        t.mask,
+        state.cache,
+        feature_layers=plan.feature_layers,
+        attention=plan.attention,
+    )
+    return choose(target.logits(params, out.hidden)), out.kv, out.features
+
+
+def commit(
+    draft_params: Params | None,
+    state: DecodeState,
+    t: tree.Tree,
+    choice: jax.Array,
+    kv: list,
+    features: jax.Array | None,
+    stop_ids: jax.Array,
+    plan: Plan,
+) -> DecodeState:
+    """Walk the tree with the target's choices, then commit the accepted path of every live sequence."""
+    w = tree.walk(t, choice, plan.depth)
+    b, slots = plan.batch_size, plan.path_slots
+    live = ~state.done
+    in_path = jnp.arange(slots)[None, :] < w.length[:, None]
+    is_stop = jnp.isin(w.emitted, stop_ids) & in_path
+    has_stop = jnp.any(is_stop, axis=-1)
+    first_stop = jnp.argmax(is_stop, axis=-1)
+    room = plan.max_new_tokens - state.num_output
+    n_emit = jnp.where(has_stop, first_stop + 1, w.length)
+    n_emit = jnp.where(live, jnp.minimum(n_emit, room), 0)
+    stopped_now = live & has_stop & (first_stop + 1 <= room)
+    num_output = state.num_output + n_emit
+    round_idx = jnp.minimum(state.rounds, plan.max_new_tokens - 1)
+    old = state.acceptance[jnp.arange(b), round_idx]
+    committed = jnp.where(live, w.length, 0)
+
+    cache = write(
+        state.cache, [(gather_slots(k, w.path), gather_slots(v, w.path)) for k, v in kv], state.cache.lengths
+    )
+    cache.lengths = state.cache.lengths + committed
+    draft_cache = None
+    if state.draft_cache is not None:
+        positions = state.cache.lengths[:, None] + jnp.arange(slots, dtype=jnp.int32)[None, :]
+        path_features = gather_slots(features, w.path).astype(cache.k[0].dtype)
+        ctx = drafter.context_kv(draft_params, plan.draft, path_features, positions)
+        draft_cache = write(state.draft_cache, ctx, state.cache.lengths)
+        draft_cache.lengths = cache.lengths
+    return DecodeState(
+        cache=cache,
+        draft_cache=draft_cache,
+        bonus=jnp.where(live, w.bonus, state.bonus),
+        output=_write_tokens(state.output, w.emitted, state.num_output),
+        num_output=num_output,
+        done=state.done | stopped_now | (num_output >= plan.max_new_tokens),
+        stopped=state.stopped | stopped_now,
+        acceptance=state.acceptance.at[jnp.arange(b), round_idx].set(jnp.where(live, n_emit, old)),
+        rounds=state.rounds + live.astype(jnp.int32),
+    )
+
+
+def decode_round(
+    params: Params, draft_params: Params | None, state: DecodeState, stop_ids: jax.Array, plan: Plan
+) -> DecodeState:
+    """One round: draft, build, verify, walk and commit."""
+    logp = tok = None
+    if plan.method != "ar":
+        with jax.named_scope("draft"):
+            logp, tok = draft(params, draft_params, state, plan)
+    with jax.named_scope("tree_build"):
+        t = build(state, logp, tok, plan)
+    with jax.named_scope("verify"):
+        choice, kv, features = verify(params, state, t, plan)
+    with jax.named_scope("commit"):
+        return commit(draft_params, state, t, choice, kv, features, stop_ids, plan)
+
+
+def generate(
+    params: Params,
+    draft_params: Params | None,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    active: jax.Array,
+    stop_ids: jax.Array,
+    plan: Plan,
+) -> DecodeState:
+    """The whole generation, prefill and every round, as one program (jit it with plan static)."""
+    state = prefill(params, draft_params, prompts, prompt_lengths, active, stop_ids, plan)
+    return jax.lax.while_loop(
+        lambda s: jnp.any(~s.done),
+        lambda s: decode_round(params, draft_params, s, stop_ids, plan),
+        state,
+    )
+
+
+generate_jit = jax.jit(generate, static_argnames=("plan",))
+
+
+class HostStepper:
+    """The same round driven from Python, one jitted stage at a time, with per-stage wall times."""
+
+    STAGES = ("draft", "tree_build", "verify", "walk_commit")
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._prefill = jax.jit(prefill, static_argnames=("plan",))
+        self._draft = jax.jit(draft, static_argnames=("plan",))
+        self._build = jax.jit(build, static_argnames=("plan",))
+        self._verify = jax.jit(verify, static_argnames=("plan",))
+        self._commit = jax.jit(commit, static_argnames=("plan",), donate_argnums=(1,))
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def _timed(self, stage: str, fn, *args):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, plan=self.plan))
+        self.times[stage].append(time.perf_counter() - start)
+        return out
+
+    def run(self, params, draft_params, prompts, prompt_lengths, active, stop_ids) -> DecodeState:
+        """Generate like `generate`, returning the same final state."""
+        state = self._timed(
+            "prefill", self._prefill, params, draft_params, prompts, prompt_lengths, active, stop_ids
+        )
+        while not bool(np.all(jax.device_get(state.done))):
+            logp = tok = None
+            if self.plan.method != "ar":
+                logp, tok = self._timed("draft", self._draft, params, draft_params, state)
+            t = self._timed("tree_build", self._build, state, logp, tok)
+            choice, kv, features = self._timed("verify", self._verify, params, state, t)
+            state = self._timed(
+                "walk_commit", self._commit, draft_params, state, t, choice, kv, features, stop_ids
+            )
+        return state

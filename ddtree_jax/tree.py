@@ -1,0 +1,170 @@
+"""The draft tree: build it from the drafter's top-k log-probs, mask it, walk it.
+
+DESIGN.md, "One decoding round", steps 2 and 4. Everything here is static-shape, batched over B
+(a leading dim on every array) and free of host syncs, so it runs inside the jitted round.
+
+Node order (the same strict total order everywhere, so a heap oracle reproduces it exactly):
+score descending; then depth ascending; then, within a depth, by (the parent's position in the
+previous depth's order, child rank c). `jax.lax.top_k` keeps equal values in index order, so
+flattening candidates in that order makes every selection below follow the rule.
+"""
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Scores at or below INVALID_SCORE mark padding (no such lattice node). Real scores are sums of at
+# most D clamped log-probs, >= D * LOGP_MIN, far above it.
+NEG_SCORE = -1e30
+INVALID_SCORE = -1e29
+LOGP_MIN = -1e20
+
+
+class Tree(NamedTuple):
+    """A draft tree per sequence; node 0 is the root (bonus token), parents precede children."""
+
+    tokens: jax.Array  # [B, T] int32; padding nodes hold token 0
+    parent: jax.Array  # [B, T] int32; root and padding nodes: 0
+    depth: jax.Array  # [B, T] int32; root and padding nodes: 0
+    valid: jax.Array  # [B, T] bool; root True, padding False
+    mask: jax.Array  # [B, T, T] bool; mask[i, j]: j is i or an ancestor of i (padding: only i)
+
+
+class Walk(NamedTuple):
+    """The accepted root path of each sequence's tree."""
+
+    path: jax.Array  # [B, D + 1] int32 node index at each depth; past length: 0 (don't care)
+    length: jax.Array  # [B] int32 acceptance length a = depth[last] + 1, 1 <= a <= D + 1
+    bonus: jax.Array  # [B] int32 next round's root token = choice[last]
+    emitted: jax.Array  # [B, D + 1] int32 choice[path]: tokens to commit; past length: don't care
+
+
+def _clean_logp(logp: jax.Array) -> jax.Array:
+    """Clamp log-probs to [LOGP_MIN, 0] (no -inf, NaN, or positive rounding) and -0.0 to +0.0."""
+    logp = jnp.nan_to_num(logp.astype(jnp.float32), nan=LOGP_MIN, neginf=LOGP_MIN, posinf=0.0)
+    # <= 0 keeps a child's score <= its parent's, which makes the top-N ancestor-closed; one zero
+    # (not -0.0 and +0.0) keeps top_k's tie rule from depending on the sign of zero.
+    logp = jnp.clip(logp, LOGP_MIN, 0.0)
+    return jnp.where(logp == 0.0, 0.0, logp)
+
+
+def _beams(logp: jax.Array, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-depth top-`budget` lattice nodes of one sequence, each in its depth's order.
+
+    logp [D, k] -> score [D, N], parent beam slot [D, N], child rank [D, N] (N = budget).
+    """
+    k = logp.shape[1]
+    # beam_0 is the root alone (score 0); its expansions are depth 1.
+    root_beam = jnp.full((budget,), NEG_SCORE, jnp.float32).at[0].set(0.0)
+
+    def step(beam, logp_d):  # beam [N], logp_d [k]
+        live = beam > INVALID_SCORE
+        # Flattened as j * k + c: ties go to the earlier parent slot, then the lower rank.
+        cand = jnp.where(live[:, None], beam[:, None] + logp_d[None, :], NEG_SCORE)  # [N, k]
+        score, idx = jax.lax.top_k(cand.reshape(-1), budget)  # [N]
+        return score, (score, idx // k, idx % k)
+
+    _, (score, slot, rank) = jax.lax.scan(step, root_beam, logp)
+    return score, slot.astype(jnp.int32), rank.astype(jnp.int32)
+
+
+def _ancestor_mask_one(parent: jax.Array, depth: jax.Array, valid: jax.Array, max_depth: int):
+    """Ancestor mask of one tree: parent, depth, valid [T] -> [T, T] bool."""
+    t = parent.shape[0]
+    levels = jnp.arange(max_depth + 1, dtype=jnp.int32)
+
+    # anc_at[i, d] = the ancestor of i at depth d (i itself at depth[i]); -1 below i.
+    def climb(_, state):
+        anc_at, cur = state  # [T, D + 1], [T]
+        anc_at = jnp.where(levels[None, :] == depth[cur][:, None], cur[:, None], anc_at)
+        return anc_at, parent[cur]
+
+    init = (jnp.full((t, max_depth + 1), -1, jnp.int32), jnp.arange(t, dtype=jnp.int32))
+    anc_at, _ = jax.lax.fori_loop(0, max_depth + 1, climb, init)
+    nodes = jnp.arange(t, dtype=jnp.int32)
+    mask = anc_at[:, depth] == nodes[None, :]  # [T, T]: i's ancestor at depth[j] is j
+    both = valid[:, None] & valid[None, :]
+    return (mask & both) | (nodes[:, None] == nodes[None, :])
+
+
+@partial(jax.jit, static_argnames=("max_depth",))
+def ancestor_mask(parent: jax.Array, depth: jax.Array, valid: jax.Array, max_depth: int):
+    """[B, T, T] bool mask[i, j] = j is i or an ancestor of i, from parent/depth/valid [B, T]."""
+    return jax.vmap(partial(_ancestor_mask_one, max_depth=max_depth))(parent, depth, valid)
+
+
+def _build_one(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int):
+    """One sequence: bonus [], logp/tok [D, k] -> tokens, parent, depth, valid [T]."""
+    d_max = logp.shape[0]
+    score, slot, rank = _beams(_clean_logp(logp), budget)  # [D, N] each
+    # Global top-N flattened as d * N + j: ties go to the shallower depth, then the beam order.
+    # A parent strictly precedes its child in this order, so parents get smaller node indices.
+    top_score, flat = jax.lax.top_k(score.reshape(-1), budget)  # [N]
+    d0, j = flat // budget, flat % budget  # beam depth index (node depth - 1), slot
+    valid = top_score > INVALID_SCORE
+    node_of = (
+        jnp.zeros((d_max, budget), jnp.int32).at[d0, j].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    )  # [D, N] node index of each selected beam entry
+    parent = jnp.where(d0 == 0, 0, node_of[jnp.maximum(d0 - 1, 0), slot[d0, j]])
+    token = tok[d0, rank[d0, j]]
+    zero = jnp.zeros((1,), jnp.int32)  # the root's parent and depth
+    tokens = jnp.concatenate([bonus[None], jnp.where(valid, token, 0)]).astype(jnp.int32)
+    parent = jnp.concatenate([zero, jnp.where(valid, parent, 0).astype(jnp.int32)])
+    depth = jnp.concatenate([zero, jnp.where(valid, d0 + 1, 0).astype(jnp.int32)])
+    valid = jnp.concatenate([jnp.ones((1,), bool), valid])
+    return tokens, parent, depth, valid
+
+
+@partial(jax.jit, static_argnames=("budget",))
+def build_tree(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int) -> Tree:
+    """Tree of the `budget` best lattice nodes under the root `bonus`; T = budget + 1.
+
+    bonus [B] int32; logp [B, D, k] float32 per-depth top-k log-probs (sorted descending);
+    tok [B, D, k] int32 their tokens (distinct within a depth). Padding when the lattice has
+    fewer than `budget` nodes.
+    """
+    tokens, parent, depth, valid = jax.vmap(partial(_build_one, budget=budget))(bonus, logp, tok)
+    mask = ancestor_mask(parent, depth, valid, max_depth=logp.shape[1])
+    return Tree(tokens, parent, depth, valid, mask)
+
+
+@jax.jit
+def chain_tree(bonus: jax.Array, tok: jax.Array) -> Tree:
+    """The DFlash chain: bonus [B], tok [B, D, k] -> depth d keeps tok[:, d-1, 0]; T = D + 1."""
+    b, d_max = tok.shape[:2]
+    t = d_max + 1
+    tokens = jnp.concatenate([bonus[:, None], tok[:, :, 0]], axis=1).astype(jnp.int32)  # [B, T]
+    depth = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    parent = jnp.maximum(depth - 1, 0)
+    valid = jnp.ones((b, t), bool)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    return Tree(tokens, parent, depth, valid, jnp.broadcast_to(causal, (b, t, t)))
+
+
+def _walk_one(tree: Tree, choice: jax.Array, max_depth: int):
+    """One sequence: tree fields [T] or [T, T], choice [T] -> path [D + 1], a, bonus, emitted."""
+    t = tree.tokens.shape[0]
+    nodes = jnp.arange(t, dtype=jnp.int32)
+    ok = tree.valid & (tree.tokens == choice[tree.parent])
+    ok = ok.at[0].set(True)
+    accepted = ~jnp.any(tree.mask & ~ok[None, :], axis=1)  # [T]: whole ancestor row ok
+    # Deepest accepted node (lowest index among equals, so duplicate sibling tokens still give
+    # one consistent root path); the root is always accepted.
+    key = jnp.where(accepted, tree.depth * t + (t - 1 - nodes), -1)
+    last = jnp.argmax(key).astype(jnp.int32)
+    on_path = tree.mask[last]  # [T]: last and its ancestors
+    levels = jnp.arange(max_depth + 1, dtype=jnp.int32)
+    at_level = on_path[:, None] & (tree.depth[:, None] == levels[None, :])  # [T, D + 1]
+    path = jnp.argmax(at_level, axis=0).astype(jnp.int32)  # 0 past the path's end
+    return path, tree.depth[last] + 1, choice[last], choice[path]
+
+
+@partial(jax.jit, static_argnames=("max_depth",))
+def walk(tree: Tree, choice: jax.Array, max_depth: int) -> Walk:
+    """Accepted path where each node's token equals `choice` [B, T] at its parent; D = max_depth."""
+    path, length, bonus, emitted = jax.vmap(partial(_walk_one, max_depth=max_depth))(
+        tree, choice.astype(jnp.int32)
+    )
+    return Walk(path, length.astype(jnp.int32), bonus.astype(jnp.int32), emitted)

@@ -1,0 +1,90 @@
+"""Weight declarations: one `WeightSpec` per tensor drives checkpoint loading, random init and sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Path_ = tuple[str | int, ...]
+Params = dict[str, Any]  # nested dicts and lists of arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """One parameter: where it lives in our pytree, its HF tensor name, our shape and logical axes."""
+
+    path: Path_
+    hf_name: str
+    shape: tuple[int, ...]  # our layout: linear weights are [in, out]
+    axes: tuple[str | None, ...]  # logical axis per dim: "vocab", "heads", "kv_heads", "ff" or None
+    transpose: bool = False  # HF nn.Linear stores [out, in]
+    is_norm: bool = False  # RMSNorm weights initialise near 1
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The shape the HF checkpoint stores."""
+        return self.shape[::-1] if self.transpose else self.shape
+
+
+def linear(
+    path: Path_, hf_name: str, d_in: int, d_out: int, axes: tuple[str | None, str | None]
+) -> WeightSpec:
+    """An nn.Linear weight stored [out, in] by HF, kept [in, out] here."""
+    return WeightSpec(path, hf_name, (d_in, d_out), axes, transpose=True)
+
+
+def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:
+    """An RMSNorm weight."""
+    return WeightSpec(path, hf_name, (size,), (None,), is_norm=True)
+
+
+def set_path(tree: Params, path: Path_, value: Any) -> None:
+    """Insert `value` at `path` in nested dicts/lists, creating containers as needed."""
+    node: Any = tree
+    for key, nxt in zip(path[:-1], path[1:], strict=True):
+        empty: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(key, int):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = empty
+        else:
+            node.setdefault(key, empty)
+        node = node[key]
+    last = path[-1]
+    if isinstance(last, int):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def assemble(specs: Iterable[WeightSpec], make: Callable[[WeightSpec], Any]) -> Params:
+    """Build the parameter pytree by calling `make(spec)` for every spec."""
+    tree: Params = {}
+    for spec in specs:
+        set_path(tree, spec.path, make(spec))
+    return tree
+
+
+def random_params(specs: list[WeightSpec], seed: int, dtype: jnp.dtype, scale: float = 0.02) -> Params:
+    """Random weights (normal * scale, norms near 1): for benchmarks and tests of shapes."""
+    rng = np.random.default_rng(seed)
+
+    def make(spec: WeightSpec) -> jax.Array:
+        if spec.is_norm:
+            host = 1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)
+        else:
+            host = scale * rng.standard_normal(spec.shape, dtype=np.float32)
+        return jnp.asarray(host, dtype=dtype)
+
+    return assemble(specs, make)
+
+
+def abstract_params(specs: list[WeightSpec], dtype: jnp.dtype) -> Params:
+    """ShapeDtypeStructs of the parameters (for tracing and orbax restore)."""
+    return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, dtype))
