@@ -44,8 +44,8 @@ class Walk(NamedTuple):
 def _clean_logp(logp: jax.Array) -> jax.Array:
     """Clamp log-probs to [LOGP_MIN, 0] (no -inf, NaN, or positive rounding) and -0.0 to +0.0."""
     logp = jnp.nan_to_num(logp.astype(jnp.float32), nan=LOGP_MIN, neginf=LOGP_MIN, posinf=0.0)
-    # <= 0 keeps a child's score <= its parent's, which makes the top-N ancestor-closed; one zero
-    # (not -0.0 and +0.0) keeps top_k's tie rule from depending on the sign of zero.
+    # <= 0 keeps a child's score <= its parent's, which makes the top-N ancestor-closed. One zero:
+    # XLA's CPU top_k ranks +0.0 above -0.0, its GPU top-k kernel ties them.
     logp = jnp.clip(logp, LOGP_MIN, 0.0)
     return jnp.where(logp == 0.0, 0.0, logp)
 

@@ -1,0 +1,76 @@
+"""Shared test set-up: 8 fake CPU devices, exact float32 matmuls, fixture loading helpers."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import functools  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TARGETS = ["qwen3_gqa1", "qwen3_gqa2_tied", "qwen3_gqa4_tp", "llama_gqa2", "llama3_scaled"]
+DRAFTERS = {"dflash_qwen3_gqa4_tp": "qwen3_gqa4_tp", "dflash_qwen3_gqa1": "qwen3_gqa1"}
+
+
+@functools.cache
+def golden(name: str) -> dict[str, np.ndarray]:
+    """The HF reference outputs recorded by scripts/make_golden.py."""
+    return dict(np.load(FIXTURES / name / "golden.npz"))
+
+
+@functools.cache
+def load_target(name: str, dtype: str = "float32"):
+    """(config, params) of a fixture target on one device."""
+    from ddtree_jax import target
+    from ddtree_jax.sharding import make_mesh, param_sharding
+
+    return target.load(FIXTURES / name, jnp.dtype(dtype), param_sharding(make_mesh()))
+
+
+@functools.cache
+def load_drafter(name: str, dtype: str = "float32"):
+    """(config, params) of a fixture drafter on one device."""
+    from ddtree_jax import drafter
+    from ddtree_jax.sharding import make_mesh, param_sharding
+
+    cfg, _ = load_target(DRAFTERS[name], dtype)
+    return drafter.load(FIXTURES / name, cfg, jnp.dtype(dtype), param_sharding(make_mesh()))
+
+
+def golden_prompts(name: str) -> list[list[int]]:
+    """The five golden prompts (lengths 1, 5, 12, 17, 30)."""
+    g = golden(name)
+    return [g[f"prompt_{i}"].tolist() for i in range(5)]
+
+
+def run(target_name, prompts, *, method="ar", draft_name=None, budget=0, batch_size=None,
+        max_new_tokens=24, stop_ids=(), block_size=None, host_stepped=False, branching=None):
+    """Generate with the engine in float32; returns the Result list in prompt order."""
+    import dataclasses
+
+    from ddtree_jax.engine import Plan
+    from ddtree_jax.generation import Generator
+    from ddtree_jax.prompts import Prompt
+
+    cfg, params = load_target(target_name)
+    dcfg = dparams = None
+    if draft_name is not None:
+        dcfg, dparams = load_drafter(draft_name)
+        if block_size is not None:
+            dcfg = dataclasses.replace(dcfg, block_size=block_size)
+    batch_size = batch_size or len(prompts)
+    plan = Plan(target=cfg, draft=dcfg, method=method, batch_size=batch_size, prompt_len=16,
+                max_new_tokens=max_new_tokens, budget=budget,
+                branching=branching or (min(budget, 32) if method == "ddtree" else 1))
+    gen = Generator(params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped)
+    items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(prompts)]
+    results = []
+    for start in range(0, len(items), batch_size):
+        results += gen.run_batch(items[start : start + batch_size])
+    return results
