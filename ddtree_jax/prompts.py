@@ -61,6 +61,8 @@ def _input_ids(record: dict, where: str, codec: TextCodec | None, chat_template:
     if len(kinds) != 1:
         raise DDTreeError(f"{where}: needs exactly one of 'prompt', 'messages', 'input_ids'")
     kind, value = kinds[0], record[kinds[0]]
+    if value == "" or value == []:
+        raise DDTreeError(f"{where}: empty prompt")
     if kind == "input_ids":
         if not isinstance(value, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in value
@@ -75,15 +77,11 @@ def _input_ids(record: dict, where: str, codec: TextCodec | None, chat_template:
             for m in value
         ):
             raise DDTreeError(f"{where}: 'messages' must be a list of {{role, content}} strings")
-        if not value:
-            raise DDTreeError(f"{where}: empty prompt")
         if not chat_template:
             return codec.encode("".join(m["content"] for m in value))
         return codec.encode(codec.render_chat(value), add_special_tokens=False)
     if not isinstance(value, str):
         raise DDTreeError(f"{where}: 'prompt' must be a string")
-    if not value:
-        raise DDTreeError(f"{where}: empty prompt")
     if chat_template and codec.template is not None:
         return codec.encode(codec.render_chat([{"role": "user", "content": value}]), add_special_tokens=False)
     return codec.encode(value)

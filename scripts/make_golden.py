@@ -29,9 +29,8 @@ import zipfile
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-
 import transformers
+from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -57,45 +56,121 @@ COMMON = dict(
 # name -> (class, config kwargs, seed, init std, sharded)
 TARGETS = {
     "qwen3_gqa1": dict(
-        cls="qwen3", seed=101, std=0.4, sharded=False,
-        cfg=dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                 head_dim=16, intermediate_size=64, rope_theta=10000.0, tie_word_embeddings=False),
+        cls="qwen3",
+        seed=101,
+        std=0.4,
+        sharded=False,
+        cfg=dict(
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+            intermediate_size=64,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
     ),
     "qwen3_gqa2_tied": dict(
-        cls="qwen3", seed=202, std=0.4, sharded=False, tokenizer=True,
-        cfg=dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=64, rope_theta=10000.0, tie_word_embeddings=True),
+        cls="qwen3",
+        seed=202,
+        std=0.4,
+        sharded=False,
+        tokenizer=True,
+        cfg=dict(
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+        ),
     ),
     "qwen3_gqa4_tp": dict(
-        cls="qwen3", seed=303, std=0.3, sharded=False,
-        cfg=dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=128, rope_theta=10000.0, tie_word_embeddings=False),
+        cls="qwen3",
+        seed=303,
+        std=0.3,
+        sharded=False,
+        cfg=dict(
+            hidden_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
     ),
     "llama_gqa2": dict(
-        cls="llama", seed=404, std=0.3, sharded=False,
-        cfg=dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=64, rope_theta=10000.0, tie_word_embeddings=False),
+        cls="llama",
+        seed=404,
+        std=0.3,
+        sharded=False,
+        cfg=dict(
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
     ),
     "llama3_scaled": dict(
-        cls="llama", seed=505, std=0.25, sharded=True,
-        cfg=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                 head_dim=16, intermediate_size=128, rope_theta=500000.0,
-                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                 tie_word_embeddings=True),
+        cls="llama",
+        seed=505,
+        std=0.25,
+        sharded=True,
+        cfg=dict(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            tie_word_embeddings=True,
+        ),
     ),
 }
 
 DRAFTERS = {
     "dflash_qwen3_gqa4_tp": dict(
-        target="qwen3_gqa4_tp", seed=606, std=0.3, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128, block_size=8,
-        mask_token_id=255, target_layer_ids=[1, 4],
+        target="qwen3_gqa4_tp",
+        seed=606,
+        std=0.3,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        block_size=8,
+        mask_token_id=255,
+        target_layer_ids=[1, 4],
     ),
     "dflash_qwen3_gqa1": dict(
-        target="qwen3_gqa1", seed=707, std=0.4, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=16, intermediate_size=64, block_size=4,
-        mask_token_id=255, target_layer_ids=None,
+        target="qwen3_gqa1",
+        seed=707,
+        std=0.4,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=64,
+        block_size=4,
+        mask_token_id=255,
+        target_layer_ids=None,
     ),
 }
 
@@ -127,12 +202,15 @@ def add(a, b): return a + b. The user asks a question and the assistant gives an
 # deterministic file writing
 # --------------------------------------------------------------------------------------------
 
+
 def save_npz(path: str, arrays: dict) -> None:
     """Like np.savez but byte-deterministic (fixed zip timestamps, sorted keys)."""
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
         for key in sorted(arrays):
             buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.asarray(arrays[key]), allow_pickle=False)  # keeps 0-d scalars 0-d
+            np.lib.format.write_array(
+                buf, np.asarray(arrays[key]), allow_pickle=False
+            )  # keeps 0-d scalars 0-d
             info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
             info.external_attr = 0o644 << 16
             zf.writestr(info, buf.getvalue())
@@ -147,6 +225,7 @@ def write_json(path: str, obj) -> None:
 # --------------------------------------------------------------------------------------------
 # weights
 # --------------------------------------------------------------------------------------------
+
 
 def reinit_(named_params, seed: int, std: float) -> None:
     """Matrices ~ N(0, std^2); 1-D norm weights ~ U[0.5, 1.5]. Deterministic per seed."""
@@ -183,6 +262,7 @@ def build_target(name: str, spec: dict):
 # tokenizer
 # --------------------------------------------------------------------------------------------
 
+
 def build_tokenizer(out_dir: str) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -195,27 +275,33 @@ def build_tokenizer(out_dir: str) -> dict:
     tok.pre_tokenizer = bl
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, min_frequency=2, special_tokens=SPECIALS,
-        initial_alphabet=alphabet, show_progress=False,
+        vocab_size=VOCAB,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=alphabet,
+        show_progress=False,
     )
     tok.train_from_iterator([TOKENIZER_TEXT], trainer=trainer)
     assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     assert ids == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}, ids
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    write_json(os.path.join(out_dir, "tokenizer_config.json"), {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 512,
-        "additional_special_tokens": ["<|im_start|>"],
-    })
+    write_json(
+        os.path.join(out_dir, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": CHAT_TEMPLATE,
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 512,
+            "additional_special_tokens": ["<|im_start|>"],
+        },
+    )
     return ids
 
 
@@ -245,6 +331,7 @@ def check_tokenizer(out_dir: str):
 # target golden outputs
 # --------------------------------------------------------------------------------------------
 
+
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     t = torch.topk(logits.double(), 2, dim=-1).values
     return t[..., 0] - t[..., 1]
@@ -270,25 +357,34 @@ def forward_all(model, ids: torch.Tensor):
 @torch.no_grad()
 def greedy(model, ids: torch.Tensor):
     gc = GenerationConfig(
-        do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-        eos_token_id=None, bos_token_id=None, pad_token_id=0,
-        temperature=None, top_p=None, top_k=None,
-        return_dict_in_generate=True, output_logits=True,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
     # generate() fills unset (None) fields from model.generation_config: blank the stop ids there
     saved = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = None
     try:
-        out = model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), generation_config=gc)
+        out = model.generate(
+            input_ids=ids[None], attention_mask=torch.ones_like(ids[None]), generation_config=gc
+        )
     finally:
         model.generation_config.eos_token_id = saved
-    new = out.sequences[0, ids.numel():]
+    new = out.sequences[0, ids.numel() :]
     assert new.numel() == NEW_TOKENS, new.shape
     gen_logits = torch.stack([x[0] for x in out.logits])  # raw logits, [24, V]
     assert torch.equal(gen_logits.argmax(-1), new), "generate did not do plain argmax"
     # independent check: full (no cache) forward on prompt+new, argmax at every step
     full = torch.cat([ids, new])
-    ref = model(input_ids=full[None], use_cache=False).logits[0, ids.numel() - 1: -1]
+    ref = model(input_ids=full[None], use_cache=False).logits[0, ids.numel() - 1 : -1]
     assert torch.equal(ref.argmax(-1), new), "cached generate differs from full-forward argmax"
     margins = torch.minimum(top2_gap(gen_logits), top2_gap(ref))
     return new, margins
@@ -330,16 +426,23 @@ def make_target(name: str, spec: dict, root: str) -> dict:
     write_json(cpath, cj)
 
     # reload from disk and check equality
-    reloaded = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        d, attn_implementation="eager", dtype=torch.float32
+    ).eval()
     sd0, sd1 = model.state_dict(), reloaded.state_dict()
     assert sd0.keys() == sd1.keys()
     for k in sd0:
         assert torch.equal(sd0[k], sd1[k]), k
     rc = reloaded.config
-    assert rc.rope_parameters == model.config.rope_parameters, (rc.rope_parameters, model.config.rope_parameters)
+    assert rc.rope_parameters == model.config.rope_parameters, (
+        rc.rope_parameters,
+        model.config.rope_parameters,
+    )
     probe = torch.arange(3, 3 + 40)[None]
     with torch.no_grad():
-        assert torch.equal(model(input_ids=probe).logits, reloaded(input_ids=probe).logits), "reload changed logits"
+        assert torch.equal(model(input_ids=probe).logits, reloaded(input_ids=probe).logits), (
+            "reload changed logits"
+        )
     if spec["sharded"]:
         shards = [f for f in os.listdir(d) if f.startswith("model-") and f.endswith(".safetensors")]
         assert os.path.exists(os.path.join(d, "model.safetensors.index.json")) and len(shards) >= 2, shards
@@ -361,8 +464,9 @@ def make_target(name: str, spec: dict, root: str) -> dict:
         # consistency: HF hidden_states[-1] is the final-normed state in this transformers version?
         post = model.model.norm(last_pre)
         assert torch.allclose(hs[-1], post, atol=1e-6) or torch.allclose(hs[-1], last_pre, atol=1e-6)
-        report["hidden_last_is_post_norm"] = bool(torch.allclose(hs[-1], post, atol=1e-6)
-                                                  and not torch.allclose(hs[-1], last_pre, atol=1e-6))
+        report["hidden_last_is_post_norm"] = bool(
+            torch.allclose(hs[-1], post, atol=1e-6) and not torch.allclose(hs[-1], last_pre, atol=1e-6)
+        )
         margin = min(float(gmarg.min()), float(top2_gap(logits).min()))
         arrays[f"prompt_{i}"] = prompt
         arrays[f"logits_{i}"] = logits.float().numpy()
@@ -391,6 +495,7 @@ def make_target(name: str, spec: dict, root: str) -> dict:
 # --------------------------------------------------------------------------------------------
 # independent DFlash drafter (plain torch)
 # --------------------------------------------------------------------------------------------
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list:
     if num_draft_layers == 1:
@@ -424,8 +529,7 @@ def attn_sdpa(q, k, v):
     rep = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, S, D]
     vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=False,
-                                       scale=q.shape[-1] ** -0.5)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, is_causal=False, scale=q.shape[-1] ** -0.5)
     return o.transpose(0, 1).reshape(q.shape[0], -1)
 
 
@@ -456,17 +560,23 @@ def dflash_forward(w: dict, cfg: dict, feat, block, embed, lm_head, attn=attn_sd
     cos_all, sin_all = rope_cos_sin(torch.arange(L + K), D, cfg["rope_theta"])
     cos_q, sin_q = cos_all[L:], sin_all[L:]
     for i in range(cfg["num_hidden_layers"]):
-        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        p = lambda n, i=i: w[f"layers.{i}.{n}"]  # noqa: E731
         x = rms_norm(h, p("input_layernorm.weight"), eps)
         q = rms_norm((x @ p("self_attn.q_proj.weight").T).view(K, Hq, D), p("self_attn.q_norm.weight"), eps)
         q = apply_rope(q, cos_q, sin_q)
         kin = torch.cat([ctx @ p("self_attn.k_proj.weight").T, x @ p("self_attn.k_proj.weight").T])
         k = rms_norm(kin.view(L + K, Hkv, D), p("self_attn.k_norm.weight"), eps)
         k = apply_rope(k, cos_all, sin_all)
-        v = torch.cat([ctx @ p("self_attn.v_proj.weight").T, x @ p("self_attn.v_proj.weight").T]).view(L + K, Hkv, D)
+        v = torch.cat([ctx @ p("self_attn.v_proj.weight").T, x @ p("self_attn.v_proj.weight").T]).view(
+            L + K, Hkv, D
+        )
         h = h + attn(q, k, v) @ p("self_attn.o_proj.weight").T
         y = rms_norm(h, p("post_attention_layernorm.weight"), eps)
-        h = h + (F.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        h = (
+            h
+            + (F.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T))
+            @ p("mlp.down_proj.weight").T
+        )
     out = rms_norm(h, w["norm.weight"], eps)
     return out[1:] @ lm_head.T, ctx
 
@@ -476,14 +586,21 @@ def check_against_hf_layer(w: dict, cfg: dict, layer_idx: int, x: torch.Tensor):
     """With an empty context a draft layer is exactly an HF Qwen3DecoderLayer without a mask."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-    hc = Qwen3Config(hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
-                     num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
-                     intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg["rms_norm_eps"],
-                     rope_theta=cfg["rope_theta"], vocab_size=VOCAB, num_hidden_layers=1)
+    hc = Qwen3Config(
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg["rope_theta"],
+        vocab_size=VOCAB,
+        num_hidden_layers=1,
+    )
     hc._attn_implementation = "eager"
     layer = Qwen3DecoderLayer(hc, 0).float().eval()
     pre = f"layers.{layer_idx}."
-    layer.load_state_dict({k[len(pre):]: v for k, v in w.items() if k.startswith(pre)})
+    layer.load_state_dict({k[len(pre) :]: v for k, v in w.items() if k.startswith(pre)})
     pos = torch.arange(5, 5 + x.shape[0])[None]
     cos, sin = Qwen3RotaryEmbedding(hc)(x[None], pos)
     mine_cos, mine_sin = rope_cos_sin(pos[0], cfg["head_dim"], cfg["rope_theta"])
@@ -502,12 +619,24 @@ def my_draft_layer_no_ctx(w, cfg, i, h, start):
     cos, sin = rope_cos_sin(torch.arange(start, start + K), D, cfg["rope_theta"])
     p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
     x = rms_norm(h, p("input_layernorm.weight"), eps)
-    q = apply_rope(rms_norm((x @ p("self_attn.q_proj.weight").T).view(K, Hq, D), p("self_attn.q_norm.weight"), eps), cos, sin)
-    k = apply_rope(rms_norm((x @ p("self_attn.k_proj.weight").T).view(K, Hkv, D), p("self_attn.k_norm.weight"), eps), cos, sin)
+    q = apply_rope(
+        rms_norm((x @ p("self_attn.q_proj.weight").T).view(K, Hq, D), p("self_attn.q_norm.weight"), eps),
+        cos,
+        sin,
+    )
+    k = apply_rope(
+        rms_norm((x @ p("self_attn.k_proj.weight").T).view(K, Hkv, D), p("self_attn.k_norm.weight"), eps),
+        cos,
+        sin,
+    )
     v = (x @ p("self_attn.v_proj.weight").T).view(K, Hkv, D)
     h = h + attn_sdpa(q, k, v) @ p("self_attn.o_proj.weight").T
     y = rms_norm(h, p("post_attention_layernorm.weight"), eps)
-    return h + (F.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    return (
+        h
+        + (F.silu(y @ p("mlp.gate_proj.weight").T) * (y @ p("mlp.up_proj.weight").T))
+        @ p("mlp.down_proj.weight").T
+    )
 
 
 def make_drafter(name: str, spec: dict, root: str, target: dict) -> dict:
@@ -521,7 +650,12 @@ def make_drafter(name: str, spec: dict, root: str, target: dict) -> dict:
     layer_ids = spec["target_layer_ids"]
     eff_ids = layer_ids if layer_ids is not None else default_target_layer_ids(T, n_layers)
     assert all(0 <= l < T - 1 for l in eff_ids), eff_ids  # all pre-final-norm in HF hidden_states
-    D, Hq, Hkv, I = spec["head_dim"], spec["num_attention_heads"], spec["num_key_value_heads"], spec["intermediate_size"]
+    D, Hq, Hkv, I = (
+        spec["head_dim"],
+        spec["num_attention_heads"],
+        spec["num_key_value_heads"],
+        spec["intermediate_size"],
+    )
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -551,23 +685,28 @@ def make_drafter(name: str, spec: dict, root: str, target: dict) -> dict:
     shapes = {"norm.weight": (H,), "hidden_norm.weight": (H,), "fc.weight": (H, len(eff_ids) * H)}
     for i in range(n_layers):
         pre = f"layers.{i}."
-        shapes.update({
-            pre + "self_attn.q_proj.weight": (Hq * D, H),
-            pre + "self_attn.k_proj.weight": (Hkv * D, H),
-            pre + "self_attn.v_proj.weight": (Hkv * D, H),
-            pre + "self_attn.o_proj.weight": (H, Hq * D),
-            pre + "self_attn.q_norm.weight": (D,),
-            pre + "self_attn.k_norm.weight": (D,),
-            pre + "mlp.gate_proj.weight": (I, H),
-            pre + "mlp.up_proj.weight": (I, H),
-            pre + "mlp.down_proj.weight": (H, I),
-            pre + "input_layernorm.weight": (H,),
-            pre + "post_attention_layernorm.weight": (H,),
-        })
+        shapes.update(
+            {
+                pre + "self_attn.q_proj.weight": (Hq * D, H),
+                pre + "self_attn.k_proj.weight": (Hkv * D, H),
+                pre + "self_attn.v_proj.weight": (Hkv * D, H),
+                pre + "self_attn.o_proj.weight": (H, Hq * D),
+                pre + "self_attn.q_norm.weight": (D,),
+                pre + "self_attn.k_norm.weight": (D,),
+                pre + "mlp.gate_proj.weight": (I, H),
+                pre + "mlp.up_proj.weight": (I, H),
+                pre + "mlp.down_proj.weight": (H, I),
+                pre + "input_layernorm.weight": (H,),
+                pre + "post_attention_layernorm.weight": (H,),
+            }
+        )
     w = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items()}
     reinit_(sorted(w.items()), spec["seed"], spec["std"])
-    save_file({k: w[k].contiguous() for k in sorted(w)}, os.path.join(d, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: w[k].contiguous() for k in sorted(w)},
+        os.path.join(d, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
     # sanity: an empty-context draft layer equals an HF Qwen3DecoderLayer without mask
     xs = torch.randn(spec["block_size"], H, generator=torch.Generator().manual_seed(spec["seed"]))
@@ -606,7 +745,9 @@ def make_drafter(name: str, spec: dict, root: str, target: dict) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
+    )
     args = ap.parse_args()
     root = os.path.abspath(args.out)
     os.makedirs(root, exist_ok=True)
@@ -623,20 +764,39 @@ def main():
             cj = json.load(f)
         print(f"== {name}")
         print("   keys written by save_pretrained:", r["config_keys"])
-        print("   rope_parameters:", cj.get("rope_parameters"), "| rope_theta:", cj.get("rope_theta"),
-              "| rope_scaling:", cj.get("rope_scaling"))
-        print("   greedy margin (min over greedy steps), margin_i, seed attempt:",
-              [(f"{a:.4f}", f"{b:.4f}", c) for a, b, c in r["margins"]])
+        print(
+            "   rope_parameters:",
+            cj.get("rope_parameters"),
+            "| rope_theta:",
+            cj.get("rope_theta"),
+            "| rope_scaling:",
+            cj.get("rope_scaling"),
+        )
+        print(
+            "   greedy margin (min over greedy steps), margin_i, seed attempt:",
+            [(f"{a:.4f}", f"{b:.4f}", c) for a, b, c in r["margins"]],
+        )
         print("   distinct tokens per greedy output:", r["distinct"])
         print("   logits std per prompt:", [f"{s:.2f}" for s in r["logit_std"]])
         print("   hidden[-1] is post-final-norm:", r["hidden_last_is_post_norm"])
         if "chat" in r:
-            print("   chat:", repr(r["chat"]), "ids:", r["chat_ids"], "text ids:", r["text_ids"],
-                  "tokenizer size:", r["tok_len"])
+            print(
+                "   chat:",
+                repr(r["chat"]),
+                "ids:",
+                r["chat_ids"],
+                "text ids:",
+                r["text_ids"],
+                "tokenizer size:",
+                r["tok_len"],
+            )
     for name, spec in DRAFTERS.items():
         r = make_drafter(name, spec, root, targets[spec["target"]])
-        print(f"== {name}: target_layer_ids used {r['target_layer_ids']}, "
-              f"draft logits std {[f'{s:.2f}' for s in r['logit_std']]}, sdpa-vs-loops max diff {r['max_diff']:.2e}")
+        print(
+            f"== {name}: target_layer_ids used {r['target_layer_ids']}, "
+            f"draft logits std {[f'{s:.2f}' for s in r['logit_std']]}, "
+            f"sdpa-vs-loops max diff {r['max_diff']:.2e}"
+        )
 
 
 if __name__ == "__main__":

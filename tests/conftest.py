@@ -49,8 +49,20 @@ def golden_prompts(name: str) -> list[list[int]]:
     return [g[f"prompt_{i}"].tolist() for i in range(5)]
 
 
-def run(target_name, prompts, *, method="ar", draft_name=None, budget=0, batch_size=None,
-        max_new_tokens=24, stop_ids=(), block_size=None, host_stepped=False, branching=None):
+def run(
+    target_name,
+    prompts,
+    *,
+    method="ar",
+    draft_name=None,
+    budget=0,
+    batch_size=None,
+    max_new_tokens=24,
+    stop_ids=(),
+    block_size=None,
+    host_stepped=False,
+    branching=None,
+):
     """Generate with the engine in float32; returns the Result list in prompt order."""
     import dataclasses
 
@@ -65,9 +77,16 @@ def run(target_name, prompts, *, method="ar", draft_name=None, budget=0, batch_s
         if block_size is not None:
             dcfg = dataclasses.replace(dcfg, block_size=block_size)
     batch_size = batch_size or len(prompts)
-    plan = Plan(target=cfg, draft=dcfg, method=method, batch_size=batch_size, prompt_len=16,
-                max_new_tokens=max_new_tokens, budget=budget,
-                branching=branching or (min(budget, 32) if method == "ddtree" else 1))
+    plan = Plan(
+        target=cfg,
+        draft=dcfg,
+        method=method,
+        batch_size=batch_size,
+        prompt_len=16,
+        max_new_tokens=max_new_tokens,
+        budget=budget,
+        branching=branching or (min(budget, 32) if method == "ddtree" else 1),
+    )
     gen = Generator(params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped)
     items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(prompts)]
     results = []

@@ -44,7 +44,14 @@ def test_feature_layers_are_hf_hidden_states(name):
     ids = g["prompt_3"]
     n = len(ids)
     layers = (0, 2)
-    out = target.forward(params, cfg, jnp.asarray(ids)[None], jnp.arange(n)[None],
-                         jnp.tril(jnp.ones((n, n), bool))[None], None, feature_layers=layers)
+    out = target.forward(
+        params,
+        cfg,
+        jnp.asarray(ids)[None],
+        jnp.arange(n)[None],
+        jnp.tril(jnp.ones((n, n), bool))[None],
+        None,
+        feature_layers=layers,
+    )
     ref = np.concatenate([g["hidden_3"][i + 1] for i in layers], -1)
     np.testing.assert_allclose(np.asarray(out.features)[0], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

@@ -1,0 +1,206 @@
+"""`ddtree-generate` end to end, and its errors on bad input (message, exit status, no output file)."""
+
+import json
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from conftest import FIXTURES, golden, golden_prompts
+
+from ddtree_jax.cli import main
+
+
+def write_prompts(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
+    name = "qwen3_gqa4_tp"
+    prompts = write_prompts(
+        tmp_path / "p.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(golden_prompts(name))]
+    )
+    for method in ("ar", "ddtree"):
+        out = tmp_path / f"{method}.jsonl"
+        argv = [
+            "--target",
+            str(FIXTURES / name),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--method",
+            method,
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "24",
+            "--batch-size",
+            "2",
+        ]
+        if method == "ddtree":
+            argv += ["--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp"), "--budget", "15"]
+        assert main(argv) == 0
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["id"] for r in lines] == [f"p{i}" for i in range(5)]
+        for i, r in enumerate(lines):
+            assert r["output_ids"] == golden(name)[f"greedy_{i}"].tolist()
+            assert r["num_output_tokens"] == 24 and r["finish_reason"] == "length"
+            assert sum(r["acceptance_lengths"]) + 1 == 24 and len(r["acceptance_lengths"]) == r["rounds"]
+    summary = capsys.readouterr().out
+    assert "prompts: 5" in summary and "mean acceptance length" in summary
+
+
+def test_text_prompts_use_tokenizer_and_chat_template(tmp_path):
+    name = "qwen3_gqa2_tied"
+    g = golden(name)
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "chat", "messages": [{"role": "user", "content": "hello world"}]},
+            {"id": "text", "prompt": "the quick brown fox"},
+            {"id": "ids", "input_ids": g["chat_ids"].tolist()},
+        ],
+    )
+    for flags, same in ((["--no-chat-template"], False), ([], True)):
+        out = tmp_path / "o.jsonl"
+        argv = [
+            "--target",
+            str(FIXTURES / name),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "8",
+            *flags,
+        ]
+        assert main(argv) == 0
+        rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+        assert isinstance(rows["chat"]["text"], str)
+        # with the template, the chat prompt is exactly HF's apply_chat_template ids
+        assert (rows["chat"]["output_ids"] == rows["ids"]["output_ids"]) is same
+        assert rows["text"]["finish_reason"] in ("stop", "length")
+        if not same:
+            from ddtree_jax.text import TextCodec
+
+            codec = TextCodec(FIXTURES / name)
+            assert codec.encode("the quick brown fox", add_special_tokens=False) == g["text_ids"].tolist()
+            assert (
+                codec.render_chat([{"role": "user", "content": "hello world"}])
+                == (FIXTURES / name / "golden_chat.txt").read_text()
+            )
+
+
+def broken_checkpoint(tmp_path, how):
+    d = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "qwen3_gqa1", d)
+    path = d / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    if how == "truncated":
+        path.write_bytes(raw[: len(raw) - 1000])
+    elif how in ("missing", "shape"):
+        name = "model.layers.1.self_attn.k_proj.weight"
+        if how == "missing":
+            header[name.replace("k_proj", "kk_proj")] = header.pop(name)
+        else:
+            header[name]["shape"] = header[name]["shape"][::-1]
+        blob = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+    elif how == "architecture":
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["architectures"] = ["MysteryForCausalLM"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(
+    "how,needle",
+    [
+        ("missing", "model.layers.1.self_attn.k_proj.weight' not found"),
+        ("shape", "model.layers.1.self_attn.k_proj.weight' has shape [32, 64], config.json implies [64, 32]"),
+        ("truncated", "truncated"),
+        ("architecture", "unsupported architecture ['MysteryForCausalLM']"),
+    ],
+)
+def test_bad_checkpoint(tmp_path, capsys, how, needle):
+    d = broken_checkpoint(tmp_path, how)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": 0, "input_ids": [1, 2, 3]}])
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(d), "--prompts", str(prompts), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and str(d) in err
+    assert not out.exists() and not list(tmp_path.glob(".out.jsonl*"))
+
+
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ('{"id": 1, "input_ids": [1, 2]}\nnot json\n', "p.jsonl:2: not valid JSON"),
+        ('{"id": 1, "prompt": ""}\n', "p.jsonl:1: empty prompt"),
+        ('{"id": 1, "input_ids": []}\n', "p.jsonl:1: empty prompt"),
+        ('{"id": 1, "input_ids": [1, 999]}\n', "p.jsonl:1: token ids [999] outside the vocabulary"),
+        ('{"id": 1, "prompt": "hi"}\n', "p.jsonl:1: 'prompt' needs a tokenizer.json"),
+        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "prompt 7 (line 1): 500 tokens"),
+    ],
+)
+def test_bad_prompts(tmp_path, capsys, line, needle):
+    (tmp_path / "p.jsonl").write_text(line)
+    out = tmp_path / "out.jsonl"
+    argv = [
+        "--target",
+        str(FIXTURES / "qwen3_gqa1"),
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "16",
+    ]
+    assert main(argv) == 1
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--method", "ddtree"], "needs --draft"),
+        (["--budget", "0"], "--budget must be >= 1"),
+        (["--temperature", "0.7"], "not implemented yet"),
+        (["--tp", "2"], "not implemented yet"),
+    ],
+)
+def test_bad_flags(tmp_path, capsys, flags, needle):
+    write_prompts(tmp_path / "p.jsonl", [{"id": 0, "input_ids": [1]}])
+    argv = [
+        "--target",
+        str(FIXTURES / "qwen3_gqa1"),
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        *flags,
+    ]
+    assert main(argv) == 1
+    assert needle in capsys.readouterr().err
+
+
+def test_orbax_round_trip(tmp_path):
+    from conftest import load_target
+
+    from ddtree_jax.checkpoint import restore_converted, save_converted
+
+    _, params = load_target("qwen3_gqa1")
+    save_converted(params, tmp_path / "conv")
+    restored = restore_converted(tmp_path / "conv", params)
+    for a, b in zip(
+        np.asarray(params["layers"][2]["q_proj"]), np.asarray(restored["layers"][2]["q_proj"]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert restored["embed"].shape == params["embed"].shape
