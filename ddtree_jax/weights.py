@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 Path_ = tuple[str | int, ...]
 Params = dict[str, Any]  # nested dicts and lists of arrays
@@ -72,17 +72,16 @@ def assemble(specs: Iterable[WeightSpec], make: Callable[[WeightSpec], Any]) -> 
 
 
 def random_params(specs: list[WeightSpec], seed: int, dtype: jnp.dtype, scale: float = 0.02) -> Params:
-    """Random weights (normal * scale, norms near 1): for benchmarks and tests of shapes."""
-    rng = np.random.default_rng(seed)
+    """Random weights made on the device (normal * scale, norms near 1): for benchmarks of shapes."""
+    key = jax.random.key(seed)
 
-    def make(spec: WeightSpec) -> jax.Array:
-        if spec.is_norm:
-            host = 1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)
-        else:
-            host = scale * rng.standard_normal(spec.shape, dtype=np.float32)
-        return jnp.asarray(host, dtype=dtype)
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def make_one(key: jax.Array, shape: tuple[int, ...], is_norm: bool) -> jax.Array:
+        noise = jax.random.normal(key, shape, jnp.float32)
+        return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
 
-    return assemble(specs, make)
+    keys = iter(jax.random.split(key, len(specs)))
+    return assemble(specs, lambda spec: make_one(next(keys), spec.shape, spec.is_norm))
 
 
 def abstract_params(specs: list[WeightSpec], dtype: jnp.dtype) -> Params:

@@ -1,0 +1,257 @@
+"""`ddtree-bench`: round and stage times on random-weight models of real shapes, against the HBM floor.
+
+Random weights give meaningless acceptance, but exactly the cost of a round: every round does the
+same work whatever the drafter proposes. The cache is filled with random K/V up to the context
+length (no prefill), so long contexts cost no prefill memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import drafter, engine, target
+from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
+from ddtree_jax.engine import DecodeState, Plan
+from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.weights import random_params
+
+
+def _dims(hidden, ff, heads, kv_heads, head_dim, qk_norm) -> LayerDims:
+    return LayerDims(hidden, ff, heads, kv_heads, head_dim, 1e-6, qk_norm)
+
+
+SHAPES = {
+    "qwen3-8b": TargetConfig(
+        "qwen3", 151936, 36, _dims(4096, 12288, 32, 8, 128, True), RopeConfig(1e6, 128), False, 40960
+    ),
+    "llama-3.1-8b": TargetConfig(
+        "llama",
+        128256,
+        32,
+        _dims(4096, 14336, 32, 8, 128, False),
+        RopeConfig(5e5, 128, (8.0, 1.0, 4.0, 8192)),
+        False,
+        131072,
+    ),
+    "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+}
+
+
+def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
+    """A DFlash drafter matching the target's layer shape."""
+    d = cfg.dims
+    return DraftConfig(
+        layers,
+        dataclasses.replace(d, qk_norm=True),
+        RopeConfig(cfg.rope.theta, d.head_dim),
+        block_size,
+        cfg.vocab_size - 1,
+        default_target_layer_ids(cfg.num_layers, layers),
+        cfg.vocab_size,
+    )
+
+
+def read_ceiling_gbs(nbytes: int) -> float:
+    """Read bandwidth of a large bf16 `jnp.sum`, GB/s (the floor's denominator)."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return nbytes / _median_seconds(lambda: f(x), 10) / 1e9
+
+
+def _median_seconds(fn, reps: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def synthetic_state(plan: Plan, context: int, seed: int, dtype) -> DecodeState:
+    """A batch mid-generation: random K/V committed up to `context` in both caches."""
+    key = jax.random.key(seed)
+    b, s = plan.batch_size, plan.capacity
+
+    def cache(layers, dims):
+        shape = (b, dims.num_kv_heads, s, dims.head_dim)
+        keys = jax.random.split(key, 2 * layers)
+        make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
+        return KVCache(
+            [make(keys[i]) for i in range(layers)],
+            [make(keys[layers + i]) for i in range(layers)],
+            jnp.full((b,), context, jnp.int32),
+        )
+
+    t = plan.target
+    return DecodeState(
+        cache=cache(t.num_layers, t.dims),
+        draft_cache=None if plan.method == "ar" else cache(plan.draft.num_layers, plan.draft.dims),
+        bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
+        output=jnp.zeros((b, plan.max_new_tokens + plan.path_slots), jnp.int32),
+        num_output=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool),
+        stopped=jnp.zeros((b,), bool),
+        acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
+        rounds=jnp.zeros((b,), jnp.int32),
+    )
+
+
+@jax.jit(static_argnames=("plan", "rounds"), donate_argnames=("state",))
+def run_rounds(params, draft_params, state, stop_ids, plan: Plan, rounds: int):
+    """`rounds` decode rounds in one program (the device loop)."""
+    return jax.lax.fori_loop(
+        0, rounds, lambda _, s: engine.decode_round(params, draft_params, s, stop_ids, plan), state
+    )
+
+
+def weight_bytes(params) -> int:
+    """Bytes of all parameters."""
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+def bench_one(params, dparams, plan: Plan, context: int, rounds: int, ceiling_gbs: float) -> dict:
+    """Device-loop round time and host-stepped stage times of one configuration."""
+    stop = jnp.full((8,), -1, jnp.int32)
+    state = synthetic_state(plan, context, 0, params["embed"].dtype)
+    start = time.perf_counter()
+    compiled = run_rounds.lower(params, dparams, state, stop, plan=plan, rounds=rounds).compile()
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(3):
+        state = synthetic_state(plan, context, 0, params["embed"].dtype)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(params, dparams, state, stop))
+        times.append((time.perf_counter() - start) / rounds)
+    round_ms = 1e3 * statistics.median(times)
+
+    stepper = engine.HostStepper(plan)
+    state = synthetic_state(plan, context, 1, params["embed"].dtype)
+    for _ in range(rounds + 2):  # the first two rounds include compilation
+        logp = tok = None
+        if plan.method != "ar":
+            logp, tok = stepper._timed("draft", stepper._draft, params, dparams, state)
+        t = stepper._timed("tree_build", stepper._build, state, logp, tok)
+        choice, kv, feats = stepper._timed("verify", stepper._verify, params, state, t)
+        state = stepper._timed("walk_commit", stepper._commit, dparams, state, t, choice, kv, feats, stop)
+    stages = {k: 1e3 * statistics.median(v[2:]) for k, v in stepper.times.items()}
+
+    kv_bytes = (
+        2
+        * plan.target.num_layers
+        * plan.batch_size
+        * context
+        * plan.target.dims.num_kv_heads
+        * plan.target.dims.head_dim
+        * params["embed"].dtype.itemsize
+    )
+    floor_ms = 1e3 * (weight_bytes(params) + kv_bytes) / (ceiling_gbs * 1e9)
+    return {
+        "method": plan.method,
+        "budget": plan.budget,
+        "tree_size": plan.tree_size,
+        "batch": plan.batch_size,
+        "context": context,
+        "attention": plan.attention,
+        "round_ms": round_ms,
+        "stages_ms": stages,
+        "host_stepped_round_ms": sum(stages.values()),
+        "target_floor_ms": floor_ms,
+        "round_over_floor": round_ms / floor_ms,
+        "compile_s": compile_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: sweep the configurations and write one JSON file."""
+    p = argparse.ArgumentParser(prog="ddtree-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--methods", default="ar,dflash,ddtree")
+    p.add_argument("--budgets", default="15,63")
+    p.add_argument("--batches", default="1")
+    p.add_argument("--contexts", default="1024")
+    p.add_argument("--attention", default="reference", help="comma list of reference,pallas")
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    cfg = SHAPES[args.shape]
+    dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
+    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
+    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
+    ceiling = read_ceiling_gbs(args.ceiling_bytes)
+    print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
+    rows = []
+    for attention in args.attention.split(","):
+        for batch in map(int, args.batches.split(",")):
+            for context in map(int, args.contexts.split(",")):
+                for method in args.methods.split(","):
+                    for budget in map(int, args.budgets.split(",")) if method == "ddtree" else [0]:
+                        plan = Plan(
+                            cfg,
+                            None if method == "ar" else dcfg,
+                            method,
+                            batch,
+                            context,
+                            64,
+                            budget,
+                            min(budget, 32) if method == "ddtree" else 1,
+                            attention,
+                        )
+                        try:
+                            row = bench_one(params, dparams, plan, context, args.rounds, ceiling)
+                        except Exception as e:  # keep the other configurations
+                            row = {
+                                "method": method,
+                                "budget": budget,
+                                "batch": batch,
+                                "context": context,
+                                "attention": attention,
+                                "error": f"{type(e).__name__}: {e}"[:500],
+                            }
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    meta = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv,
+        "shape": args.shape,
+        "read_ceiling_gbs": ceiling,
+        "target_weight_bytes": weight_bytes(params),
+        "draft_weight_bytes": weight_bytes(dparams),
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{'method':8}{'N':>5}{'B':>4}{'ctx':>7}{'attn':>10}{'round ms':>10}{'floor ms':>10}  stages ms")
+    for r in rows:
+        if "error" in r:
+            head = f"{r['method']:8}{r['budget']:5}{r['batch']:4}{r['context']:7}{r['attention']:>10}"
+            print(f"{head}  {r['error'][:60]}")
+            continue
+        st = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
+        print(
+            f"{r['method']:8}{r['budget']:5}{r['batch']:4}{r['context']:7}{r['attention']:>10}"
+            f"{r['round_ms']:10.2f}{r['target_floor_ms']:10.2f}  {st}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
