@@ -1,0 +1,466 @@
+"""Benchmark the Pallas tree-attention kernel against the jnp reference and JAX's bundled decode kernel.
+
+    python scripts/bench_attention.py --out results/bench_attention.json        # H200, <= ~4 min
+    python scripts/bench_attention.py --quick --out /tmp/bench_attention.json   # CPU smoke (interpret)
+
+For each shape: correctness of the kernel against the reference (on the device), then the time of
+one call of (a) the kernel, (b) the reference under jit, (c) at T = 1 the bundled
+`jax.experimental.pallas.ops.gpu.decode_attention.mqa`, and the achieved K/V read bandwidth (bytes of
+the visible cache over the time) as a fraction of a measured read ceiling (a large `jnp.sum`).
+
+Timing: `reps` runs of one jitted program that makes `k` independent calls (lengths - i, so
+nothing is shared between them), each run closed by `block_until_ready`; time per call = median
+run / k, so host dispatch is amortised over k calls. Every configuration is guarded: a failure is
+recorded as an error string and the run goes on. `--budget-s` bounds the wall time: what does not
+fit is recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pallas_kernels.tree_attention import (  # noqa: E402
+    resolve_tuning,
+    tree_attention,
+    tree_attention_reference,
+)
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+START = time.perf_counter()
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) < 600 else text[:300] + " ... " + text[-300:]
+
+
+def time_per_call(make_fn, args, *, k: int, target_s: float = 0.25, max_reps: int = 30):
+    """Median seconds per call of `make_fn(k)(*args)` (k calls per program), plus compile time.
+
+    Returns (timings, output of the first call, i.e. at the unmodified lengths).
+    """
+    fn = jax.jit(make_fn(k))
+    t0 = time.perf_counter()
+    first_out = jax.block_until_ready(fn(*args))[0]  # compile + first run
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    reps = int(min(max_reps, max(3, target_s / max(first, 1e-6))))
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        runs.append(time.perf_counter() - t0)
+    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    return timing, first_out
+
+
+def read_ceiling(nbytes: int) -> dict:
+    """Bytes/s of a large bf16 sum: what streaming reads can reach on this device."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    fn = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    jax.block_until_ready(fn(x))
+    runs = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        runs.append(time.perf_counter() - t0)
+    del x
+    s = statistics.median(runs)
+    return dict(bytes=nbytes, s=s, bytes_per_s=nbytes / s)
+
+
+def random_tree_mask(rng: np.random.Generator, b: int, t: int) -> np.ndarray:
+    """Ancestor-or-self masks of random trees (parent[i] < i), one per sequence: [B, T, T] int8."""
+    out = np.zeros((b, t, t), np.int8)
+    for bi in range(b):
+        parent = [-1] + [int(rng.integers(max(0, i - 8), i)) for i in range(1, t)]
+        for i in range(t):
+            j = i
+            while j >= 0:
+                out[bi, i, j] = 1
+                j = parent[j]
+    return out
+
+
+def rel_errors(out, ref) -> dict:
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    if not np.isfinite(out).all():
+        return dict(rel_l2=float("nan"), max_rel=float("nan"), finite=False)
+    return dict(
+        rel_l2=float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)),
+        max_rel=float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30)),
+        finite=True,
+    )
+
+
+def kernel_calls(tuning: dict, interpret: bool):
+    def make(k):
+        def run(q, kc, vc, lengths, kn, vn, mask):
+            return [
+                tree_attention(q, kc, vc, lengths - i, kn, vn, mask, interpret=interpret, **tuning)
+                for i in range(k)
+            ]
+
+        return run
+
+    return make
+
+
+def reference_calls(k):
+    def run(q, kc, vc, lengths, kn, vn, mask):
+        return [tree_attention_reference(q, kc, vc, lengths - i, kn, vn, mask) for i in range(k)]
+
+    return run
+
+
+def bundled_decode_calls(interpret: bool, k_splits: int):
+    """JAX's T = 1 decode kernel: (q [B*Hkv, G, D], k/v [B*Hkv, S, D]); no transposes needed."""
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    def one(q, kc, vc, lengths):
+        b, _, hq, d = q.shape
+        hkv, s = kc.shape[1], kc.shape[2]
+        out = decode_attention.mqa(
+            q.reshape(b * hkv, hq // hkv, d),
+            kc.reshape(b * hkv, s, d),
+            vc.reshape(b * hkv, s, d),
+            kv_seq_len=jnp.repeat(lengths, hkv),
+            k_splits=k_splits,
+            interpret=interpret,
+        )
+        return out.reshape(b, 1, hq, d)
+
+    def make(k):
+        def run(q, kc, vc, lengths, kn, vn, mask):
+            del kn, vn, mask
+            return [one(q, kc, vc, lengths - i) for i in range(k)]
+
+        return run
+
+    return make, one
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - elapsed()
+
+
+def bench_shape(
+    args, *, b, s, t, hkv, g, d, ceiling, interpret, k, budget, ref_max_bytes, decode_splits, tuning=None
+) -> dict:
+    """One configuration: correctness, then timings. Never raises."""
+    row = dict(B=b, S=s, T=t, Hkv=hkv, G=g, D=d)
+    tuning = dict(tuning or {})
+    try:
+        row["tuning"] = resolve_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = short_error(e)
+        return row
+    q, kc, vc, lengths, kn, vn, mask = args
+    visible = int(np.asarray(lengths).sum())  # lengths - i differ by at most k tokens: ignored
+    kv_bytes = visible * hkv * d * 2 * kc.dtype.itemsize
+    row["kv_bytes"] = kv_bytes
+    scores_bytes = b * hkv * g * t * s * 4
+    do_ref = scores_bytes <= ref_max_bytes
+
+    if budget.left() < 0:
+        row["skipped"] = "time budget"
+        return row
+    out = ref = None
+    try:
+        r, out = time_per_call(kernel_calls(tuning, interpret), args, k=k)
+        row["kernel"] = r
+        row["kernel_frac_ceiling"] = kv_bytes / r["s"] / ceiling
+    except Exception as e:  # noqa: BLE001
+        row["kernel_error"] = short_error(e)
+
+    if do_ref and budget.left() > 0:
+        try:
+            kr = k if scores_bytes * 4 * k <= ref_max_bytes else 1
+            r, ref = time_per_call(reference_calls, args, k=kr)
+            row["reference"] = r
+            row["reference_frac_ceiling"] = kv_bytes / r["s"] / ceiling
+        except Exception as e:  # noqa: BLE001
+            row["reference_error"] = short_error(e)
+    else:
+        row["reference_skipped"] = "scores too large" if not do_ref else "time budget"
+
+    # Correctness on the device: the kernel against the reference (first sequence if huge).
+    if out is not None:
+        try:
+            if ref is None:
+                ref = jax.jit(tree_attention_reference)(*(a[:1] for a in args))
+            row["check"] = rel_errors(out[: ref.shape[0]], ref)
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = short_error(e)
+    del out, ref
+
+    if t == 1 and budget.left() > 0:
+        try:
+            make, one = bundled_decode_calls(interpret, decode_splits)
+            r, out = time_per_call(make, args, k=k)
+            row["bundled_decode"] = r
+            row["bundled_frac_ceiling"] = kv_bytes / r["s"] / ceiling
+            # The bundled kernel has no in-flight token: compare with cache-only attention.
+            no_new = jnp.zeros_like(mask)
+            ref = jax.jit(tree_attention_reference)(q, kc, vc, lengths, kn, vn, no_new)
+            row["bundled_check"] = rel_errors(out, ref)
+            del out, ref
+        except Exception as e:  # noqa: BLE001
+            row["bundled_decode_error"] = short_error(e)
+    if "kernel" in row and "reference" in row:
+        row["speedup_vs_reference"] = row["reference"]["s"] / row["kernel"]["s"]
+    if "kernel" in row and "bundled_decode" in row:
+        row["speedup_vs_bundled"] = row["bundled_decode"]["s"] / row["kernel"]["s"]
+    return row
+
+
+def make_cache(key, b, hkv, s, d, dtype):
+    k1, k2 = jax.random.split(key)
+    kc = jax.random.normal(k1, (b, hkv, s, d), jnp.float32).astype(dtype)
+    vc = jax.random.normal(k2, (b, hkv, s, d), jnp.float32).astype(dtype)
+    return kc, vc
+
+
+def make_tree_inputs(key, rng, b, t, hkv, g, d, dtype):
+    k1, k2, k3 = jax.random.split(key, 3)
+    q = jax.random.normal(k1, (b, t, hkv * g, d), jnp.float32).astype(dtype)
+    kn = jax.random.normal(k2, (b, t, hkv, d), jnp.float32).astype(dtype)
+    vn = jax.random.normal(k3, (b, t, hkv, d), jnp.float32).astype(dtype)
+    mask = jnp.asarray(random_tree_mask(rng, b, t))
+    return q, kn, vn, mask
+
+
+def fmt_us(r):
+    return f"{r['s'] * 1e6:9.1f}" if r else "        -"
+
+
+def fmt_frac(x):
+    return f"{x * 100:5.1f}%" if x is not None else "    -"
+
+
+def print_table(results):
+    print(f"\nread ceiling: {results['ceiling']['bytes_per_s'] / 1e9:.0f} GB/s  device: {results['device']}")
+    print(
+        f"{'B':>3} {'S':>6} {'T':>4} | {'kernel us':>9} {'%ceil':>6} | {'ref us':>9} {'%ceil':>6} | "
+        f"{'bundled':>9} {'%ceil':>6} | {'x ref':>6} {'x bund':>6} | {'rel err':>8} | tuning / errors"
+    )
+    for row in results["rows"]:
+        check = row.get("check", {})
+        err = f"{check.get('rel_l2', float('nan')):8.1e}" if check else "       -"
+        tun = row.get("tuning", {})
+        note = (
+            f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} "
+            f"w{tun.get('num_warps')} st{tun.get('num_stages')}"
+        )
+        errors = [f"{key}: {row[key][:80]}" for key in row if key.endswith("error") or key == "skipped"]
+        if errors:
+            note += "  " + " | ".join(errors)
+        sp_ref = row.get("speedup_vs_reference")
+        sp_bund = row.get("speedup_vs_bundled")
+        print(
+            f"{row['B']:>3} {row['S']:>6} {row['T']:>4} | {fmt_us(row.get('kernel'))} "
+            f"{fmt_frac(row.get('kernel_frac_ceiling'))} | {fmt_us(row.get('reference'))} "
+            f"{fmt_frac(row.get('reference_frac_ceiling'))} | {fmt_us(row.get('bundled_decode'))} "
+            f"{fmt_frac(row.get('bundled_frac_ceiling'))} | "
+            f"{(f'{sp_ref:6.1f}' if sp_ref else '     -')} {(f'{sp_bund:6.2f}' if sp_bund else '     -')} | "
+            f"{err} | {note}"
+        )
+    if results["tuning_sweep"]:
+        print("\ntuning sweep (kernel only):")
+        print(
+            f"{'B':>3} {'S':>6} {'T':>4} | {'q':>4} {'k':>4} {'spl':>4} {'w':>2} {'st':>2} | "
+            f"{'us':>9} {'%ceil':>6}"
+        )
+        best = {}
+        for row in results["tuning_sweep"]:
+            tun = row.get("tuning", {})
+            r = row.get("kernel")
+            key = (row["B"], row["S"], row["T"])
+            if r and (key not in best or r["s"] < best[key]["kernel"]["s"]):
+                best[key] = row
+            print(
+                f"{row['B']:>3} {row['S']:>6} {row['T']:>4} | {tun.get('block_q', '-'):>4} "
+                f"{tun.get('block_k', '-'):>4} {tun.get('splits', '-'):>4} {tun.get('num_warps', '-'):>2} "
+                f"{tun.get('num_stages', '-'):>2} | {fmt_us(r)} {fmt_frac(row.get('kernel_frac_ceiling'))}"
+                + "".join(f"  {k}: {row[k][:80]}" for k in row if k.endswith("error") or k == "skipped")
+            )
+        for key, row in best.items():
+            print(f"best for B={key[0]} S={key[1]} T={key[2]}: {row['tuning']} {fmt_us(row['kernel'])} us")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/bench_attention.json", help="JSON output path")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
+    parser.add_argument("--budget-s", type=float, default=None, help="wall-time budget (s)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
+    opts = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    interpret = not on_gpu
+    dtype = jnp.bfloat16
+    if opts.quick:
+        batches, lengths_s, nodes = [1, 2], [128, 256], [1, 16]
+        hkv, g, d = 2, 2, 64
+        ceiling_bytes = 64 << 20
+        k = 2
+        decode_splits = 4
+        sweep_shapes = [(1, 256, 16)]
+        sweep = [dict(block_k=bk, num_warps=w, num_stages=st) for bk in (16, 32) for w in (4,) for st in (2,)]
+        budget = Budget(opts.budget_s or 600)
+    else:
+        batches, lengths_s, nodes = [1, 4, 16], [1024, 8192, 32768], [1, 16, 64, 128]
+        hkv, g, d = 8, 4, 128
+        ceiling_bytes = 4 << 30
+        k = 8
+        decode_splits = 16
+        sweep_shapes = [(1, 32768, 64), (8, 32768, 64)]
+        sweep = [
+            dict(block_k=bk, num_warps=w, num_stages=st)
+            for bk in (32, 64, 128)
+            for w in (4, 8)
+            for st in (2, 3, 4)
+        ]
+        sweep += [dict(block_q=bq, num_warps=w) for bq in (32, 128) for w in (4, 8)]
+        budget = Budget(opts.budget_s or 240)
+    ref_max_bytes = 16 << 30
+
+    results = dict(
+        device=str(getattr(device, "device_kind", device.platform)),
+        platform=device.platform,
+        jax_version=jax.__version__,
+        interpret=interpret,
+        quick=opts.quick,
+        argv=sys.argv,
+        dtype=str(jnp.dtype(dtype)),
+        timing="median over reps of one jitted program of k independent calls / k",
+        rows=[],
+        tuning_sweep=[],
+    )
+    try:
+        results["ceiling"] = read_ceiling(ceiling_bytes)
+    except Exception as e:  # noqa: BLE001
+        results["ceiling"] = dict(error=short_error(e), bytes_per_s=4.52e12)
+    ceiling = results["ceiling"]["bytes_per_s"]
+    print(f"read ceiling {ceiling / 1e9:.0f} GB/s ({elapsed():.0f}s)", flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+        results["wall_s"] = elapsed()
+        with open(opts.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    key = jax.random.key(0)
+    rng = np.random.default_rng(0)
+    common = dict(hkv=hkv, g=g, d=d, ceiling=ceiling, interpret=interpret, budget=budget)
+    common.update(ref_max_bytes=ref_max_bytes, decode_splits=decode_splits)
+
+    def run_grid(shapes, tunings, sink, with_extras):
+        by_cache = {}
+        for b, s, t in shapes:
+            by_cache.setdefault((b, s), []).append(t)
+        for (b, s), ts in by_cache.items():
+            if budget.left() < 0:
+                for t in ts:
+                    for tun in tunings:
+                        sink.append(dict(B=b, S=s, T=t, tuning=tun, skipped="time budget"))
+                continue
+            try:
+                kc, vc = make_cache(jax.random.fold_in(key, b * 100003 + s), b, hkv, s, d, dtype)
+                lengths = jnp.full((b,), s, jnp.int32)
+            except Exception as e:  # noqa: BLE001
+                for t in ts:
+                    sink.append(dict(B=b, S=s, T=t, error="cache: " + short_error(e)))
+                continue
+            for t in ts:
+                try:
+                    q, kn, vn, mask = make_tree_inputs(
+                        jax.random.fold_in(key, t), rng, b, t, hkv, g, d, dtype
+                    )
+                except Exception as e:  # noqa: BLE001
+                    sink.append(dict(B=b, S=s, T=t, error="inputs: " + short_error(e)))
+                    continue
+                args = (q, kc, vc, lengths, kn, vn, mask)
+                for tun in tunings:
+                    if with_extras:
+                        row = bench_shape(args, b=b, s=s, t=t, k=k, **common)
+                    else:
+                        row = bench_kernel_only(args, b=b, s=s, t=t, k=k, tuning=tun, **common)
+                    sink.append(row)
+                    kern = row.get("kernel")
+                    print(
+                        f"[{elapsed():5.0f}s] B={b} S={s} T={t} {tun or ''}: kernel "
+                        f"{kern['s'] * 1e6 if kern else float('nan'):.1f} us "
+                        f"ref {row['reference']['s'] * 1e6 if 'reference' in row else float('nan'):.1f} us"
+                        + "".join(f" {k2}={row[k2][:120]}" for k2 in row if k2.endswith("error")),
+                        flush=True,
+                    )
+                    save()
+                del q, kn, vn, mask, args
+            del kc, vc
+            gc.collect()
+
+    grid = [(b, s, t) for b in batches for s in lengths_s for t in nodes]
+    run_grid(grid, [None], results["rows"], with_extras=True)
+    if not opts.no_sweep:
+        run_grid(sweep_shapes, sweep, results["tuning_sweep"], with_extras=False)
+        if not opts.quick:  # splits matter most when B x Hkv alone cannot fill the GPU
+            splits_sweep = [dict(splits=sp) for sp in (1, 4, 8, 16, 32, 64)]
+            run_grid([(1, 32768, 64), (1, 8192, 1)], splits_sweep, results["tuning_sweep"], False)
+    save()
+    print_table(results)
+    print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
+
+
+def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, budget, tuning, **_):
+    row = dict(B=b, S=s, T=t, Hkv=hkv, G=g, D=d)
+    if budget.left() < 0:
+        row["tuning"] = tuning
+        row["skipped"] = "time budget"
+        return row
+    try:
+        row["tuning"] = resolve_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
+        lengths = args[3]
+        kv_bytes = int(np.asarray(lengths).sum()) * hkv * d * 2 * args[1].dtype.itemsize
+        r, out = time_per_call(kernel_calls(tuning, interpret), args, k=k)
+        row["kernel"] = r
+        row["kernel_frac_ceiling"] = kv_bytes / r["s"] / ceiling
+        ref = jax.jit(tree_attention_reference)(*(a[:1] for a in args))
+        row["check"] = rel_errors(out[:1], ref)
+        del out, ref
+    except Exception as e:  # noqa: BLE001
+        row["kernel_error"] = short_error(e)
+        if os.environ.get("BENCH_TRACEBACK"):
+            traceback.print_exc()
+    return row
+
+
+if __name__ == "__main__":
+    main()
