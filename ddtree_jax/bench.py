@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import platform
 import statistics
@@ -23,6 +24,7 @@ from ddtree_jax import drafter, engine, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
 from ddtree_jax.engine import DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.weights import random_params
 
 
@@ -78,7 +80,7 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def synthetic_state(plan: Plan, context: int, seed: int, dtype) -> DecodeState:
+def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None) -> DecodeState:
     """A batch mid-generation: random K/V committed up to `context` in both caches."""
     key = jax.random.key(seed)
     b, s = plan.batch_size, plan.capacity
@@ -104,6 +106,7 @@ def synthetic_state(plan: Plan, context: int, seed: int, dtype) -> DecodeState:
         stopped=jnp.zeros((b,), bool),
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
+        sampling=None if sampling is None else SamplingParams.from_rows([sampling] * b),
     )
 
 
@@ -115,23 +118,35 @@ def run_rounds(params, draft_params, state, stop_ids, plan: Plan, rounds: int):
     )
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def parse_sampling(text: str) -> dict | None:
+    """'greedy' -> None; 'T:top_k:top_p' -> the settings of every row (seed 0)."""
+    if text == "greedy":
+        return None
+    temperature, top_k, top_p = text.split(":")
+    return GREEDY | {"temperature": float(temperature), "top_k": int(top_k), "top_p": float(top_p)}
+
+
 def weight_bytes(params) -> int:
     """Bytes of all parameters."""
     return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def bench_one(
-    params, dparams, plan: Plan, context: int, rounds: int, ceiling_gbs: float, stages: bool
+    params, dparams, plan: Plan, context: int, rounds: int, ceiling_gbs: float, stages: bool, sampling=None
 ) -> dict:
     """Device-loop round time and host-stepped stage times of one configuration."""
     stop = jnp.full((8,), -1, jnp.int32)
-    state = synthetic_state(plan, context, 0, params["embed"].dtype)
+    state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
     start = time.perf_counter()
     compiled = run_rounds.lower(params, dparams, state, stop, plan=plan, rounds=rounds).compile()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(3):
-        state = synthetic_state(plan, context, 0, params["embed"].dtype)
+        state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
         jax.block_until_ready(state)
         start = time.perf_counter()
         jax.block_until_ready(compiled(params, dparams, state, stop))
@@ -139,7 +154,7 @@ def bench_one(
     round_ms = 1e3 * statistics.median(times)
 
     stepper = engine.HostStepper(plan)
-    state = synthetic_state(plan, context, 1, params["embed"].dtype)
+    state = synthetic_state(plan, context, 1, params["embed"].dtype, sampling)
     for _ in range(rounds + 2 if stages else 0):  # the first two rounds include compilation
         logp = tok = None
         if plan.method != "ar":
@@ -166,6 +181,7 @@ def bench_one(
         "batch": plan.batch_size,
         "context": context,
         "attention": plan.attention,
+        "sampling": sampling,
         "round_ms": round_ms,
         "stages_ms": stage_ms,
         "host_stepped_round_ms": sum(stage_ms.values()),
@@ -188,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="reference", help="comma list of reference,pallas")
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--stages", action="store_true", help="also time each stage host-stepped")
+    p.add_argument(
+        "--sampling",
+        default="greedy",
+        help="comma list of greedy or T:top_k:top_p settings, e.g. greedy,0.7:0:1,0.7:20:0.9",
+    )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -198,36 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
     ceiling = read_ceiling_gbs(args.ceiling_bytes)
     print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
-    rows = []
-    for attention in args.attention.split(","):
-        for batch in map(int, args.batches.split(",")):
-            for context in map(int, args.contexts.split(",")):
-                for method in args.methods.split(","):
-                    for budget in map(int, args.budgets.split(",")) if method == "ddtree" else [0]:
-                        plan = Plan(
-                            cfg,
-                            None if method == "ar" else dcfg,
-                            method,
-                            batch,
-                            context,
-                            64,
-                            budget,
-                            min(budget, 32) if method == "ddtree" else 1,
-                            attention,
-                        )
-                        try:
-                            row = bench_one(params, dparams, plan, context, args.rounds, ceiling, args.stages)
-                        except Exception as e:  # keep the other configurations
-                            row = {
-                                "method": method,
-                                "budget": budget,
-                                "batch": batch,
-                                "context": context,
-                                "attention": attention,
-                                "error": f"{type(e).__name__}: {e}"[:500],
-                            }
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
     meta = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": str(jax.devices()[0]),
@@ -240,19 +231,48 @@ def main(argv: list[str] | None = None) -> int:
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),
     }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"{'method':8}{'N':>5}{'B':>4}{'ctx':>7}{'attn':>10}{'round ms':>10}{'floor ms':>10}  stages ms")
+    rows = []
+
+    def save():  # after every row, so a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    trees = [(m, n) for m in args.methods.split(",") for n in (_ints(args.budgets) if m == "ddtree" else [0])]
+    grid = itertools.product(
+        args.attention.split(","), _ints(args.batches), _ints(args.contexts), trees, args.sampling.split(",")
+    )
+    for attention, batch, context, (method, budget), sampling_arg in grid:
+        sampling = parse_sampling(sampling_arg)
+        branching = min(budget, 32) if method == "ddtree" else 1
+        draft = None if method == "ar" else dcfg
+        plan = Plan(cfg, draft, method, batch, context, 64, budget, branching, attention)
+        try:
+            row = bench_one(params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling)
+        except Exception as e:  # keep the other configurations
+            row = {
+                "method": method,
+                "budget": budget,
+                "batch": batch,
+                "context": context,
+                "attention": attention,
+                "sampling": sampling,
+                "error": f"{type(e).__name__}: {e}"[:500],
+            }
+        rows.append(row)
+        save()
+        print(json.dumps(row), flush=True)
+    print(
+        f"{'method':8}{'N':>5}{'B':>4}{'ctx':>7}{'attn':>10}{'sampling':>16}{'round ms':>10}{'floor ms':>10}"
+    )
     for r in rows:
+        s = r["sampling"]
+        label = "greedy" if s is None else f"{s['temperature']}:{s['top_k']}:{s['top_p']}"
+        head = f"{r['method']:8}{r['budget']:5}{r['batch']:4}{r['context']:7}{r['attention']:>10}{label:>16}"
         if "error" in r:
-            head = f"{r['method']:8}{r['budget']:5}{r['batch']:4}{r['context']:7}{r['attention']:>10}"
             print(f"{head}  {r['error'][:60]}")
             continue
-        st = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
-        print(
-            f"{r['method']:8}{r['budget']:5}{r['batch']:4}{r['context']:7}{r['attention']:>10}"
-            f"{r['round_ms']:10.2f}{r['target_floor_ms']:10.2f}  {st}"
-        )
+        stages = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
+        print(f"{head}{r['round_ms']:10.2f}{r['target_floor_ms']:10.2f}  {stages}")
     return 0
 
 

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of prompts that set none")
     p.add_argument("--no-chat-template", action="store_true", help="encode 'prompt' text as is")
     p.add_argument(
         "--budget", type=int, help=f"ddtree: tree nodes besides the root (default {DEFAULT_BUDGET})"
@@ -49,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode attention: the Pallas kernel (auto on GPU) or the jnp reference",
     )
     p.add_argument("--host-stepped", action="store_true", help="drive rounds from Python, time each stage")
-    p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--dp", type=int, default=1, help="data-parallel devices")
     return p
@@ -73,8 +73,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise DDTreeError(f"--method {args.method} needs --draft DIR")
     if args.method != "ddtree" and (args.budget or args.branching):
         raise DDTreeError("--budget and --branching apply to --method ddtree only")
-    if args.temperature not in (None, 0.0) or args.top_p is not None or args.top_k is not None:
-        raise DDTreeError("--temperature/--top-p/--top-k: sampling is not implemented yet (greedy only)")
+    from ddtree_jax.sampling import check
+
+    for name in ("temperature", "top_k", "top_p", "seed"):
+        if (why := check(name, getattr(args, name))) is not None:
+            raise DDTreeError(f"--{name.replace('_', '-')} {why}")
     if args.tp != 1 or args.dp != 1:
         raise DDTreeError("--tp/--dp > 1: tensor and data parallelism are not implemented yet")
     if args.block_size is not None and args.block_size < 2:
@@ -122,7 +125,10 @@ def make_generator(args: argparse.Namespace):
         draft_window=args.draft_window,
     )
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
-    return Generator(params, draft_params, plan, cfg.eos_token_ids, codec, args.host_stepped)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    return Generator(
+        params, draft_params, plan, cfg.eos_token_ids, codec, args.host_stepped, sampling=sampling
+    )
 
 
 def check_lengths(prompts, max_positions: int, max_new_tokens: int) -> None:

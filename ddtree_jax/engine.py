@@ -22,7 +22,7 @@ import numpy as np
 from ddtree_jax import drafter, target, tree
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.kv_cache import KVCache, empty_cache, gather_slots, write
-from ddtree_jax.sampling import choose
+from ddtree_jax.sampling import SamplingParams, choose
 from ddtree_jax.weights import Params
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -92,6 +92,7 @@ class DecodeState:
     stopped: jax.Array  # [B] bool: finished on a stop id (else on the length limit)
     acceptance: jax.Array  # [B, max_new] tokens added by each round
     rounds: jax.Array  # [B]
+    sampling: SamplingParams | None = None  # None: greedy for every row (the greedy-only program)
 
 
 def _write_tokens(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -105,9 +106,14 @@ def prefill(
     prompt_lengths: jax.Array,
     active: jax.Array,
     stop_ids: jax.Array,
+    sampling: SamplingParams | None = None,
+    *,
     plan: Plan,
 ) -> DecodeState:
-    """Run the right-padded prompts [B, P] (lengths [B]), fill both caches, choose the first token."""
+    """Run the right-padded prompts [B, P] (lengths [B]), fill both caches, choose the first token.
+
+    The first token is the one at position L (the prompt's length): its noise position (sampling.py).
+    """
     cfg, b, p = plan.target, plan.batch_size, plan.prompt_len
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     causal = jnp.tril(jnp.ones((p, p), jnp.bool_))[None]
@@ -119,7 +125,7 @@ def prefill(
     cache = write(cache, out.kv, jnp.zeros((b,), jnp.int32))
     cache.lengths = prompt_lengths
     last = out.hidden[jnp.arange(b), prompt_lengths - 1]
-    first = choose(target.logits(params, last[:, None]))[:, 0]
+    first = choose(target.logits(params, last[:, None]), sampling, prompt_lengths[:, None])[:, 0]
 
     draft_cache = None
     if plan.method != "ar":
@@ -143,6 +149,7 @@ def prefill(
         stopped=stopped,
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
+        sampling=sampling,
     )
 
 
@@ -171,7 +178,10 @@ def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, pla
 
 
 def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
-    """One target pass over the tree: the target's choice at every node, the tree K/V and features."""
+    """One target pass over the tree: the target's choice at every node, the tree K/V and features.
+
+    Node i sits at position L + depth[i] and chooses the token at L + depth[i] + 1.
+    """
     positions = state.cache.lengths[:, None] + t.depth
     out = target.forward(
         params,
@@ -183,7 +193,8 @@ def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
         feature_layers=plan.feature_layers,
         attention=plan.attention,
     )
-    return choose(target.logits(params, out.hidden)), out.kv, out.features
+    choice = choose(target.logits(params, out.hidden), state.sampling, positions + 1)
+    return choice, out.kv, out.features
 
 
 def commit(
@@ -234,6 +245,7 @@ def commit(
         stopped=state.stopped | stopped_now,
         acceptance=state.acceptance.at[jnp.arange(b), round_idx].set(jnp.where(live, n_emit, old)),
         rounds=state.rounds + live.astype(jnp.int32),
+        sampling=state.sampling,
     )
 
 
@@ -260,10 +272,15 @@ def generate(
     prompt_lengths: jax.Array,
     active: jax.Array,
     stop_ids: jax.Array,
+    sampling: SamplingParams | None = None,
+    *,
     plan: Plan,
 ) -> DecodeState:
-    """The whole generation, prefill and every round, as one program (jit it with plan static)."""
-    state = prefill(params, draft_params, prompts, prompt_lengths, active, stop_ids, plan)
+    """The whole generation, prefill and every round, as one program (jit it with plan static).
+
+    sampling None compiles the greedy-only program; otherwise each row samples with its own settings.
+    """
+    state = prefill(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling, plan=plan)
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done),
         lambda s: decode_round(params, draft_params, s, stop_ids, plan),
@@ -294,10 +311,18 @@ class HostStepper:
         self.times[stage].append(time.perf_counter() - start)
         return out
 
-    def run(self, params, draft_params, prompts, prompt_lengths, active, stop_ids) -> DecodeState:
+    def run(self, params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling=None):
         """Generate like `generate`, returning the same final state."""
         state = self._timed(
-            "prefill", self._prefill, params, draft_params, prompts, prompt_lengths, active, stop_ids
+            "prefill",
+            self._prefill,
+            params,
+            draft_params,
+            prompts,
+            prompt_lengths,
+            active,
+            stop_ids,
+            sampling,
         )
         while not bool(np.all(jax.device_get(state.done))):
             logp = tok = None

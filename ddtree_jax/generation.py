@@ -13,6 +13,7 @@ import numpy as np
 
 from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit
 from ddtree_jax.prompts import Prompt
+from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
@@ -59,6 +60,7 @@ class Generator:
     stop_ids: tuple[int, ...]
     codec: TextCodec | None = None
     host_stepped: bool = False
+    sampling: dict = dataclasses.field(default_factory=lambda: dict(GREEDY))  # defaults; prompts override
     compile_seconds: float = 0.0
     generate_seconds: float = 0.0
     _compiled: dict = dataclasses.field(default_factory=dict)
@@ -77,18 +79,28 @@ class Generator:
             tokens[i, : len(prompt.input_ids)] = prompt.input_ids
             lengths[i] = len(prompt.input_ids)
             active[i] = True
-        return jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(active), self._stop_array()
+        arrays = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(active), self._stop_array()
+        return (*arrays, self._sampling(batch, b))
+
+    def _sampling(self, batch: list[Prompt], batch_size: int) -> SamplingParams | None:
+        """Each row's settings (the prompt's own over the defaults); None when every row is greedy."""
+        rows = [self.sampling | {k: p.options[k] for k in GREEDY if k in p.options} for p in batch]
+        rows += [dict(GREEDY)] * (batch_size - len(rows))
+        if all(r["temperature"] == 0 for r in rows):
+            return None
+        return SamplingParams.from_rows(rows)
 
     def _program(self, plan: Plan, args) -> Callable:
-        if plan not in self._compiled:
+        key = (plan, args[-1] is not None)  # greedy-only and sampling programs compile apart
+        if key not in self._compiled:
             start = time.perf_counter()
             if self.host_stepped:
-                self._compiled[plan] = HostStepper(plan)
+                self._compiled[key] = HostStepper(plan)
             else:
                 lowered = generate_jit.lower(self.params, self.draft_params, *args, plan=plan)
-                self._compiled[plan] = lowered.compile()
+                self._compiled[key] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
-        return self._compiled[plan]
+        return self._compiled[key]
 
     def run_batch(self, batch: list[Prompt]) -> list[Result]:
         """Generate for up to batch_size prompts (the batch is padded with inactive rows)."""

@@ -1,4 +1,7 @@
-"""The prompts file: one JSON object per line, with `prompt`, `messages` or `input_ids`."""
+"""The prompts file: one JSON object per line, with `prompt`, `messages` or `input_ids`.
+
+Optional per-prompt `temperature`, `top_k`, `top_p` and `seed` override the command-line defaults.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_jax.errors import DDTreeError
+from ddtree_jax.sampling import GREEDY as SAMPLING_OPTIONS
+from ddtree_jax.sampling import check as check_sampling
 from ddtree_jax.text import TextCodec
 
 
@@ -50,6 +55,9 @@ def read_prompts(
         if bad:
             raise DDTreeError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
         options = {k: v for k, v in record.items() if k not in ("id", "prompt", "messages", "input_ids")}
+        for name in SAMPLING_OPTIONS:
+            if name in options and (why := check_sampling(name, options[name])) is not None:
+                raise DDTreeError(f"{where}: '{name}' {why}")
         prompts.append(Prompt(record.get("id", len(prompts)), n, ids, options))
     if not prompts:
         raise DDTreeError(f"{path}: no prompts")

@@ -1,11 +1,173 @@
-"""The target's choice at every tree node: greedy argmax (sampling arrives with its own issue)."""
+"""The target's choice at every tree node: greedy argmax, or a seeded sample (DESIGN.md, "Sampling
+that stays lossless on a tree").
+
+A sampled choice is Gumbel-max over the processed target distribution:
+
+    choice = argmax_v  logits[v] / temperature + gumbel(seed, position, v)   over the kept support
+
+where `position` is the absolute position of the token being CHOSEN: the logits at position p choose
+the token at p + 1 (prefill: the last prompt token at L - 1 chooses the token at L; verify: tree node i
+at L + depth[i] chooses the token at L + depth[i] + 1). The noise is a counter-based integer hash of
+(seed, position, token id) only, so ar, dflash and ddtree emit the same tokens under the same seed,
+whatever the budget, the batch or the other requests in it; and the walk, which follows the sampled
+child, emits exactly the target's sampling distribution.
+
+Processing order, as in Hugging Face: temperature, then top-k, then top-p on the renormalised
+tempered distribution. Both cut-offs are exact thresholds found by bisection over the bit patterns of
+float32 values (32 masked counts or sums over the vocabulary, no sort). Ties keep every token equal
+to the threshold: top-k keeps all tokens whose logit equals the k-th largest (possibly more than k);
+top-p keeps the smallest set {p >= t} whose mass is >= top_p, so tokens tied at t are all in or all out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MAX_SEED = 2**32  # seeds are uint32
 
 
-def choose(logits: jax.Array) -> jax.Array:
-    """logits [B, T, V] float32 -> the target's token at each node [B, T] int32 (greedy)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-sequence sampling settings, traced (not static): one compiled program serves any values."""
+
+    temperature: jax.Array  # [B] float32; 0 = greedy (argmax) for that row
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] float32; 1.0 = off
+    seed: jax.Array  # [B] uint32
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> SamplingParams:
+        """From one {temperature, top_k, top_p, seed} dict per row (already validated)."""
+        return cls(
+            temperature=jnp.asarray(np.array([r["temperature"] for r in rows], np.float32)),
+            top_k=jnp.asarray(np.array([r["top_k"] for r in rows], np.int32)),
+            top_p=jnp.asarray(np.array([r["top_p"] for r in rows], np.float32)),
+            seed=jnp.asarray(np.array([r["seed"] for r in rows], np.uint32)),
+        )
+
+
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+
+
+def check(name: str, value) -> str | None:
+    """Why `value` is not a valid setting `name` (temperature, top_k, top_p, seed), or None if it is."""
+    if name in ("top_k", "seed"):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "must be an integer"
+        if name == "top_k" and value < 0:
+            return f"must be >= 0 (0 = off), got {value}"
+        if name == "seed" and not 0 <= value < MAX_SEED:
+            return f"must be in [0, 2^32), got {value}"
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    if name == "temperature" and value < 0:
+        return f"must be >= 0 (0 = greedy), got {value}"
+    if name == "top_p" and not 0 < value <= 1:
+        return f"must be in (0, 1] (1 = off), got {value}"
+    return None
+
+
+# -- counter-based noise -------------------------------------------------------------------------
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser: a bijection of uint32 with full avalanche."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def gumbel(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+    """Gumbel(0, 1) noise [B, T, V] from seed [B] uint32, position [B, T] and the token id.
+
+    A pure function of (seed, position, token id): the same under any batch, tree or vocab sharding.
+    """
+    h = _mix(seed.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))[:, None]  # [B, 1]
+    h = _mix(h + position.astype(jnp.uint32) * jnp.uint32(0x9E3779B1))  # [B, T]
+    token = jnp.arange(vocab_size, dtype=jnp.uint32)
+    h = _mix(h[:, :, None] + token * jnp.uint32(0x85EBCA77))  # [B, T, V]
+    # 23 bits -> u in (0, 1) strictly, exactly representable (1 - 2^-24 at most): -log(-log u) is finite.
+    u = ((h >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
+    return -jnp.log(-jnp.log(u))
+
+
+# -- exact thresholds by bisection -----------------------------------------------------------------
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (negative floats below positive ones)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, weight: jax.Array, need: jax.Array) -> jax.Array:
+    """Per row of keys [..., V] uint32: the largest t with sum(weight[keys >= t]) >= need [..., 1].
+
+    Bisection over uint32 (32 halvings make the interval a point), so t is exactly one of the keys
+    whenever the whole row meets `need`; rows that do not, get the row minimum (keep everything).
+    """
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        gap = hi - lo
+        mid = lo + (gap >> 1) + (gap & 1)  # ceil midpoint without overflow
+        ok = jnp.sum(jnp.where(keys >= mid, weight, 0), axis=-1, keepdims=True) >= need
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return lo
+
+
+def top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """logits [B, T, V], top_k [B] (0 = off) -> keep [B, T, V]: logits >= the k-th largest."""
+    v = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None, None]
+    keys = _ordered_bits(logits)
+    return keys >= _largest_threshold(keys, jnp.ones((), jnp.int32), k)
+
+
+def top_p_mask(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """probs [B, T, V], top_p [B] (1 = off) -> keep [B, T, V]: the smallest {p >= t} of mass >= top_p."""
+    keys = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # probs >= 0: bits are ordered
+    need = top_p[:, None, None]
+    keep = keys >= _largest_threshold(keys, probs, need)
+    return keep | (need >= 1.0)
+
+
+def choose(logits: jax.Array, sampling: SamplingParams | None = None, position: jax.Array | None = None):
+    """logits [B, T, V] -> the target's token at each node [B, T] int32.
+
+    sampling None: greedy. Otherwise `position` [B, T] is the absolute position of the token each node
+    chooses (the node's own position + 1); rows with temperature 0 stay greedy.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sampling is None:
+        return greedy
+    logits = logits.astype(jnp.float32)
+    temperature = sampling.temperature[:, None, None]
+    tempered = logits / jnp.where(temperature > 0, temperature, 1.0)
+    keep = jax.lax.cond(
+        jnp.any(sampling.top_k > 0),
+        lambda: top_k_mask(logits, sampling.top_k),
+        lambda: jnp.ones(logits.shape, jnp.bool_),
+    )
+    tempered = jnp.where(keep, tempered, -jnp.inf)
+    keep = jax.lax.cond(
+        jnp.any(sampling.top_p < 1.0),
+        lambda: keep & top_p_mask(jax.nn.softmax(tempered, axis=-1), sampling.top_p),
+        lambda: keep,
+    )
+    noisy = tempered + gumbel(sampling.seed, position, logits.shape[-1])
+    sampled = jnp.argmax(jnp.where(keep, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(sampling.temperature[:, None] > 0, sampled, greedy)

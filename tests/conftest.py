@@ -62,13 +62,20 @@ def run(
     block_size=None,
     host_stepped=False,
     branching=None,
+    sampling=None,
+    options=None,
 ):
-    """Generate with the engine in float32; returns the Result list in prompt order."""
+    """Generate with the engine in float32; returns the Result list in prompt order.
+
+    sampling: default settings {temperature, top_k, top_p, seed} (unset: greedy); options: one dict
+    per prompt overriding them, like the JSONL fields.
+    """
     import dataclasses
 
     from ddtree_jax.engine import Plan
     from ddtree_jax.generation import Generator
     from ddtree_jax.prompts import Prompt
+    from ddtree_jax.sampling import GREEDY
 
     cfg, params = load_target(target_name)
     dcfg = dparams = None
@@ -87,8 +94,11 @@ def run(
         budget=budget,
         branching=branching or (min(budget, 32) if method == "ddtree" else 1),
     )
-    gen = Generator(params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped)
-    items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(prompts)]
+    gen = Generator(
+        params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped, sampling=GREEDY | (sampling or {})
+    )
+    options = options or [{}] * len(prompts)
+    items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
     results = []
     for start in range(0, len(items), batch_size):
         results += gen.run_batch(items[start : start + batch_size])

@@ -172,7 +172,7 @@ def test_bad_prompts(tmp_path, capsys, line, needle):
     [
         (["--method", "ddtree"], "needs --draft"),
         (["--budget", "0"], "--budget must be >= 1"),
-        (["--temperature", "0.7"], "not implemented yet"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--tp", "2"], "not implemented yet"),
     ],
 )

@@ -1,0 +1,358 @@
+"""Sampling: seed-exact against ar, the target's distribution (G-test), edge cases, invalid settings.
+
+Seed-exact: the noise depends only on (seed, position, token id), so dflash and ddtree must emit the
+tokens ar emits under the same settings, token for token (DESIGN.md, "Sampling that stays lossless
+on a tree"). Sampling settings are traced, so one compiled program per plan serves every setting.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, golden, golden_prompts, load_target, run
+from scipy import stats
+
+from ddtree_jax import sampling, target
+from ddtree_jax.cli import main
+
+TP = "qwen3_gqa4_tp"
+DRAFT = "dflash_qwen3_gqa4_tp"
+PROMPTS8 = golden_prompts(TP) + [[7, 9, 11], [200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [42] * 9]
+GREEDY5 = [golden(TP)[f"greedy_{i}"].tolist() for i in range(5)]
+
+# Per-prompt settings: every feature alone and together, and a greedy row in a sampled batch.
+MIXED = [
+    {"temperature": 0.7, "top_k": 20, "seed": 1},
+    {"temperature": 1.0, "top_p": 0.9, "seed": 2},
+    {"temperature": 0.0, "seed": 3},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 4},
+    {"temperature": 1.0, "seed": 5},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 6},
+    {"temperature": 1.0, "top_k": 20, "seed": 7},
+    {"temperature": 0.7, "seed": 2**32 - 1},
+]
+SETTINGS = {
+    "mixed": MIXED,
+    "t1": [{"temperature": 1.0, "seed": 100 + i} for i in range(8)],
+    "t07_k20_p09": [{"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 50 + i} for i in range(8)],
+}
+
+
+def ids(results):
+    return [r.output_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def ar_sampled():
+    return {name: ids(run(TP, PROMPTS8, batch_size=5, options=opts)) for name, opts in SETTINGS.items()}
+
+
+@pytest.mark.parametrize(
+    "method,budget,batch_size,host_stepped",
+    [
+        ("ar", 0, 1, False),
+        ("dflash", 0, 5, False),
+        ("ddtree", 1, 5, False),
+        ("ddtree", 7, 1, False),
+        ("ddtree", 7, 5, False),
+        ("ddtree", 7, 5, True),
+        ("ddtree", 32, 5, False),
+        ("ddtree", 32, 1, False),
+    ],
+)
+def test_seed_exact_against_ar(ar_sampled, method, budget, batch_size, host_stepped):
+    draft = None if method == "ar" else DRAFT
+    for name, opts in SETTINGS.items():
+        results = run(
+            TP,
+            PROMPTS8,
+            method=method,
+            draft_name=draft,
+            budget=budget,
+            batch_size=batch_size,
+            options=opts,
+            host_stepped=host_stepped,
+        )
+        assert ids(results) == ar_sampled[name], name
+        for r in results:
+            assert sum(r.acceptance_lengths) + 1 == len(r.output_ids) == 24
+    # the greedy row of the mixed batch is exactly the greedy output
+    assert ar_sampled["mixed"][2] == GREEDY5[2]
+
+
+def test_sampling_differs_from_greedy_and_between_seeds():
+    prompts = golden_prompts(TP)
+    a = ids(run(TP, prompts, sampling={"temperature": 1.0, "seed": 0}))
+    b = ids(run(TP, prompts, sampling={"temperature": 1.0, "seed": 1}))
+    assert all(x != y for x, y in zip(a, b, strict=True))
+    assert all(x != g for x, g in zip(a, GREEDY5, strict=True))
+    # the seed does not matter to greedy rows
+    assert ids(run(TP, prompts, sampling={"temperature": 0.0, "seed": 9})) == GREEDY5
+
+
+def test_request_independent_of_its_batch():
+    me = {"temperature": 0.7, "top_k": 20, "seed": 11}
+    prompt = PROMPTS8[2]
+    alone = ids(run(TP, [prompt], method="ddtree", draft_name=DRAFT, budget=7, batch_size=1, options=[me]))[0]
+    for others in (SETTINGS["t1"][1:5], [{"temperature": 0.0}, {"temperature": 2.0, "seed": 11}] * 2):
+        batch = [prompt] + PROMPTS8[4:8]
+        out = ids(
+            run(TP, batch, method="ddtree", draft_name=DRAFT, budget=7, batch_size=5, options=[me, *others])
+        )
+        assert out[0] == alone
+    assert alone == ids(run(TP, [prompt], batch_size=1, options=[me]))[0]
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 7)])
+def test_limits_equal_greedy(method, budget):
+    draft = None if method == "ar" else DRAFT
+    prompts = golden_prompts(TP)
+    for settings in (
+        {"temperature": 1e-5, "seed": 1},  # the fixture's greedy margins are > 1e-3
+        {"temperature": 1.0, "top_k": 1, "seed": 2},
+        {"temperature": 1.0, "top_p": 1e-6, "seed": 3},
+    ):
+        out = ids(run(TP, prompts, method=method, draft_name=draft, budget=budget, sampling=settings))
+        assert out == GREEDY5, settings
+    full = {"temperature": 1.0, "seed": 4}
+    assert ids(run(TP, prompts, sampling=full | {"top_p": 1.0, "top_k": 0})) == ids(
+        run(TP, prompts, sampling=full | {"top_k": 256})
+    )
+
+
+# -- the processing steps against sort-based references --------------------------------------------
+
+
+def test_top_k_and_top_p_masks_match_sorting():
+    rng = np.random.default_rng(0)
+    logits = np.round(rng.normal(size=(3, 4, 256)) * 2, 1).astype(np.float32)  # ties on purpose
+    logits[0, 0, :10] = -np.inf
+    top_k = np.array([1, 20, 0], np.int32)
+    keep = np.asarray(sampling.top_k_mask(jnp.asarray(logits), jnp.asarray(top_k)))
+    for b in range(3):
+        for t in range(4):
+            k = top_k[b] or 256
+            kth = np.sort(logits[b, t])[::-1][k - 1]
+            np.testing.assert_array_equal(keep[b, t], logits[b, t] >= kth)
+            assert keep[b, t].sum() >= k
+
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+    top_p = np.array([0.3, 0.9, 1.0], np.float32)
+    keep = np.asarray(sampling.top_p_mask(jnp.asarray(probs), jnp.asarray(top_p)))
+    for b in range(3):
+        for t in range(4):
+            p = probs[b, t].astype(np.float64)
+            desc = np.sort(p)[::-1]
+            n = np.searchsorted(np.cumsum(desc), top_p[b] * (1 - 1e-6)) + 1
+            expect = p >= desc[min(n, 256) - 1] if top_p[b] < 1 else np.ones(256, bool)
+            np.testing.assert_array_equal(keep[b, t], expect)
+
+
+def test_noise_depends_only_on_seed_position_token():
+    seed = jnp.asarray([5, 5, 6], jnp.uint32)
+    pos = jnp.asarray([[3, 4], [4, 3], [3, 4]], jnp.int32)
+    g = np.asarray(sampling.gumbel(seed, pos, 256))
+    one = np.asarray(sampling.gumbel(jnp.asarray([5], jnp.uint32), jnp.asarray([[3]]), 256))[0, 0]
+    np.testing.assert_array_equal(g[0, 0], one)
+    np.testing.assert_array_equal(g[1, 1], one)
+    assert not np.array_equal(g[0, 0], g[0, 1]) and not np.array_equal(g[0, 0], g[2, 0])
+    many = np.asarray(
+        sampling.gumbel(jnp.arange(64, dtype=jnp.uint32), jnp.arange(64 * 64).reshape(64, 64), 256)
+    )
+    assert np.all(np.isfinite(many))
+    assert abs(many.mean() - np.euler_gamma) < 0.01 and abs(many.var() - np.pi**2 / 6) < 0.02
+    assert stats.kstest(many.ravel()[::7], stats.gumbel_r.cdf).pvalue > 1e-4
+
+
+# -- distribution of the first two tokens ----------------------------------------------------------
+
+DIST_PROMPT = PROMPTS8[2]
+NUM_SEEDS = 4000
+
+
+def last_logits(tokens: jax.Array) -> jax.Array:
+    """The target's logits at the last position of each row of tokens [R, n] -> [R, V]."""
+    cfg, params = load_target(TP)
+    r, m = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(m), (r, m))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((m, m), bool)), (r, m, m))
+    out = target.forward(params, cfg, tokens, positions, mask, None)
+    return target.logits(params, out.hidden[:, -1])
+
+
+def exact_two_token_probs(temperature: float) -> np.ndarray:
+    """P(x1, x2) [V, V] of the target at `temperature`, from its logits (one forward per x1)."""
+    v = load_target(TP)[0].vocab_size
+    p1 = jax.nn.softmax(last_logits(jnp.asarray([DIST_PROMPT])) / temperature, axis=-1)[0]
+    both = jnp.concatenate([jnp.tile(jnp.asarray(DIST_PROMPT), (v, 1)), jnp.arange(v)[:, None]], axis=1)
+    p2 = jax.nn.softmax(last_logits(both) / temperature, axis=-1)
+    return np.asarray(p1[:, None] * p2, np.float64)
+
+
+def test_noise_position_is_the_chosen_tokens_position():
+    """x1 (at position L) uses the noise at L, x2 the noise at L + 1: Gumbel-max by hand."""
+    n, seed, temp = len(DIST_PROMPT), 123, 0.8
+    out = ids(run(TP, [DIST_PROMPT], options=[{"temperature": temp, "seed": seed}], max_new_tokens=2))[0]
+    expect, tokens = [], list(DIST_PROMPT)
+    for pos in (n, n + 1):
+        noise = sampling.gumbel(jnp.asarray([seed], jnp.uint32), jnp.asarray([[pos]]), 256)[0, 0]
+        expect.append(int(jnp.argmax(last_logits(jnp.asarray([tokens]))[0] / temp + noise)))
+        tokens.append(expect[-1])
+    assert out == expect
+
+
+def g_test_pvalue(samples: list[list[int]], probs: np.ndarray) -> float:
+    """G-test of (x1, x2) samples against probs; cells with expected < 5 are pooled into one bin."""
+    counts = np.zeros(probs.shape)
+    for x1, x2 in samples:
+        counts[x1, x2] += 1
+    expected = probs.ravel() * len(samples)
+    big = expected >= 5
+    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert exp[-1] >= 5 and big.sum() > 50  # enough bins for the test to mean something
+    g = 2 * np.sum(np.where(obs > 0, obs * np.log(np.maximum(obs, 1) / exp), 0.0))
+    return stats.chi2.sf(g, len(obs) - 1)
+
+
+@pytest.fixture(scope="module")
+def exact_t1():
+    return exact_two_token_probs(1.0)
+
+
+@pytest.mark.parametrize("method,budget", [("ar", 0), ("ddtree", 7)])
+def test_first_two_tokens_follow_target_distribution(exact_t1, method, budget):
+    opts = [{"temperature": 1.0, "seed": 1000 + i} for i in range(NUM_SEEDS)]
+    draft = None if method == "ar" else DRAFT
+    out = ids(
+        run(
+            TP,
+            [DIST_PROMPT] * NUM_SEEDS,
+            method=method,
+            draft_name=draft,
+            budget=budget,
+            options=opts,
+            max_new_tokens=2,
+        )
+    )
+    assert g_test_pvalue(out, exact_t1) > 1e-4
+    if method == "ar":  # power: a sampler at the wrong temperature is rejected
+        hot = [o | {"temperature": 1.3} for o in opts]
+        biased = ids(run(TP, [DIST_PROMPT] * NUM_SEEDS, options=hot, max_new_tokens=2))
+        assert g_test_pvalue(biased, exact_t1) < 1e-6
+        top = [o | {"top_k": 8} for o in opts]
+        biased = ids(run(TP, [DIST_PROMPT] * NUM_SEEDS, options=top, max_new_tokens=2))
+        assert g_test_pvalue(biased, exact_t1) < 1e-6
+
+
+# -- settings from the command line and the prompts file -------------------------------------------
+
+
+def _argv(tmp_path, *flags):
+    return [
+        "--target",
+        str(FIXTURES / TP),
+        "--prompts",
+        str(tmp_path / "p.jsonl"),
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--dtype",
+        "float32",
+        *flags,
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--seed", "-3"], "--seed must be in [0, 2^32)"),
+    ],
+)
+def test_bad_sampling_flags(tmp_path, capsys, flags, needle):
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [1]}\n')
+    assert main(_argv(tmp_path, *flags)) == 1
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "field,needle",
+    [
+        ('"temperature": -0.5', "p.jsonl:2: 'temperature' must be >= 0"),
+        ('"temperature": "hot"', "p.jsonl:2: 'temperature' must be a finite number"),
+        ('"top_p": 0', "p.jsonl:2: 'top_p' must be in (0, 1]"),
+        ('"top_p": 2', "p.jsonl:2: 'top_p' must be in (0, 1]"),
+        ('"top_k": -2', "p.jsonl:2: 'top_k' must be >= 0"),
+        ('"top_k": 1.5', "p.jsonl:2: 'top_k' must be an integer"),
+        ('"seed": 4294967296', "p.jsonl:2: 'seed' must be in [0, 2^32)"),
+    ],
+)
+def test_bad_sampling_fields(tmp_path, capsys, field, needle):
+    (tmp_path / "p.jsonl").write_text('{"input_ids": [1]}\n{"input_ids": [2], ' + field + "}\n")
+    assert main(_argv(tmp_path)) == 1
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_cli_sampling_defaults_and_per_prompt_overrides(tmp_path):
+    prompts = golden_prompts(TP)
+    own = [{}, {"seed": 77}, {"temperature": 0.0}, {"top_k": 0, "top_p": 0.5}, {"temperature": 1.0}]
+    lines = [{"id": i, "input_ids": p, **o} for i, (p, o) in enumerate(zip(prompts, own, strict=True))]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    flags = [
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+        "--max-new-tokens",
+        "24",
+    ]
+    draft = ["--draft", str(FIXTURES / DRAFT), "--budget", "7", "--batch-size", "5"]
+    assert main(_argv(tmp_path, *flags, *draft)) == 0
+    out = [json.loads(line)["output_ids"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    defaults = {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5}
+    assert out == ids(run(TP, prompts, sampling=defaults, options=own))
+    assert out[2] == GREEDY5[2] and out[0] != GREEDY5[0]
+
+
+# -- deep acceptance under sampling: an oracle drafter proposing ar's sampled continuation ----------
+
+
+def test_oracle_sampled_continuation_accepted_at_full_depth(monkeypatch):
+    """The walk follows sampled children at every depth (noise position = node position + 1)."""
+    from ddtree_jax import engine
+
+    prompts, opts = golden_prompts(TP), SETTINGS["mixed"][:5]
+    ar = ids(run(TP, prompts, options=opts))
+    width = max(len(p) + len(o) for p, o in zip(prompts, ar, strict=True)) + 16
+    table = np.zeros((5, width), np.int32)
+    for i, (p, o) in enumerate(zip(prompts, ar, strict=True)):
+        table[i, : len(p) + len(o)] = p + o
+
+    def oracle_draft(params, draft_params, state, plan):
+        d, k, v = plan.depth, plan.branching, plan.target.vocab_size
+        pos = state.cache.lengths[:, None] + 1 + jnp.arange(d)[None, :]
+        right = jnp.take_along_axis(jnp.asarray(table), jnp.minimum(pos, width - 1), axis=1)
+        tok = (right[:, :, None] + jnp.arange(k)[None, None, :]) % v
+        return -jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), tok.shape), tok.astype(jnp.int32)
+
+    jax.clear_caches()
+    monkeypatch.setattr(engine, "draft", oracle_draft)
+    try:
+        for method, budget in [("dflash", 0), ("ddtree", 32)]:
+            results = run(TP, prompts, method=method, draft_name=DRAFT, budget=budget, options=opts)
+            assert ids(results) == ar, method
+            assert all(r.acceptance_lengths == [8, 8, 7] for r in results), method
+    finally:
+        jax.clear_caches()
