@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -13,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from ddtree_jax.errors import DDTreeError
+from ddtree_jax.sharding import Placement
 from ddtree_jax.weights import Params, WeightSpec, assemble
 
 _DTYPES = {
@@ -107,18 +107,20 @@ class Checkpoint:
         return array.T if spec.transpose else array
 
 
-ShardingFn = Callable[[WeightSpec], jax.sharding.Sharding]
-
-
 def load_params(
-    directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, sharding: ShardingFn
+    directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
 ) -> Params:
-    """Load every spec'd tensor, converted to `dtype` on the host one at a time, placed on its shards."""
+    """Load every spec'd tensor, placed shard by shard: each device's block is read from the
+    memory-mapped checkpoint and converted to `dtype` on its own (no full copy on one device)."""
     ckpt = Checkpoint(directory)
 
     def make(spec: WeightSpec) -> jax.Array:
-        host = np.ascontiguousarray(ckpt.read(spec), dtype=dtype)
-        return jax.make_array_from_callback(host.shape, sharding(spec), lambda idx: host[idx])
+        host = ckpt.read(spec)  # memory-mapped
+
+        def block(index):
+            return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
+
+        return jax.make_array_from_callback(placement.placed_shape(spec), placement(spec), block)
 
     return assemble(specs, make)
 
@@ -137,3 +139,49 @@ def restore_converted(directory: str | Path, abstract: Params) -> Params:
     import orbax.checkpoint as ocp
 
     return ocp.StandardCheckpointer().restore(Path(directory).absolute(), abstract)
+
+
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write numpy arrays (bfloat16 included, via ml_dtypes) as one safetensors file."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        size = array.size * array.dtype.itemsize
+        header[name] = {
+            "dtype": _DTYPE_NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())
+
+
+def save_hf(
+    params: Params,
+    specs: list[WeightSpec],
+    directory: str | Path,
+    config_json: dict,
+    dtype=ml_dtypes.bfloat16,
+) -> None:
+    """Write parameters as an HF directory: config.json + model.safetensors with the specs' HF names
+    and layouts (linear weights transposed back to [out, in]), converted to `dtype`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for spec in specs:
+        node = params
+        for key in spec.path:
+            node = node[key]
+        array = np.asarray(jax.device_get(node), dtype=np.float32)
+        tensors[spec.hf_name] = (array.T if spec.transpose else array).astype(dtype)
+    write_safetensors(directory / "model.safetensors", tensors)
+    (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")

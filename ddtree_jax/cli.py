@@ -52,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel devices")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel devices: heads, MLP columns and vocabulary split"
+    )
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel devices: the batch split (padded to a multiple)"
+    )
     return p
 
 
@@ -78,8 +82,6 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("temperature", "top_k", "top_p", "seed"):
         if (why := check(name, getattr(args, name))) is not None:
             raise DDTreeError(f"--{name.replace('_', '-')} {why}")
-    if args.tp != 1 or args.dp != 1:
-        raise DDTreeError("--tp/--dp > 1: tensor and data parallelism are not implemented yet")
     if args.block_size is not None and args.block_size < 2:
         raise DDTreeError("--block-size must be >= 2")
 
@@ -93,15 +95,21 @@ def make_generator(args: argparse.Namespace):
 
     from ddtree_jax import drafter, target
     from ddtree_jax.attention import default_implementation
+    from ddtree_jax.config import load_draft_config, load_target_config
     from ddtree_jax.engine import Plan
     from ddtree_jax.generation import Generator
-    from ddtree_jax.sharding import make_mesh, param_sharding
+    from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
     from ddtree_jax.text import TextCodec
 
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
     dtype = jnp.dtype(args.dtype)
     sharding = param_sharding(make_mesh(args.tp, args.dp))
+    # Check that both models split --tp ways before placing any weight.
+    cfg = load_target_config(args.target)
+    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
+    if args.method != "ar":
+        check_divisible(load_draft_config(args.draft, cfg).dims, cfg.vocab_size, args.tp, "drafter")
     cfg, params = target.load(args.target, dtype, sharding)
     dcfg = draft_params = None
     if args.method != "ar":
@@ -116,13 +124,15 @@ def make_generator(args: argparse.Namespace):
         target=cfg,
         draft=dcfg,
         method=args.method,
-        batch_size=args.batch_size,
+        batch_size=-(-args.batch_size // args.dp) * args.dp,  # padded with inactive rows
         prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=budget,
         branching=min(branching, cfg.vocab_size),
         attention=default_implementation() if args.attention == "auto" else args.attention,
         draft_window=args.draft_window,
+        tp=args.tp,
+        dp=args.dp,
     )
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}

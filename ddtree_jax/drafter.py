@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import target
 from ddtree_jax.attention import cache_attend
+from ddtree_jax.collectives import Axis
 from ddtree_jax.config import DraftConfig
 from ddtree_jax.kv_cache import KVCache
 from ddtree_jax.layers import decoder_layer, layer_specs, project_kv, rms_norm, rope_tables
@@ -34,7 +35,10 @@ def weight_specs(cfg: DraftConfig) -> list[WeightSpec]:
 def context_kv(
     params: Params, cfg: DraftConfig, features: jax.Array, positions: jax.Array
 ) -> list[tuple[jax.Array, jax.Array]]:
-    """Per draft layer, K/V [B, T, Hkv, D] of committed tokens from their target features [B, T, F]."""
+    """Per draft layer, K/V [B, T, Hkv, D] of committed tokens from their target features [B, T, F].
+
+    No collective: fc is replicated and each device projects the K/V heads it holds.
+    """
     ctx = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.dims.rms_norm_eps)
     rope = rope_tables(positions, cfg.rope.inv_freq())
     return [project_kv(p, ctx, cfg.dims, rope) for p in params["layers"]]
@@ -49,18 +53,22 @@ def draft_logits(
     *,
     attention: str = "reference",
     window: int | None = None,
+    model_axis: Axis = None,
 ) -> jax.Array:
-    """float32 logits [B, D, V] for depths 1..D after the bonus [B] at position cache.lengths."""
+    """float32 logits [B, D, V] for depths 1..D after the bonus [B] at position cache.lengths.
+
+    With the vocabulary split over `model_axis`, this device's slice [B, D, V_local].
+    """
     b, k = bonus.shape[0], cfg.block_size
     block = jnp.full((b, k), cfg.mask_token_id, jnp.int32).at[:, 0].set(bonus)
     positions = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     rope = rope_tables(positions, cfg.rope.inv_freq())
     mask = jnp.ones((b, k, k), jnp.bool_)  # the block is bidirectional
-    x = target.embed(target_params, block)
+    x = target.embed(target_params, block, model_axis)
     for i, p in enumerate(params["layers"]):
         attend = cache_attend(attention, cache, i, mask, window)
         with jax.named_scope(f"draft_layer{i}"):
-            x, _ = decoder_layer(p, x, cfg.dims, rope, attend)
+            x, _ = decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
     hidden = rms_norm(x[:, 1:], params["norm"], cfg.dims.rms_norm_eps)
     return target.logits(target_params, hidden)
 

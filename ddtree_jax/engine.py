@@ -7,23 +7,31 @@ One code path serves three methods (DESIGN.md, "One decoding round"):
 Every shape is static: one compiled program per `Plan`. `generate` runs the whole generation
 (prefill and a `lax.while_loop` of rounds) as one jitted program; `HostStepper` calls the jitted
 stages from Python and times each of them.
+
+On a mesh of tp x dp devices (sharding.py) each program and stage is one `jax.shard_map` over the
+("data", "model") mesh: every device runs the code below on its rows and its heads, columns and
+vocabulary slice, with the collectives written out (`model_axis`); on one device there is no
+shard_map and `model_axis` is None.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, target, tree
+from ddtree_jax import collectives, drafter, target, tree
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.kv_cache import KVCache, empty_cache, gather_slots, write
 from ddtree_jax.sampling import SamplingParams, choose
-from ddtree_jax.weights import Params
+from ddtree_jax.sharding import DATA, MODEL, make_mesh, param_sharding
+from ddtree_jax.weights import Params, assemble
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -35,13 +43,15 @@ class Plan:
     target: TargetConfig
     draft: DraftConfig | None
     method: str
-    batch_size: int
+    batch_size: int  # the whole batch; each "data" device runs batch_size / dp rows
     prompt_len: int  # padded prompt length (bucket)
     max_new_tokens: int
     budget: int = 0  # ddtree: non-root tree nodes N
     branching: int = 1  # ddtree: candidates per depth k
     attention: str = "reference"
     draft_window: int | None = None
+    tp: int = 1  # devices along "model": heads, MLP columns and vocabulary split
+    dp: int = 1  # devices along "data": the batch split
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -50,6 +60,13 @@ class Plan:
             raise ValueError(f"method {self.method!r} needs a drafter")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError("ddtree needs budget >= 1")
+        if self.batch_size % self.dp:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by dp {self.dp}")
+
+    @property
+    def model_axis(self) -> str | None:
+        """The mesh axis the model is split over inside shard_map, None when it is not split."""
+        return MODEL if self.tp > 1 else None
 
     @property
     def depth(self) -> int:
@@ -114,26 +131,29 @@ def prefill(
 
     The first token is the one at position L (the prompt's length): its noise position (sampling.py).
     """
-    cfg, b, p = plan.target, plan.batch_size, plan.prompt_len
+    cfg, (b, p) = plan.target, prompts.shape  # b: this device's rows
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     causal = jnp.tril(jnp.ones((p, p), jnp.bool_))[None]
     mask = causal & (positions[:, None, :] < prompt_lengths[:, None, None])
-    out = target.forward(params, cfg, prompts, positions, mask, None, feature_layers=plan.feature_layers)
+    axis = plan.model_axis
+    out = target.forward(
+        params, cfg, prompts, positions, mask, None, feature_layers=plan.feature_layers, model_axis=axis
+    )
     dtype = params["embed"].dtype
-    d = cfg.dims
-    cache = empty_cache(cfg.num_layers, b, d.num_kv_heads, plan.capacity, d.head_dim, dtype)
+    hkv = out.kv[0][0].shape[2]  # the K/V heads this device holds
+    cache = empty_cache(cfg.num_layers, b, hkv, plan.capacity, cfg.dims.head_dim, dtype)
     cache = write(cache, out.kv, jnp.zeros((b,), jnp.int32))
     cache.lengths = prompt_lengths
     last = out.hidden[jnp.arange(b), prompt_lengths - 1]
-    first = choose(target.logits(params, last[:, None]), sampling, prompt_lengths[:, None])[:, 0]
+    first = choose(target.logits(params, last[:, None]), sampling, prompt_lengths[:, None], axis)[:, 0]
 
     draft_cache = None
     if plan.method != "ar":
-        dd = plan.draft.dims
-        draft_cache = empty_cache(
-            plan.draft.num_layers, b, dd.num_kv_heads, plan.capacity, dd.head_dim, dtype
-        )
         kv = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
+        hkv = kv[0][0].shape[2]
+        draft_cache = empty_cache(
+            plan.draft.num_layers, b, hkv, plan.capacity, plan.draft.dims.head_dim, dtype
+        )
         draft_cache = write(draft_cache, kv, jnp.zeros((b,), jnp.int32))
         draft_cache.lengths = prompt_lengths
 
@@ -154,7 +174,8 @@ def prefill(
 
 
 def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
-    """The drafter's per-depth top-k: log-probs and tokens [B, D, k], sorted descending."""
+    """The drafter's per-depth top-k: log-probs and tokens [B, D, k], sorted descending (global ids,
+    the same on every device of the "model" axis)."""
     logits = drafter.draft_logits(
         draft_params,
         plan.draft,
@@ -163,15 +184,16 @@ def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
         state.draft_cache,
         attention=plan.attention,
         window=plan.draft_window,
+        model_axis=plan.model_axis,
     )
-    logp, tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), plan.branching)
-    return logp, tok.astype(jnp.int32)
+    logp = collectives.log_softmax(logits, plan.model_axis)
+    return collectives.top_k(logp, plan.branching, plan.model_axis)
 
 
 def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, plan: Plan) -> tree.Tree:
     """The round's tree: the root alone (ar), a chain (dflash) or the lattice top-N (ddtree)."""
     if plan.method == "ar":
-        return tree.chain_tree(state.bonus, jnp.zeros((plan.batch_size, 0, 1), jnp.int32))
+        return tree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0, 1), jnp.int32))
     if plan.method == "dflash":
         return tree.chain_tree(state.bonus, tok)
     return tree.build_tree(state.bonus, logp, tok, plan.budget)
@@ -192,8 +214,9 @@ def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
         state.cache,
         feature_layers=plan.feature_layers,
         attention=plan.attention,
+        model_axis=plan.model_axis,
     )
-    choice = choose(target.logits(params, out.hidden), state.sampling, positions + 1)
+    choice = choose(target.logits(params, out.hidden), state.sampling, positions + 1, plan.model_axis)
     return choice, out.kv, out.features
 
 
@@ -209,7 +232,7 @@ def commit(
 ) -> DecodeState:
     """Walk the tree with the target's choices, then commit the accepted path of every live sequence."""
     w = tree.walk(t, choice, plan.depth)
-    b, slots = plan.batch_size, plan.path_slots
+    b, slots = state.bonus.shape[0], plan.path_slots
     live = ~state.done
     in_path = jnp.arange(slots)[None, :] < w.length[:, None]
     is_stop = jnp.isin(w.emitted, stop_ids) & in_path
@@ -288,7 +311,70 @@ def generate(
     )
 
 
-generate_jit = jax.jit(generate, static_argnames=("plan",))
+# -- on a mesh: shard_map specs of every argument and result -----------------------------------------
+
+ROW = P(DATA)  # [B, ...]: rows split over "data", replicated over "model"
+HEADS = P(DATA, MODEL)  # caches [B, Hkv, S, D]: and K/V heads split over "model"
+NEW_KV = P(DATA, None, MODEL)  # in-flight K/V [B, T, Hkv, D]
+ALL = P()  # replicated (stop ids)
+
+
+def param_specs(plan: Plan) -> tuple[Params, Params | P]:
+    """PartitionSpec trees of the target's and the drafter's parameters (from their WeightSpecs)."""
+    rules = param_sharding(make_mesh(plan.tp, plan.dp)).partition_spec
+    target_specs = assemble(target.weight_specs(plan.target), rules)
+    draft_specs = ALL if plan.draft is None else assemble(drafter.weight_specs(plan.draft), rules)
+    return target_specs, draft_specs
+
+
+def state_specs(plan: Plan) -> DecodeState:
+    """PartitionSpecs of a DecodeState: everything by rows, caches also by K/V heads."""
+
+    def cache(num_layers: int) -> KVCache:
+        return KVCache(k=[HEADS] * num_layers, v=[HEADS] * num_layers, lengths=ROW)
+
+    return DecodeState(
+        cache=cache(plan.target.num_layers),
+        draft_cache=None if plan.method == "ar" else cache(plan.draft.num_layers),
+        bonus=ROW,
+        output=ROW,
+        num_output=ROW,
+        done=ROW,
+        stopped=ROW,
+        acceptance=ROW,
+        rounds=ROW,
+        sampling=ROW,
+    )
+
+
+def on_mesh(fn, plan: Plan, in_specs, out_specs):
+    """`fn(*args, plan=plan)`, run per device under shard_map when the plan spans several devices."""
+    fn = functools.partial(fn, plan=plan)
+    if plan.tp * plan.dp == 1:
+        return fn
+    mesh = make_mesh(plan.tp, plan.dp)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def generate_on_mesh(
+    params: Params,
+    draft_params: Params | None,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    active: jax.Array,
+    stop_ids: jax.Array,
+    sampling: SamplingParams | None = None,
+    *,
+    plan: Plan,
+) -> DecodeState:
+    """`generate` over the plan's mesh: params as placed, the batch split over "data"."""
+    target_specs, draft_specs = param_specs(plan)
+    in_specs = (target_specs, draft_specs, ROW, ROW, ROW, ALL, ROW)
+    fn = on_mesh(generate, plan, in_specs, state_specs(plan))
+    return fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling)
+
+
+generate_jit = jax.jit(generate_on_mesh, static_argnames=("plan",))
 
 
 class HostStepper:
@@ -298,16 +384,23 @@ class HostStepper:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        self._prefill = jax.jit(prefill, static_argnames=("plan",))
-        self._draft = jax.jit(draft, static_argnames=("plan",))
-        self._build = jax.jit(build, static_argnames=("plan",))
-        self._verify = jax.jit(verify, static_argnames=("plan",))
-        self._commit = jax.jit(commit, static_argnames=("plan",), donate_argnums=(1,))
+        params, dparams = param_specs(plan)
+        state = state_specs(plan)
+        kv = [(NEW_KV, NEW_KV)] * plan.target.num_layers
+
+        def stage(fn, in_specs, out_specs, donate=()):
+            return jax.jit(on_mesh(fn, plan, in_specs, out_specs), donate_argnums=donate)
+
+        self._prefill = stage(prefill, (params, dparams, ROW, ROW, ROW, ALL, ROW), state)
+        self._draft = stage(draft, (params, dparams, state), (ROW, ROW))
+        self._build = stage(build, (state, ROW, ROW), ROW)
+        self._verify = stage(verify, (params, state, ROW), (ROW, kv, ROW))
+        self._commit = stage(commit, (dparams, state, ROW, ROW, kv, ROW, ALL), state, donate=(1,))
         self.times: dict[str, list[float]] = defaultdict(list)
 
     def _timed(self, stage: str, fn, *args):
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args, plan=self.plan))
+        out = jax.block_until_ready(fn(*args))
         self.times[stage].append(time.perf_counter() - start)
         return out
 

@@ -1,6 +1,10 @@
 """The pieces of a Qwen3/Llama decoder layer as pure functions over parameter dicts.
 
 Shapes: x [B, T, H]; q [B, T, Hq, D]; k, v [B, T, Hkv, D]; positions [B, T] int32.
+
+Under tensor parallelism (sharding.py) these run per device on local shapes: the head counts come
+from the weights' shapes, never from the config, and `model_axis` names the mesh axis to all-reduce
+over after o_proj and down_proj (Megatron); None on one device.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.collectives import Axis, psum
 from ddtree_jax.config import LayerDims
 from ddtree_jax.weights import WeightSpec, linear, norm
 
@@ -29,10 +34,10 @@ def layer_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
     attn, mlp_ = prefix + "self_attn.", prefix + "mlp."
     specs = [
         norm((*path, "attn_norm"), prefix + "input_layernorm.weight", h),
-        linear((*path, "q_proj"), attn + "q_proj.weight", h, hq, (None, "heads")),
-        linear((*path, "k_proj"), attn + "k_proj.weight", h, hkv, (None, "kv_heads")),
-        linear((*path, "v_proj"), attn + "v_proj.weight", h, hkv, (None, "kv_heads")),
-        linear((*path, "o_proj"), attn + "o_proj.weight", hq, h, ("heads", None)),
+        linear((*path, "q_proj"), attn + "q_proj.weight", h, hq, (None, "heads"), dims.num_heads),
+        linear((*path, "k_proj"), attn + "k_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
+        linear((*path, "v_proj"), attn + "v_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
+        linear((*path, "o_proj"), attn + "o_proj.weight", hq, h, ("heads", None), dims.num_heads),
         norm((*path, "mlp_norm"), prefix + "post_attention_layernorm.weight", h),
         linear((*path, "gate_proj"), mlp_ + "gate_proj.weight", h, ff, (None, "ff")),
         linear((*path, "up_proj"), mlp_ + "up_proj.weight", h, ff, (None, "ff")),
@@ -68,31 +73,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def project_kv(p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]):
-    """K (normed, rotated) and V of x: [B, T, Hkv, D] each."""
+    """K (normed, rotated) and V of x: [B, T, Hkv, D] each (Hkv: the heads this device holds)."""
     b, t, _ = x.shape
-    k = (x @ p["k_proj"]).reshape(b, t, dims.num_kv_heads, dims.head_dim)
-    v = (x @ p["v_proj"]).reshape(b, t, dims.num_kv_heads, dims.head_dim)
+    k = (x @ p["k_proj"]).reshape(b, t, -1, dims.head_dim)
+    v = (x @ p["v_proj"]).reshape(b, t, -1, dims.head_dim)
     if dims.qk_norm:
         k = rms_norm(k, p["k_norm"], dims.rms_norm_eps)
     return apply_rope(k, *rope), v
 
 
 def project_q(p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Q (normed, rotated): [B, T, Hq, D]."""
+    """Q (normed, rotated): [B, T, Hq, D] (Hq: the heads this device holds)."""
     b, t, _ = x.shape
-    q = (x @ p["q_proj"]).reshape(b, t, dims.num_heads, dims.head_dim)
+    q = (x @ p["q_proj"]).reshape(b, t, -1, dims.head_dim)
     if dims.qk_norm:
         q = rms_norm(q, p["q_norm"], dims.rms_norm_eps)
     return apply_rope(q, *rope)
 
 
-def mlp(p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU feed-forward."""
-    return (jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"]
+def mlp(p: dict, x: jax.Array, model_axis: Axis = None) -> jax.Array:
+    """SwiGLU feed-forward (columns split over `model_axis`: partial sums all-reduced)."""
+    return psum((jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"], model_axis)
 
 
 def decoder_layer(
-    p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array], attend: Attend
+    p: dict,
+    x: jax.Array,
+    dims: LayerDims,
+    rope: tuple[jax.Array, jax.Array],
+    attend: Attend,
+    model_axis: Axis = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One pre-norm decoder layer; returns the new hidden state and this layer's in-flight K/V."""
     b, t, _ = x.shape
@@ -100,8 +110,8 @@ def decoder_layer(
         h = rms_norm(x, p["attn_norm"], dims.rms_norm_eps)
         q = project_q(p, h, dims, rope)
         k, v = project_kv(p, h, dims, rope)
-        out = attend(q, k, v).reshape(b, t, dims.num_heads * dims.head_dim)
-        x = x + out @ p["o_proj"]
+        out = attend(q, k, v).reshape(b, t, -1)
+        x = x + psum(out @ p["o_proj"], model_axis)
     with jax.named_scope("mlp"):
-        x = x + mlp(p, rms_norm(x, p["mlp_norm"], dims.rms_norm_eps))
+        x = x + mlp(p, rms_norm(x, p["mlp_norm"], dims.rms_norm_eps), model_axis)
     return x, (k, v)

@@ -17,6 +17,10 @@ tempered distribution. Both cut-offs are exact thresholds found by bisection ove
 float32 values (32 masked counts or sums over the vocabulary, no sort). Ties keep every token equal
 to the threshold: top-k keeps all tokens whose logit equals the k-th largest (possibly more than k);
 top-p keeps the smallest set {p >= t} whose mass is >= top_p, so tokens tied at t are all in or all out.
+
+Vocabulary-parallel (`model_axis` set, logits [..., V_local] per device): the noise takes global
+token ids, the bisection's counts and sums are all-reduced at every step, and the argmax is the
+global one with the lowest-id tie rule (collectives.py), so the choice equals the unsplit one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ddtree_jax.collectives import Axis, axis_size, pmax, pmin, psum, vocab_offset
+from ddtree_jax.collectives import argmax as vocab_argmax
+from ddtree_jax.collectives import softmax as vocab_softmax
 
 MAX_SEED = 2**32  # seeds are uint32
 
@@ -86,14 +94,15 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def gumbel(seed: jax.Array, position: jax.Array, vocab_size: int) -> jax.Array:
+def gumbel(seed: jax.Array, position: jax.Array, vocab_size: int, first_token=0) -> jax.Array:
     """Gumbel(0, 1) noise [B, T, V] from seed [B] uint32, position [B, T] and the token id.
 
-    A pure function of (seed, position, token id): the same under any batch, tree or vocab sharding.
+    A pure function of (seed, position, token id): the same under any batch, tree or vocab sharding
+    (a vocabulary slice passes its first global id as `first_token`).
     """
     h = _mix(seed.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))[:, None]  # [B, 1]
     h = _mix(h + position.astype(jnp.uint32) * jnp.uint32(0x9E3779B1))  # [B, T]
-    token = jnp.arange(vocab_size, dtype=jnp.uint32)
+    token = jnp.arange(vocab_size, dtype=jnp.uint32) + jnp.asarray(first_token).astype(jnp.uint32)
     h = _mix(h[:, :, None] + token * jnp.uint32(0x85EBCA77))  # [B, T, V]
     # 23 bits -> u in (0, 1) strictly, exactly representable (1 - 2^-24 at most): -log(-log u) is finite.
     u = ((h >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
@@ -109,49 +118,56 @@ def _ordered_bits(x: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _largest_threshold(keys: jax.Array, weight: jax.Array, need: jax.Array) -> jax.Array:
+def _largest_threshold(keys: jax.Array, weight: jax.Array, need: jax.Array, axis: Axis = None) -> jax.Array:
     """Per row of keys [..., V] uint32: the largest t with sum(weight[keys >= t]) >= need [..., 1].
 
     Bisection over uint32 (32 halvings make the interval a point), so t is exactly one of the keys
     whenever the whole row meets `need`; rows that do not, get the row minimum (keep everything).
+    A vocabulary split over `axis` all-reduces the bounds and every masked sum.
     """
-    lo = jnp.min(keys, axis=-1, keepdims=True)
-    hi = jnp.max(keys, axis=-1, keepdims=True)
+    lo = pmin(jnp.min(keys, axis=-1, keepdims=True), axis)
+    hi = pmax(jnp.max(keys, axis=-1, keepdims=True), axis)
 
     def step(_, bounds):
         lo, hi = bounds
         gap = hi - lo
         mid = lo + (gap >> 1) + (gap & 1)  # ceil midpoint without overflow
-        ok = jnp.sum(jnp.where(keys >= mid, weight, 0), axis=-1, keepdims=True) >= need
+        ok = psum(jnp.sum(jnp.where(keys >= mid, weight, 0), axis=-1, keepdims=True), axis) >= need
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
     lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
     return lo
 
 
-def top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+def top_k_mask(logits: jax.Array, top_k: jax.Array, axis: Axis = None) -> jax.Array:
     """logits [B, T, V], top_k [B] (0 = off) -> keep [B, T, V]: logits >= the k-th largest."""
-    v = logits.shape[-1]
+    v = logits.shape[-1] * axis_size(axis)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)[:, None, None]
     keys = _ordered_bits(logits)
-    return keys >= _largest_threshold(keys, jnp.ones((), jnp.int32), k)
+    return keys >= _largest_threshold(keys, jnp.ones((), jnp.int32), k, axis)
 
 
-def top_p_mask(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+def top_p_mask(probs: jax.Array, top_p: jax.Array, axis: Axis = None) -> jax.Array:
     """probs [B, T, V], top_p [B] (1 = off) -> keep [B, T, V]: the smallest {p >= t} of mass >= top_p."""
     keys = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # probs >= 0: bits are ordered
     need = top_p[:, None, None]
-    keep = keys >= _largest_threshold(keys, probs, need)
+    keep = keys >= _largest_threshold(keys, probs, need, axis)
     return keep | (need >= 1.0)
 
 
-def choose(logits: jax.Array, sampling: SamplingParams | None = None, position: jax.Array | None = None):
+def choose(
+    logits: jax.Array,
+    sampling: SamplingParams | None = None,
+    position: jax.Array | None = None,
+    model_axis: Axis = None,
+):
     """logits [B, T, V] -> the target's token at each node [B, T] int32.
 
     sampling None: greedy. Otherwise `position` [B, T] is the absolute position of the token each node
-    chooses (the node's own position + 1); rows with temperature 0 stay greedy.
+    chooses (the node's own position + 1); rows with temperature 0 stay greedy. `model_axis`: the
+    vocabulary is split over it (logits [B, T, V_local]); the result is the same global token id.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = vocab_argmax(logits, model_axis)
     if sampling is None:
         return greedy
     logits = logits.astype(jnp.float32)
@@ -159,15 +175,16 @@ def choose(logits: jax.Array, sampling: SamplingParams | None = None, position: 
     tempered = logits / jnp.where(temperature > 0, temperature, 1.0)
     keep = jax.lax.cond(
         jnp.any(sampling.top_k > 0),
-        lambda: top_k_mask(logits, sampling.top_k),
+        lambda: top_k_mask(logits, sampling.top_k, model_axis),
         lambda: jnp.ones(logits.shape, jnp.bool_),
     )
     tempered = jnp.where(keep, tempered, -jnp.inf)
     keep = jax.lax.cond(
         jnp.any(sampling.top_p < 1.0),
-        lambda: keep & top_p_mask(jax.nn.softmax(tempered, axis=-1), sampling.top_p),
+        lambda: keep & top_p_mask(vocab_softmax(tempered, model_axis), sampling.top_p, model_axis),
         lambda: keep,
     )
-    noisy = tempered + gumbel(sampling.seed, position, logits.shape[-1])
-    sampled = jnp.argmax(jnp.where(keep, noisy, -jnp.inf), axis=-1).astype(jnp.int32)
+    v = logits.shape[-1]
+    noisy = tempered + gumbel(sampling.seed, position, v, vocab_offset(v, model_axis))
+    sampled = vocab_argmax(jnp.where(keep, noisy, -jnp.inf), model_axis)
     return jnp.where(sampling.temperature[:, None] > 0, sampled, greedy)

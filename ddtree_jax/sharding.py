@@ -1,6 +1,30 @@
-"""Device mesh and parameter placement: logical axes of each weight mapped onto mesh axes."""
+"""Device mesh and parameter placement: logical axes of each weight mapped onto mesh axes.
+
+The mesh has axes ("data", "model"). The batch is split over "data"; over "model" (Megatron):
+
+  "heads"     q_proj columns, o_proj rows: each device holds Hq / tp whole query heads
+  "kv_heads"  k_proj, v_proj columns and the K/V cache heads: Hkv / tp heads per device, or, when
+              there are fewer K/V heads than devices (tp % Hkv == 0), ONE head per device: device j
+              holds K/V head j * Hkv // tp, the one its query heads [j * Hq/tp, (j+1) * Hq/tp) read.
+              The placed k_proj / v_proj are then [H, tp * D]: each head repeated tp / Hkv times
+              (`placed_shape`, `host_block`), a layout that is also correct GQA on one device.
+  "ff"        gate/up columns, down rows
+  "vocab"     the embedding's rows and lm_head's columns (contiguous slices, in device order)
+
+Per-device work runs inside `jax.shard_map` (engine.py) on local shapes, with explicit collectives
+(collectives.py): an all-reduce after o_proj and down_proj, vocabulary-parallel argmax, top-k and
+sampling. Everything else (norms, the drafter's fc) is replicated.
+
+Beyond one host: call `jax.distributed.initialize()` first in every process (one process per host,
+each seeing its local GPUs); `jax.devices()` then lists the devices of all hosts, and `make_mesh`,
+the placement and the shard_mapped programs below apply unchanged (keep "model" within a host, where
+the all-reduces are fast: devices are ordered host by host, so a tp that divides the per-host count
+does that). The loader's callbacks only read the shards of addressable devices.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -9,20 +33,85 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.weights import WeightSpec
 
+DATA, MODEL = "data", "model"
+SPLIT_AXES = ("heads", "kv_heads", "ff", "vocab")  # logical axes split over "model"
+
 
 def make_mesh(tp: int = 1, dp: int = 1) -> Mesh:
     """A ("data", "model") mesh over the first dp * tp devices."""
     devices = jax.devices()
     if tp * dp > len(devices):
         raise DDTreeError(f"--tp {tp} x --dp {dp} needs {tp * dp} devices, {len(devices)} available")
-    return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), ("data", "model"))
+    return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), (DATA, MODEL))
 
 
-def param_sharding(mesh: Mesh):
-    """spec -> NamedSharding. On a one-device model axis every weight is replicated."""
+def check_divisible(dims, vocab_size: int, tp: int, model: str) -> None:
+    """Clear errors for a model that cannot be split `tp` ways (dims: config.LayerDims)."""
+    if tp == 1:
+        return
+    counts = {
+        "num_attention_heads": dims.num_heads,
+        "intermediate_size": dims.intermediate_size,
+        "vocab_size": vocab_size,
+    }
+    for field, n in counts.items():
+        if n % tp:
+            raise DDTreeError(f"--tp {tp}: the {model}'s {field} ({n}) is not divisible by {tp}")
+    hkv = dims.num_kv_heads
+    if hkv % tp and tp % hkv:
+        raise DDTreeError(
+            f"--tp {tp}: the {model}'s num_key_value_heads ({hkv}) must divide or be a multiple of {tp}"
+        )
 
-    def sharding(spec: WeightSpec) -> NamedSharding:
-        del spec  # tensor parallelism (splitting "heads", "ff", "vocab" over "model") is its own issue
-        return NamedSharding(mesh, PartitionSpec())
 
-    return sharding
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How each weight lies on the mesh; called as spec -> NamedSharding."""
+
+    mesh: Mesh
+
+    @property
+    def tp(self) -> int:
+        """Devices along "model"."""
+        return self.mesh.shape[MODEL]
+
+    def _kv_repeat(self, spec: WeightSpec) -> int:
+        """How many times each K/V head is repeated in the placed weight (1 unless Hkv < tp)."""
+        if "kv_heads" not in spec.axes or spec.heads >= self.tp:
+            return 1
+        return self.tp // spec.heads
+
+    def partition_spec(self, spec: WeightSpec) -> PartitionSpec:
+        """Logical axes -> mesh axes: the split axes on "model" (when it has more than one device)."""
+        if self.tp == 1:
+            return PartitionSpec()
+        return PartitionSpec(*(MODEL if a in SPLIT_AXES else None for a in spec.axes))
+
+    def placed_shape(self, spec: WeightSpec) -> tuple[int, ...]:
+        """The global shape of the placed array (K/V heads repeated when fewer than devices)."""
+        r = self._kv_repeat(spec)
+        return tuple(n * r if a == "kv_heads" else n for n, a in zip(spec.shape, spec.axes, strict=True))
+
+    def host_block(self, spec: WeightSpec, host: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` of the placed array, read from the checkpoint's array `host`."""
+        r = self._kv_repeat(spec)
+        if r == 1:
+            return host[index]
+        dim = spec.axes.index("kv_heads")
+        head_dim = spec.shape[dim] // spec.heads
+        cols = np.arange(self.placed_shape(spec)[dim])[index[dim]]
+        src = (cols // head_dim) // r * head_dim + cols % head_dim  # placed column -> checkpoint column
+        block = host[tuple(slice(None) if i == dim else s for i, s in enumerate(index))]
+        return np.take(block, src, axis=dim)
+
+    def __call__(self, spec: WeightSpec) -> NamedSharding:
+        for n, a in zip(self.placed_shape(spec), spec.axes, strict=True):
+            heads = spec.heads * self._kv_repeat(spec) if a in ("heads", "kv_heads") else n
+            if a in SPLIT_AXES and (n % self.tp or heads % self.tp):
+                raise DDTreeError(f"{spec.hf_name}: its {a} dim ({n}) does not split over --tp {self.tp}")
+        return NamedSharding(self.mesh, self.partition_spec(spec))
+
+
+def param_sharding(mesh: Mesh) -> Placement:
+    """spec -> NamedSharding (with the placed shape and host reads for the loader)."""
+    return Placement(mesh)

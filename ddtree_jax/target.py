@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.attention import cache_attend, self_attend
+from ddtree_jax.collectives import Axis, psum, vocab_offset
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.kv_cache import KVCache
 from ddtree_jax.layers import decoder_layer, layer_specs, rms_norm, rope_tables
@@ -34,13 +35,22 @@ class ForwardOutput(NamedTuple):
     features: jax.Array | None
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """Token embeddings [B, T, H]."""
-    return params["embed"][tokens]
+def embed(params: Params, tokens: jax.Array, model_axis: Axis = None) -> jax.Array:
+    """Token embeddings [B, T, H]; a vocabulary-split table: masked local lookup, then all-reduce."""
+    table = params["embed"]
+    if model_axis is None:
+        return table[tokens]
+    local = tokens - vocab_offset(table.shape[0], model_axis)
+    here = (local >= 0) & (local < table.shape[0])
+    rows = table[jnp.where(here, local, 0)]
+    return psum(jnp.where(here[..., None], rows, jnp.zeros((), rows.dtype)), model_axis)
 
 
 def logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """float32 logits [..., V] from final-normed hidden states (tied or untied lm_head)."""
+    """float32 logits [..., V] from final-normed hidden states (tied or untied lm_head).
+
+    With the vocabulary split over devices, this device's slice [..., V_local] (collectives.py).
+    """
     if "lm_head" in params:
         return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
@@ -56,19 +66,21 @@ def forward(
     *,
     feature_layers: tuple[int, ...] = (),
     attention: str = "reference",
+    model_axis: Axis = None,
 ) -> ForwardOutput:
     """Run T new tokens [B, T] at `positions` over `cache` (None: prefill) under `mask` [B, T, T].
 
     The cache is only read: the new tokens' K/V come back in `kv` for the caller to commit.
     `features` concatenates the outputs of decoder layers `feature_layers` (what DFlash conditions on).
+    `model_axis`: the mesh axis heads, columns and vocabulary are split over (None: unsplit).
     """
-    x = embed(params, tokens)
+    x = embed(params, tokens, model_axis)
     rope = rope_tables(positions, cfg.rope.inv_freq())
     kv, feats = [], {}
     for i, p in enumerate(params["layers"]):
         attend = self_attend(mask) if cache is None else cache_attend(attention, cache, i, mask)
         with jax.named_scope(f"layer{i}"):
-            x, layer_kv = decoder_layer(p, x, cfg.dims, rope, attend)
+            x, layer_kv = decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
         kv.append(layer_kv)
         if i in feature_layers:
             feats[i] = x

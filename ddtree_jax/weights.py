@@ -24,6 +24,7 @@ class WeightSpec:
     axes: tuple[str | None, ...]  # logical axis per dim: "vocab", "heads", "kv_heads", "ff" or None
     transpose: bool = False  # HF nn.Linear stores [out, in]
     is_norm: bool = False  # RMSNorm weights initialise near 1
+    heads: int = 0  # attention heads along the "heads" / "kv_heads" axis (0: none)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -32,10 +33,15 @@ class WeightSpec:
 
 
 def linear(
-    path: Path_, hf_name: str, d_in: int, d_out: int, axes: tuple[str | None, str | None]
+    path: Path_,
+    hf_name: str,
+    d_in: int,
+    d_out: int,
+    axes: tuple[str | None, str | None],
+    heads: int = 0,
 ) -> WeightSpec:
     """An nn.Linear weight stored [out, in] by HF, kept [in, out] here."""
-    return WeightSpec(path, hf_name, (d_in, d_out), axes, transpose=True)
+    return WeightSpec(path, hf_name, (d_in, d_out), axes, transpose=True, heads=heads)
 
 
 def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:

@@ -25,22 +25,22 @@ def golden(name: str) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def load_target(name: str, dtype: str = "float32"):
-    """(config, params) of a fixture target on one device."""
+def load_target(name: str, dtype: str = "float32", tp: int = 1, dp: int = 1):
+    """(config, params) of a fixture target placed on a tp x dp mesh (default: one device)."""
     from ddtree_jax import target
     from ddtree_jax.sharding import make_mesh, param_sharding
 
-    return target.load(FIXTURES / name, jnp.dtype(dtype), param_sharding(make_mesh()))
+    return target.load(FIXTURES / name, jnp.dtype(dtype), param_sharding(make_mesh(tp, dp)))
 
 
 @functools.cache
-def load_drafter(name: str, dtype: str = "float32"):
-    """(config, params) of a fixture drafter on one device."""
+def load_drafter(name: str, dtype: str = "float32", tp: int = 1, dp: int = 1):
+    """(config, params) of a fixture drafter placed on a tp x dp mesh (default: one device)."""
     from ddtree_jax import drafter
     from ddtree_jax.sharding import make_mesh, param_sharding
 
     cfg, _ = load_target(DRAFTERS[name], dtype)
-    return drafter.load(FIXTURES / name, cfg, jnp.dtype(dtype), param_sharding(make_mesh()))
+    return drafter.load(FIXTURES / name, cfg, jnp.dtype(dtype), param_sharding(make_mesh(tp, dp)))
 
 
 def golden_prompts(name: str) -> list[list[int]]:
@@ -64,11 +64,13 @@ def run(
     branching=None,
     sampling=None,
     options=None,
+    tp=1,
+    dp=1,
 ):
     """Generate with the engine in float32; returns the Result list in prompt order.
 
     sampling: default settings {temperature, top_k, top_p, seed} (unset: greedy); options: one dict
-    per prompt overriding them, like the JSONL fields.
+    per prompt overriding them, like the JSONL fields. tp, dp: the mesh (batch_size a multiple of dp).
     """
     import dataclasses
 
@@ -77,10 +79,10 @@ def run(
     from ddtree_jax.prompts import Prompt
     from ddtree_jax.sampling import GREEDY
 
-    cfg, params = load_target(target_name)
+    cfg, params = load_target(target_name, tp=tp, dp=dp)
     dcfg = dparams = None
     if draft_name is not None:
-        dcfg, dparams = load_drafter(draft_name)
+        dcfg, dparams = load_drafter(draft_name, tp=tp, dp=dp)
         if block_size is not None:
             dcfg = dataclasses.replace(dcfg, block_size=block_size)
     batch_size = batch_size or len(prompts)
@@ -93,6 +95,8 @@ def run(
         max_new_tokens=max_new_tokens,
         budget=budget,
         branching=branching or (min(budget, 32) if method == "ddtree" else 1),
+        tp=tp,
+        dp=dp,
     )
     gen = Generator(
         params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped, sampling=GREEDY | (sampling or {})

@@ -173,7 +173,10 @@ def test_bad_prompts(tmp_path, capsys, line, needle):
         (["--method", "ddtree"], "needs --draft"),
         (["--budget", "0"], "--budget must be >= 1"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
-        (["--tp", "2"], "not implemented yet"),
+        (["--tp", "16"], "--tp 16 x --dp 1 needs 16 devices, 8 available"),
+        (["--tp", "2", "--dp", "8"], "needs 16 devices"),
+        (["--tp", "8"], "the target's num_attention_heads (4) is not divisible by 8"),
+        (["--tp", "3"], "num_attention_heads (4) is not divisible by 3"),
     ],
 )
 def test_bad_flags(tmp_path, capsys, flags, needle):

@@ -1,0 +1,263 @@
+"""Tensor and data parallelism on 8 fake CPU devices: the same tokens and acceptance lengths on every
+("data", "model") mesh, weights really split, and the collectives we expect in the compiled program.
+
+`qwen3_gqa4_tp` has 8 query heads and 2 K/V heads, so tp 4 and 8 replicate K/V heads (sharding.py).
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FIXTURES, golden, golden_prompts, load_drafter, load_target, run
+from jax.sharding import PartitionSpec as P
+from test_generate import EXTRA_PROMPTS
+
+from ddtree_jax import collectives, engine, target
+from ddtree_jax.cli import main
+from ddtree_jax.sampling import SamplingParams
+
+TP = "qwen3_gqa4_tp"
+DRAFT = "dflash_qwen3_gqa4_tp"
+PROMPTS = golden_prompts(TP) + EXTRA_PROMPTS  # 8 prompts: one row per device at dp 8
+MESHES = [(2, 1), (4, 1), (8, 1), (2, 2), (1, 8), (4, 2)]  # (tp, dp); (1, 1) is the reference
+NEW = 16
+SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 7}
+
+
+def outcome(results):
+    return [(r.output_ids, r.acceptance_lengths, r.finish_reason) for r in results]
+
+
+def generate(method, budget=0, tp=1, dp=1, **kw):
+    draft = None if method == "ar" else DRAFT
+    return outcome(
+        run(TP, PROMPTS, method=method, draft_name=draft, budget=budget, batch_size=8, max_new_tokens=NEW,
+            tp=tp, dp=dp, **kw)
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Outcomes on one device, per (method, budget) and for the sampled ddtree run."""
+    cache = {}
+
+    def get(method, budget=0, sampled=False):
+        key = (method, budget, sampled)
+        if key not in cache:
+            cache[key] = generate(method, budget, sampling=SAMPLING if sampled else None)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("tp,dp", MESHES)
+def test_ddtree_identical_on_every_mesh(reference, tp, dp):
+    assert generate("ddtree", 7, tp, dp) == reference("ddtree", 7)
+
+
+@pytest.mark.parametrize(
+    "method,budget,tp,dp",
+    [
+        ("ar", 0, 8, 1),
+        ("ar", 0, 2, 2),
+        ("dflash", 0, 4, 1),
+        ("dflash", 0, 4, 2),
+        ("dflash", 0, 1, 8),
+        ("ddtree", 32, 8, 1),
+        ("ddtree", 32, 2, 2),
+    ],
+)
+def test_methods_identical_on_meshes(reference, method, budget, tp, dp):
+    got = generate(method, budget, tp, dp)
+    assert got == reference(method, budget)
+    # Lossless: every method emits ar's tokens.
+    assert [g[0] for g in got] == [r[0] for r in reference("ar")]
+
+
+@pytest.mark.parametrize("tp,dp", [(8, 1), (4, 2)])
+def test_sampled_identical_on_meshes(reference, tp, dp):
+    assert generate("ddtree", 7, tp, dp, sampling=SAMPLING) == reference("ddtree", 7, sampled=True)
+
+
+def test_host_stepped_on_mesh(reference):
+    assert generate("ddtree", 7, 4, 2, host_stepped=True) == reference("ddtree", 7)
+
+
+@pytest.mark.parametrize(
+    "name,draft,method,tp,dp",
+    [
+        ("qwen3_gqa1", "dflash_qwen3_gqa1", "ddtree", 4, 2),  # K/V heads split, not replicated
+        ("qwen3_gqa2_tied", None, "ar", 4, 1),  # tied embeddings: the lm_head is the split table
+        ("llama3_scaled", None, "ar", 8, 1),
+    ],
+)
+def test_other_fixtures_match_one_device(name, draft, method, tp, dp):
+    prompts = golden_prompts(name)
+    kw = dict(method=method, draft_name=draft, budget=5, batch_size=6, max_new_tokens=12)
+    one = outcome(run(name, prompts, **kw))
+    assert outcome(run(name, prompts, tp=tp, dp=dp, **kw)) == one
+    assert [o[0] for o in one] == [golden(name)[f"greedy_{i}"].tolist()[:12] for i in range(5)]
+
+
+# -- acceptance > 1 on a mesh: an oracle draft stage -------------------------------------------------
+
+
+@pytest.fixture()
+def oracle(monkeypatch):
+    """A draft stage proposing the ar continuation (rank 0 wrong at depth 3): long accepted paths."""
+
+    def install(reference: list[list[int]]):
+        width = max(len(r) for r in reference) + 16
+        table = np.zeros((len(reference), width), np.int32)
+        for i, r in enumerate(reference):
+            table[i, : len(r)] = r
+
+        def oracle_draft(params, draft_params, state, plan):
+            b = state.bonus.shape[0]  # this device's rows
+            first = jax.lax.axis_index("data") * b if plan.tp * plan.dp > 1 else 0
+            rows = jax.lax.dynamic_slice_in_dim(jnp.asarray(table), first, b)
+            d, k, v = plan.depth, plan.branching, plan.target.vocab_size
+            pos = state.cache.lengths[:, None] + 1 + jnp.arange(d)[None, :]
+            right = jnp.take_along_axis(rows, jnp.minimum(pos, width - 1), axis=1)
+            tok = (right[:, :, None] + jnp.arange(k)[None, None, :]) % v
+            tok = tok.at[:, 3, 0].set((right[:, 3] + 1) % v).at[:, 3, 1].set(right[:, 3])
+            logp = -jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), tok.shape)
+            return logp, tok.astype(jnp.int32)
+
+        jax.clear_caches()
+        monkeypatch.setattr(engine, "draft", oracle_draft)
+
+    yield install
+    jax.clear_caches()
+
+
+def test_long_acceptance_identical_on_meshes(reference, oracle):
+    ar = [r[0] for r in reference("ar")]
+    oracle([p + o for p, o in zip(PROMPTS, ar, strict=True)])
+    for method, budget, longest in [("dflash", 0, 4), ("ddtree", 32, 8)]:  # the chain stops at depth 3
+        one = generate(method, budget)
+        assert [o[0] for o in one] == ar
+        assert max(a for o in one for a in o[1]) == longest, method
+        for tp, dp in [(8, 1), (2, 2)]:
+            assert generate(method, budget, tp, dp) == one, (method, tp, dp)
+
+
+# -- placement ---------------------------------------------------------------------------------------
+
+
+def shard_shapes(array):
+    return {tuple(s.data.shape) for s in array.addressable_shards}
+
+
+@pytest.mark.parametrize("tp,dp", [(4, 1), (8, 1), (2, 2)])
+def test_weights_split_over_model_axis(tp, dp):
+    cfg, one = load_target(TP)
+    _, params = load_target(TP, tp=tp, dp=dp)
+    layer, one_layer = params["layers"][0], one["layers"][0]
+    h, v = cfg.dims.hidden_size, cfg.vocab_size
+    hq, ff = cfg.dims.num_heads * cfg.dims.head_dim, cfg.dims.intermediate_size
+    assert shard_shapes(layer["q_proj"]) == {(h, hq // tp)}
+    assert shard_shapes(layer["o_proj"]) == {(hq // tp, h)}
+    assert shard_shapes(layer["gate_proj"]) == {(h, ff // tp)}
+    assert shard_shapes(layer["up_proj"]) == {(h, ff // tp)}
+    assert shard_shapes(layer["down_proj"]) == {(ff // tp, h)}
+    assert shard_shapes(params["lm_head"]) == {(h, v // tp)}
+    assert shard_shapes(params["embed"]) == {(v // tp, h)}
+    assert shard_shapes(layer["attn_norm"]) == {(h,)}
+
+    # Per device, 1 / tp of the target's matrices besides K/V (norms are replicated, K/V may be).
+    def split_bytes(tree, per_device):
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return sum(
+            (x.addressable_shards[0].data.nbytes if per_device else x.nbytes)
+            for path, x in leaves
+            if x.ndim == 2 and path[-1].key not in ("k_proj", "v_proj")
+        )
+
+    assert split_bytes(params, True) * tp == split_bytes(one, False)
+    # Each device's K/V heads are the ones its query heads read: Hkv = 2 < tp repeats them.
+    d, hkv, g = cfg.dims.head_dim, cfg.dims.num_kv_heads, cfg.dims.group
+    full_k = np.asarray(one_layer["k_proj"]).reshape(h, hkv, d)
+    for s in layer["k_proj"].addressable_shards:
+        j = s.index[1].start // s.data.shape[1]  # the device's position along "model"
+        local = np.asarray(s.data).reshape(h, -1, d)
+        first_q = j * cfg.dims.num_heads // tp
+        want = [first_q // g] if hkv < tp else list(range(j * hkv // tp, (j + 1) * hkv // tp))
+        np.testing.assert_array_equal(local, full_k[:, want])
+
+
+def test_drafter_split_like_target():
+    _, dparams = load_drafter(DRAFT, tp=4)
+    layer = dparams["layers"][0]
+    assert shard_shapes(layer["q_proj"]) == {(64, 128 // 4)}
+    assert shard_shapes(layer["down_proj"]) == {(128 // 4, 64)}
+    assert shard_shapes(dparams["fc"]) == {dparams["fc"].shape}  # replicated
+
+
+def test_tp_program_all_reduces_and_gathers_no_weight():
+    """The compiled TP4 program: all-reduces (o_proj, down_proj, vocab), no all-gather of a weight."""
+    tp = 4
+    cfg, params = load_target(TP, tp=tp)
+    dcfg, dparams = load_drafter(DRAFT, tp=tp)
+    plan = engine.Plan(cfg, dcfg, "ddtree", 8, 16, NEW, budget=7, branching=7, tp=tp)
+    prompts = jnp.zeros((8, 16), jnp.int32)
+    lengths, active = jnp.full((8,), 3, jnp.int32), jnp.ones((8,), bool)
+    sampling = SamplingParams.from_rows([SAMPLING] * 8)
+    args = (params, dparams, prompts, lengths, active, jnp.full((8,), -1, jnp.int32), sampling)
+    lowered = engine.generate_jit.lower(*args, plan=plan)
+    # psums after o_proj and down_proj of every target layer (prefill, verify) and draft layer, and
+    # the vocabulary-parallel reductions.
+    assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) >= 2 * (2 * cfg.num_layers + 2)
+    hlo = lowered.compile().as_text()
+    assert len(re.findall(r" all-reduce\(", hlo)) >= 2 * (cfg.num_layers + dcfg.num_layers)
+    # The only all-gathers: the drafter's top-k candidates (values, ids) [B, D, tp * k], no weight.
+    gathered = re.findall(r"= ([a-z0-9]+)\[([0-9,]*)\]\S* all-gather\(", hlo)
+    assert sorted(gathered) == [("f32", f"8,{dcfg.depth},{tp * 7}"), ("s32", f"8,{dcfg.depth},{tp * 7}")]
+    assert not re.search(r"all-to-all|collective-permute", hlo)
+
+
+def test_cli_tp_dp(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": i, "input_ids": p}) + "\n" for i, p in enumerate(golden_prompts(TP)))
+    )
+    out = tmp_path / "o.jsonl"
+    argv = ["--target", str(FIXTURES / TP), "--draft", str(FIXTURES / DRAFT), "--prompts", str(prompts),
+            "--out", str(out), "--dtype", "float32", "--max-new-tokens", "12", "--batch-size", "3",
+            "--budget", "7", "--tp", "4", "--dp", "2"]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["output_ids"] for r in rows] == [golden(TP)[f"greedy_{i}"].tolist()[:12] for i in range(5)]
+
+
+def test_embed_argmax_top_k_vocab_parallel():
+    """The split embedding lookup, argmax and top-k (ties: lowest id) against one device, directly."""
+    _, one = load_target(TP)
+    _, params = load_target(TP, tp=8)
+    mesh = params["embed"].sharding.mesh
+    vocab, rep = P(None, None, "model"), P()
+
+    def split(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    tokens = jnp.asarray([[0, 31, 32, 255, 128]], jnp.int32)
+    embed = split(lambda e, t: target.embed({"embed": e}, t, "model"), (P("model"), rep), rep)
+    np.testing.assert_array_equal(embed(params["embed"], tokens), target.embed(one, tokens))
+
+    # Integers in a small range: many ties, within and across devices' vocabulary slices.
+    x = jax.random.randint(jax.random.key(0), (4, 3, 256), 0, 6).astype(jnp.float32)
+    x = x.at[0, 0].set(0.0).at[0, 0, 40].set(9.0).at[0, 0, 200].set(9.0)
+    argmax = split(lambda a: collectives.argmax(a, "model"), (vocab,), rep)
+    np.testing.assert_array_equal(argmax(x), jnp.argmax(x, axis=-1))
+    assert int(argmax(x)[0, 0]) == 40
+    for k in (1, 7, 32, 100):
+        top = split(lambda a, k=k: collectives.top_k(a, k, "model"), (vocab,), (rep, rep))
+        want_v, want_i = jax.lax.top_k(x, k)
+        got_v, got_i = top(x)
+        np.testing.assert_array_equal(got_v, want_v)
+        np.testing.assert_array_equal(got_i, want_i)
+    logp = split(lambda a: collectives.log_softmax(a, "model"), (vocab,), vocab)
+    np.testing.assert_allclose(logp(x), jax.nn.log_softmax(x, axis=-1), rtol=1e-6, atol=1e-6)
