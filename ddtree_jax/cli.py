@@ -14,6 +14,7 @@ from pathlib import Path
 from ddtree_jax.errors import DDTreeError
 
 DEFAULT_BUDGET = 32
+BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,9 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddtree-generate",
         description="Batched generation with autoregressive, DFlash or DDTree decoding.",
     )
-    p.add_argument("--target", required=True, help="HF target directory (Qwen3 or Llama 3)")
-    p.add_argument("--draft", help="DFlash drafter directory (z-lab layout)")
-    p.add_argument("--prompts", required=True, help="JSONL: {id, prompt | messages | input_ids}")
+    p.add_argument("--target", help="HF target directory (Qwen3 or Llama 3); default: the bundled code model")
+    p.add_argument(
+        "--draft", help="DFlash drafter directory (z-lab layout); default with no --target: the bundled one"
+    )
+    p.add_argument(
+        "--prompts",
+        help="JSONL: {id, prompt | messages | input_ids}; default with no --target: bundled code starts",
+    )
     p.add_argument("--out", required=True, help="JSONL output, one line per prompt, input order")
     p.add_argument(
         "--method", choices=["ar", "dflash", "ddtree"], help="default: ddtree with --draft, else ar"
@@ -68,8 +74,22 @@ def _positive(args, *names):
             raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def use_bundled_pair(args: argparse.Namespace) -> None:
+    """No --target: the bundled default pair (and its prompts unless --prompts is given)."""
+    if args.target is not None:
+        if args.prompts is None:
+            raise DDTreeError("--prompts FILE is required with --target")
+        return
+    if args.draft is not None:
+        raise DDTreeError("--draft needs --target (the bundled target comes with its own drafter)")
+    args.target, args.draft = str(BUNDLED / "target"), str(BUNDLED / "draft")
+    if args.prompts is None:
+        args.prompts = str(BUNDLED / "prompts.jsonl")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Reject flag combinations before any model is loaded."""
+    use_bundled_pair(args)
     _positive(args, "max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp")
     if args.method is None:
         args.method = "ddtree" if args.draft else "ar"

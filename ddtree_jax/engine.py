@@ -50,6 +50,7 @@ class Plan:
     branching: int = 1  # ddtree: candidates per depth k
     attention: str = "reference"
     draft_window: int | None = None
+    tempered_draft: bool = False  # tree scores from the drafter's log-probs at each row's temperature
     tp: int = 1  # devices along "model": heads, MLP columns and vocabulary split
     dp: int = 1  # devices along "data": the batch split
 
@@ -186,6 +187,9 @@ def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
         window=plan.draft_window,
         model_axis=plan.model_axis,
     )
+    if plan.tempered_draft and state.sampling is not None:
+        temperature = state.sampling.temperature[:, None, None]
+        logits = logits / jnp.where(temperature > 0, temperature, 1.0)
     logp = collectives.log_softmax(logits, plan.model_axis)
     return collectives.top_k(logp, plan.branching, plan.model_axis)
 

@@ -207,3 +207,11 @@ def test_orbax_round_trip(tmp_path):
     ):
         np.testing.assert_array_equal(a, b)
     assert restored["embed"].shape == params["embed"].shape
+
+
+def test_prompts_required_with_target_and_draft_needs_target(tmp_path, capsys):
+    out = str(tmp_path / "o.jsonl")
+    assert main(["--target", str(FIXTURES / "qwen3_gqa1"), "--out", out]) == 1
+    assert "--prompts FILE is required with --target" in capsys.readouterr().err
+    assert main(["--draft", str(FIXTURES / "dflash_qwen3_gqa1"), "--out", out]) == 1
+    assert "--draft needs --target" in capsys.readouterr().err

@@ -1,0 +1,399 @@
+"""Training: a Qwen3 target LM from scratch, and a DFlash drafter against a frozen target (optax).
+
+Both losses are pure functions of float32 master weights; `Trainer` wraps one in AdamW with linear
+warmup and cosine decay and a jitted step. The drafter's training forward (`draft_train_logits`)
+runs many anchors of one sequence at once with a dense mask over [context ; blocks]; at inference
+(drafter.py) the same computation goes through the K/V cache, and tests check that the two agree.
+
+Needs the `train` extra (optax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import drafter, target
+from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig
+from ddtree_jax.layers import decoder_layer, rms_norm, rope_tables
+from ddtree_jax.weights import Params, WeightSpec, assemble
+
+# -- configs and initialisation -----------------------------------------------------------------
+
+
+def make_target_config(
+    vocab_size: int,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    ff: int = 768,
+    max_positions: int = 4096,
+    rope_theta: float = 10000.0,
+    eos_token_ids: tuple[int, ...] = (),
+) -> TargetConfig:
+    """A Qwen3 target with tied embeddings."""
+    dims = LayerDims(hidden, ff, heads, kv_heads, head_dim, 1e-6, qk_norm=True)
+    return TargetConfig(
+        architecture="qwen3",
+        vocab_size=vocab_size,
+        num_layers=layers,
+        dims=dims,
+        rope=RopeConfig(rope_theta, head_dim),
+        tie_word_embeddings=True,
+        max_position_embeddings=max_positions,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def make_draft_config(
+    tcfg: TargetConfig, mask_token_id: int, layers: int = 1, block_size: int = 16, ff: int | None = None
+) -> DraftConfig:
+    """A DFlash drafter shaped like the target's layers, on DFlash's default target layers."""
+    from ddtree_jax.config import default_target_layer_ids
+
+    dims = dataclasses.replace(tcfg.dims, intermediate_size=ff or tcfg.dims.intermediate_size)
+    return DraftConfig(
+        num_layers=layers,
+        dims=dims,
+        rope=tcfg.rope,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=default_target_layer_ids(tcfg.num_layers, layers),
+        vocab_size=tcfg.vocab_size,
+    )
+
+
+def init_params(specs: list[WeightSpec], seed: int, num_layers: int, std: float = 0.02) -> Params:
+    """float32 training init: norms at 1, linears normal(std), residual outputs scaled by depth (GPT-2)."""
+    keys = iter(jax.random.split(jax.random.key(seed), len(specs)))
+
+    def make(spec: WeightSpec) -> jax.Array:
+        key = next(keys)
+        if spec.is_norm:
+            return jnp.ones(spec.shape, jnp.float32)
+        scale = std
+        if spec.path[-1] in ("o_proj", "down_proj"):
+            scale /= math.sqrt(2 * num_layers)
+        return scale * jax.random.normal(key, spec.shape, jnp.float32)
+
+    return assemble(specs, make)
+
+
+def count_params(params: Params) -> int:
+    """Number of scalars in a parameter pytree."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+# -- HF config.json ------------------------------------------------------------------------------
+
+
+def _layer_fields(dims: LayerDims, rope: RopeConfig) -> dict[str, Any]:
+    return {
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_attention_heads": dims.num_heads,
+        "num_key_value_heads": dims.num_kv_heads,
+        "head_dim": dims.head_dim,
+        "rms_norm_eps": dims.rms_norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rope_theta": rope.theta,
+        "rope_scaling": None,
+    }
+
+
+def target_hf_config(cfg: TargetConfig, bos_token_id: int | None = None) -> dict[str, Any]:
+    """config.json of a Qwen3ForCausalLM (bfloat16 weights)."""
+    eos = list(cfg.eos_token_ids)
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_layers,
+        **_layer_fields(cfg.dims, cfg.rope),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": cfg.num_layers,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos_token_id if bos_token_id is not None else (eos[0] if eos else None),
+        "eos_token_id": eos[0] if len(eos) == 1 else eos or None,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def draft_hf_config(cfg: DraftConfig, tcfg: TargetConfig) -> dict[str, Any]:
+    """config.json of a z-lab DFlash drafter (no embedding, no lm_head: the target's are used)."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_layers,
+        **_layer_fields(cfg.dims, cfg.rope),
+        "max_position_embeddings": tcfg.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "block_size": cfg.block_size,
+        "num_target_layers": tcfg.num_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "torch_dtype": "bfloat16",
+    }
+
+
+# -- target loss -----------------------------------------------------------------------------------
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+    """[B, T, T] lower-triangular attention mask."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), jnp.bool_)), (batch, length, length))
+
+
+def target_loss(params: Params, cfg: TargetConfig, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs tokens[:, :-1])."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    b, t = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target.forward(params, cfg, inputs, positions, causal_mask(b, t), None)
+    return cross_entropy(target.logits(params, out.hidden), labels).mean()
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-position cross-entropy [...] of float32 logits [..., V] against labels [...]."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+# -- drafter training ------------------------------------------------------------------------------
+
+
+def target_teacher(
+    params: Params, cfg: TargetConfig, dcfg: DraftConfig, tokens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """One frozen target pass over tokens [B, T]: features [B, T, F] of dcfg.target_layer_ids and
+    the target's greedy choice [B, T] at every position (the token it predicts next)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out = target.forward(
+        params, cfg, tokens, positions, causal_mask(b, t), None, feature_layers=dcfg.target_layer_ids
+    )
+    greedy = jnp.argmax(target.logits(params, out.hidden), axis=-1).astype(jnp.int32)
+    return jax.lax.stop_gradient(out.features), greedy
+
+
+def block_inputs(tokens: jax.Array, anchors: jax.Array, dcfg: DraftConfig) -> tuple[jax.Array, jax.Array]:
+    """Block tokens and positions [B, N * K]: per anchor a, [token at a, mask x (K-1)] at a..a+K-1."""
+    b, n = anchors.shape
+    k = dcfg.block_size
+    first = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, N]
+    block = jnp.full((b, n, k), dcfg.mask_token_id, jnp.int32).at[:, :, 0].set(first)
+    positions = anchors[:, :, None] + jnp.arange(k, dtype=jnp.int32)[None, None, :]
+    return block.reshape(b, n * k), positions.reshape(b, n * k)
+
+
+def block_mask(context_len: int, anchors: jax.Array, block_size: int) -> jax.Array:
+    """[B, N*K, L + N*K]: block n sees context positions < its anchor, and itself bidirectionally."""
+    b, n = anchors.shape
+    k = block_size
+    ctx = jnp.arange(context_len)[None, None, :] < anchors[:, :, None]  # [B, N, L]
+    ctx = jnp.repeat(ctx, k, axis=1)  # [B, N*K, L]
+    which = jnp.repeat(jnp.arange(n), k)  # block of each slot
+    own = which[:, None] == which[None, :]  # [N*K, N*K]
+    return jnp.concatenate([ctx, jnp.broadcast_to(own, (b, n * k, n * k))], axis=-1)
+
+
+def dense_attend(ctx_k: jax.Array, ctx_v: jax.Array, mask: jax.Array) -> Callable:
+    """attend(q, k, v) over [context K/V ; the block's own K/V] under a dense mask [B, T, L + T]."""
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        b, t, hq, d = q.shape
+        hkv = k.shape[2]
+        keys = jnp.concatenate([ctx_k, k], axis=1).astype(jnp.float32)  # [B, L + T, Hkv, D]
+        values = jnp.concatenate([ctx_v, v], axis=1).astype(jnp.float32)
+        qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32) * d**-0.5
+        scores = jnp.einsum("bthgd,bshd->bhgts", qg, keys)
+        scores = jnp.where(mask[:, None, None], scores, -1e30)
+        probs = jax.nn.softmax(scores, axis=-1)
+        out = jnp.einsum("bhgts,bshd->bthgd", probs, values)
+        return out.reshape(b, t, hq, d).astype(q.dtype)
+
+    return attend
+
+
+def draft_train_logits(
+    params: Params,
+    dcfg: DraftConfig,
+    target_params: Params,
+    features: jax.Array,
+    tokens: jax.Array,
+    anchors: jax.Array,
+) -> jax.Array:
+    """float32 logits [B, N, K - 1, V] of block slots 1..K-1 for N anchors [B, N] per sequence.
+
+    features [B, L, F]: the target's features of tokens [B, L]; position p of the context is visible
+    to an anchor a iff p < a, as at inference where the anchor is the bonus after a committed prefix.
+    """
+    b, n = anchors.shape
+    k = dcfg.block_size
+    ctx_positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    ctx_kv = drafter.context_kv(params, dcfg, features, ctx_positions)
+    block, positions = block_inputs(tokens, anchors, dcfg)
+    mask = block_mask(tokens.shape[1], anchors, k)
+    rope = rope_tables(positions, dcfg.rope.inv_freq())
+    x = target.embed(target_params, block)
+    for p, (ck, cv) in zip(params["layers"], ctx_kv, strict=True):
+        x, _ = decoder_layer(p, x, dcfg.dims, rope, dense_attend(ck, cv, mask))
+    x = x.reshape(b, n, k, -1)[:, :, 1:]
+    return target.logits(target_params, rms_norm(x, params["norm"], dcfg.dims.rms_norm_eps))
+
+
+def slot_weights(block_size: int, gamma: float | None) -> jax.Array:
+    """[K-1] loss weights of slots 1..K-1: exp(-(j-1)/gamma) (DFlash's decay), normalised to mean 1."""
+    j = jnp.arange(block_size - 1, dtype=jnp.float32)
+    w = jnp.ones_like(j) if gamma is None else jnp.exp(-j / gamma)
+    return w / w.mean()
+
+
+def sample_anchors(key: jax.Array, batch: int, length: int, num_anchors: int, block_size: int) -> jax.Array:
+    """[B, N] sorted distinct anchors in [1, L - K + 1]: each has context, its labels stay in range."""
+    span = length - block_size + 1  # anchors 1..span
+    scores = jax.random.uniform(key, (batch, span))
+    _, idx = jax.lax.top_k(scores, num_anchors)
+    return jnp.sort(idx, axis=-1).astype(jnp.int32) + 1
+
+
+def draft_loss(
+    params: Params,
+    dcfg: DraftConfig,
+    target_params: Params,
+    tcfg: TargetConfig,
+    tokens: jax.Array,
+    key: jax.Array,
+    num_anchors: int,
+    gamma: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Weighted cross-entropy of the drafter against the target's greedy choices, and the top-1
+    agreement per slot [K-1]. tokens [B, L]; labels of slot j of anchor a: greedy[a + j - 1]."""
+    b, length = tokens.shape
+    k = dcfg.block_size
+    features, greedy = target_teacher(target_params, tcfg, dcfg, tokens)
+    anchors = sample_anchors(key, b, length, num_anchors, k)
+    logits = draft_train_logits(params, dcfg, target_params, features, tokens, anchors)
+    where = anchors[:, :, None] + jnp.arange(k - 1, dtype=jnp.int32)[None, None, :]  # [B, N, K-1]
+    labels = jnp.take_along_axis(greedy, where.reshape(b, -1), axis=1).reshape(where.shape)
+    loss = (cross_entropy(logits, labels) * slot_weights(k, gamma)).mean()
+    agree = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean(axis=(0, 1))
+    return loss, agree
+
+
+# -- the optimiser loop ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `final_fraction` of the peak rate."""
+
+    steps: int
+    lr: float = 3e-3
+    warmup: int = 100
+    final_fraction: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    b2: float = 0.95
+
+
+def make_optimizer(oc: OptimConfig):
+    """optax AdamW (no decay on norms), global-norm clipping, warmup + cosine schedule."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, oc.lr, min(oc.warmup, max(oc.steps - 1, 1)), max(oc.steps, 2), oc.lr * oc.final_fraction
+    )
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731
+    return optax.chain(
+        optax.clip_by_global_norm(oc.clip),
+        optax.adamw(schedule, b2=oc.b2, weight_decay=oc.weight_decay, mask=decay_mask),
+    ), schedule
+
+
+class Trainer:
+    """A jitted AdamW step over `loss_fn(params, batch, key) -> (loss, aux)` with float32 weights."""
+
+    def __init__(self, loss_fn: Callable, params: Params, oc: OptimConfig):
+        self.optimizer, self.schedule = make_optimizer(oc)
+        self.params = params
+        self.opt_state = self.optimizer.init(params)
+        self.step_count = 0
+
+        def step(params, opt_state, batch, key):
+            import optax
+
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, key)
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, aux
+
+        self._step = jax.jit(step, donate_argnums=(0, 1))
+
+    def step(self, batch: jax.Array, key: jax.Array) -> tuple[float, Any]:
+        """One update; returns the loss (a device scalar) and the aux output."""
+        self.params, self.opt_state, loss, aux = self._step(self.params, self.opt_state, batch, key)
+        self.step_count += 1
+        return loss, aux
+
+
+def target_trainer(cfg: TargetConfig, params: Params, oc: OptimConfig) -> Trainer:
+    """A Trainer of the target's next-token loss (aux: nothing)."""
+    return Trainer(lambda p, tokens, key: (target_loss(p, cfg, tokens), ()), params, oc)
+
+
+def draft_trainer(
+    dcfg: DraftConfig,
+    params: Params,
+    target_params: Params,
+    tcfg: TargetConfig,
+    oc: OptimConfig,
+    num_anchors: int,
+    gamma: float | None,
+) -> Trainer:
+    """A Trainer of the drafter against the frozen target (aux: per-slot top-1 agreement)."""
+
+    def loss_fn(p, tokens, key):
+        return draft_loss(p, dcfg, target_params, tcfg, tokens, key, num_anchors, gamma)
+
+    return Trainer(loss_fn, params, oc)
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+
+def random_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    """[batch, length] int32 windows at uniform random offsets of a token stream."""
+    starts = rng.integers(0, len(stream) - length, size=batch)
+    return np.stack([stream[s : s + length] for s in starts]).astype(np.int32)
+
+
+def eval_target_loss(params: Params, cfg: TargetConfig, stream: np.ndarray, length: int, batch: int) -> float:
+    """Mean next-token loss over consecutive non-overlapping windows of `stream` (all of it, or up to
+    the windows that fit)."""
+    n = (len(stream) - 1) // length
+    windows = np.stack([stream[i * length : i * length + length + 1] for i in range(n)]).astype(np.int32)
+    loss = jax.jit(lambda p, t: target_loss(p, cfg, t))
+    total, count = 0.0, 0
+    for i in range(0, n - batch + 1, batch):
+        total += float(loss(params, jnp.asarray(windows[i : i + batch]))) * batch
+        count += batch
+    return total / max(count, 1)
+
+
+def specs_for(cfg: TargetConfig | DraftConfig) -> list[WeightSpec]:
+    """The weight specs of a target or drafter config."""
+    return target.weight_specs(cfg) if isinstance(cfg, TargetConfig) else drafter.weight_specs(cfg)

@@ -1,0 +1,114 @@
+"""Acceptance lengths and tokens/s of a target + DFlash drafter pair on a prompts file (default: the
+bundled pair and its held-out prompts), for ar, dflash and ddtree at several budgets.
+
+    python scripts/eval_default_pair.py --budgets 8,16,32,64 --out results/default-pair-eval.json
+    python scripts/eval_default_pair.py --temperature 0.7 --out results/default-pair-eval-t07.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import drafter, target
+from ddtree_jax.engine import Plan
+from ddtree_jax.generation import Generator
+from ddtree_jax.prompts import read_prompts
+from ddtree_jax.sampling import GREEDY
+from ddtree_jax.sharding import make_mesh, param_sharding
+from ddtree_jax.text import TextCodec
+
+ASSETS = Path(__file__).resolve().parent.parent / "ddtree_jax" / "assets" / "default_pair"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ASSETS / "target")
+    ap.add_argument("--draft", type=Path, default=ASSETS / "draft")
+    ap.add_argument("--prompts", type=Path, default=ASSETS / "prompts.jsonl")
+    ap.add_argument("--methods", default="ar,dflash,ddtree")
+    ap.add_argument("--budgets", default="8,16,32,64")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tempered-draft",
+        action="store_true",
+        help="tree scores from the drafter at the sampled temperature",
+    )
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    dtype, place = jnp.dtype(args.dtype), param_sharding(make_mesh(1, 1))
+    tcfg, tparams = target.load(args.target, dtype, place)
+    dcfg, dparams = drafter.load(args.draft, tcfg, dtype, place)
+    codec = TextCodec(args.target)
+    prompts = read_prompts(args.prompts, codec, False, tcfg.vocab_size)[: args.num_prompts]
+    sampling = GREEDY | ({"temperature": args.temperature, "seed": args.seed} if args.temperature else {})
+
+    runs = []
+    for method in args.methods.split(","):
+        budgets = [int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]
+        for budget in budgets:
+            plan = Plan(
+                target=tcfg,
+                draft=None if method == "ar" else dcfg,
+                method=method,
+                batch_size=args.batch_size,
+                prompt_len=16,
+                max_new_tokens=args.max_new_tokens,
+                budget=budget,
+                branching=min(budget, 32) if method == "ddtree" else 1,
+                tempered_draft=args.tempered_draft,
+            )
+            gen = Generator(
+                tparams, None if method == "ar" else dparams, plan, tcfg.eos_token_ids, codec=codec
+            )
+            gen.sampling = sampling
+            start = time.perf_counter()
+            results = []
+            for i in range(0, len(prompts), args.batch_size):
+                results += gen.run_batch(prompts[i : i + args.batch_size])
+            wall = time.perf_counter() - start
+            accepted = [a for r in results for a in r.acceptance_lengths]
+            tokens = sum(len(r.output_ids) for r in results)
+            rec = {
+                "method": method,
+                "budget": budget,
+                "mean_acceptance": float(np.mean(accepted)) if accepted else None,
+                "rounds": len(accepted),
+                "output_tokens": tokens,
+                "generate_seconds": round(gen.generate_seconds, 3),
+                "compile_seconds": round(gen.compile_seconds, 2),
+                "tokens_per_second": round(tokens / gen.generate_seconds, 1),
+                "wall_seconds": round(wall, 2),
+                "outputs": [r.output_ids for r in results],
+            }
+            runs.append(rec)
+            print(json.dumps({k: v for k, v in rec.items() if k != "outputs"}), flush=True)
+    ar = next((r["outputs"] for r in runs if r["method"] == "ar"), None)
+    if ar is not None and args.temperature == 0:
+        for r in runs:
+            r["identical_to_ar"] = r["outputs"] == ar
+    summary = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": platform.processor() or platform.machine(),
+        "num_prompts": len(prompts),
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+    }
+    print(json.dumps(summary["runs"]))
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

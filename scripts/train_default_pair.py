@@ -1,0 +1,317 @@
+"""Train the bundled default pair: a Qwen3 code model on the Python standard library, and its DFlash
+drafter. Stages: tokenizer, target, draft, prompts (default: all, in order; each stage reads the
+previous stages' files from --out).
+
+    python scripts/train_default_pair.py --target-steps 600 --draft-steps 400     # CPU, ~30 min
+    python scripts/train_default_pair.py --batch 64 --target-steps 5000 ...       # a GPU
+
+The corpus is the `.py` files of the interpreter running this script (its version is logged), split
+by file (a hash of the relative path) into train and held-out sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import drafter, target, train
+from ddtree_jax.checkpoint import save_hf
+from ddtree_jax.sharding import make_mesh, param_sharding
+
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "ddtree_jax" / "assets" / "default_pair"
+RESULTS = ROOT / "results"
+
+
+def corpus_files(include_tests: bool) -> tuple[Path, list[Path]]:
+    """The stdlib root and its .py files (no site-packages; test suites only if asked), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if "site-packages" in parts or "dist-packages" in parts:
+            continue
+        if not include_tests and any(p in ("test", "tests", "idle_test") for p in parts[:-1]):
+            continue
+        files.append(path)
+    return root, files
+
+
+def is_heldout(rel: str, fraction: float) -> bool:
+    """Deterministic split by file: the first bytes of sha256(relative path)."""
+    h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little") / 2**64
+    return h < fraction
+
+
+def read_corpus(args) -> dict:
+    root, files = corpus_files(args.include_tests)
+    split = {"train": [], "heldout": []}
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not text.strip():
+            continue
+        rel = str(path.relative_to(root))
+        split["heldout" if is_heldout(rel, args.heldout_fraction) else "train"].append((rel, text))
+    return {"root": str(root), **split}
+
+
+def train_tokenizer(corpus: dict, out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, MASK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((text for _, text in corpus["train"]), trainer)
+    for d in (out / "target", out / "draft"):
+        d.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "target" / "tokenizer.json"))
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "bos_token": None,
+        "pad_token": EOS,
+        "unk_token": None,
+        "mask_token": MASK,
+        "add_bos_token": False,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "target" / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
+
+
+def tokenize(corpus: dict, out: Path) -> dict[str, np.ndarray]:
+    """Each split as one stream: documents each followed by the eos token."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    streams = {}
+    for name in ("train", "heldout"):
+        encs = tok.encode_batch([text for _, text in corpus[name]], add_special_tokens=False)
+        ids = [i for e in encs for i in [*e.ids, eos]]
+        streams[name] = np.asarray(ids, np.int32)
+    return streams
+
+
+def log(record: dict, path: Path) -> None:
+    print(json.dumps(record), flush=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run_steps(trainer, make_batch, steps, seed, name, log_path, log_every, aux_name=None) -> list[dict]:
+    key = jax.random.key(seed)
+    history, start = [], time.perf_counter()
+    window = []
+    for step in range(1, steps + 1):
+        key, sub = jax.random.split(key)
+        loss, aux = trainer.step(jnp.asarray(make_batch()), sub)
+        window.append(loss)
+        if step % log_every == 0 or step == steps or step == 1:
+            rec = {
+                "stage": name,
+                "step": step,
+                "loss": float(np.mean([float(x) for x in window])),
+                "lr": float(trainer.schedule(step - 1)),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            if aux_name is not None:
+                rec[aux_name] = [round(float(a), 3) for a in np.asarray(aux)]
+            window = []
+            history.append(rec)
+            log(rec, log_path)
+    return history
+
+
+def stage_target(args, streams, out, summary, log_path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "target" / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    cfg = train.make_target_config(
+        tok.get_vocab_size(),
+        args.hidden,
+        args.layers,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        args.ff,
+        eos_token_ids=(eos,),
+    )
+    params = train.init_params(target.weight_specs(cfg), args.seed, cfg.num_layers)
+    summary["target_params"] = train.count_params(params)
+    oc = train.OptimConfig(args.target_steps, args.target_lr, args.warmup)
+    trainer = train.target_trainer(cfg, params, oc)
+    rng = np.random.default_rng(args.seed)
+    start = time.perf_counter()
+    summary["target_history"] = run_steps(
+        trainer,
+        lambda: train.random_windows(streams["train"], rng, args.batch, args.seq_len + 1),
+        args.target_steps,
+        args.seed,
+        "target",
+        log_path,
+        args.log_every,
+    )
+    summary["target_seconds"] = round(time.perf_counter() - start, 1)
+    save_hf(trainer.params, target.weight_specs(cfg), out / "target", train.target_hf_config(cfg))
+    gen = {"eos_token_id": eos, "bos_token_id": eos, "do_sample": False}
+    (out / "target" / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def load_target_f32(out: Path):
+    return target.load(out / "target", jnp.float32, param_sharding(make_mesh(1, 1)))
+
+
+def stage_eval(args, streams, out, summary, log_path):
+    cfg, params = load_target_f32(out)
+    held = streams["heldout"][: args.eval_tokens + 1]
+    loss = train.eval_target_loss(params, cfg, held, args.seq_len, args.batch)
+    rec = {
+        "stage": "eval",
+        "heldout_loss_bf16": loss,
+        "heldout_ppl": float(np.exp(loss)),
+        "tokens": len(held),
+    }
+    summary["heldout"] = rec
+    log(rec, log_path)
+
+
+def stage_draft(args, streams, out, summary, log_path):
+    from tokenizers import Tokenizer
+
+    tcfg, tparams = load_target_f32(out)  # the bf16 weights the engine will run, upcast
+    mask_id = Tokenizer.from_file(str(out / "target" / "tokenizer.json")).token_to_id(MASK)
+    dcfg = train.make_draft_config(tcfg, mask_id, args.draft_layers, args.block_size, args.draft_ff)
+    params = train.init_params(drafter.weight_specs(dcfg), args.seed + 1, dcfg.num_layers)
+    # The drafter's logits go through the target's lm_head: start its output norm at the target's.
+    params["norm"] = jnp.asarray(tparams["norm"], jnp.float32)
+    summary["draft_params"] = train.count_params(params)
+    oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup)
+    gamma = args.gamma if args.gamma > 0 else None
+    trainer = train.draft_trainer(dcfg, params, tparams, tcfg, oc, args.anchors, gamma)
+    rng = np.random.default_rng(args.seed + 1)
+    start = time.perf_counter()
+    summary["draft_history"] = run_steps(
+        trainer,
+        lambda: train.random_windows(streams["train"], rng, args.draft_batch, args.draft_seq_len),
+        args.draft_steps,
+        args.seed + 1,
+        "draft",
+        log_path,
+        args.log_every,
+        aux_name="agree_per_slot",
+    )
+    summary["draft_seconds"] = round(time.perf_counter() - start, 1)
+    save_hf(trainer.params, drafter.weight_specs(dcfg), out / "draft", train.draft_hf_config(dcfg, tcfg))
+
+
+def stage_prompts(args, corpus, out, summary):
+    """Held-out code starts: the first --prompt-lines lines of held-out files, chosen by hash."""
+    files = [(rel, text) for rel, text in corpus["heldout"] if text.count("\n") >= 2 * args.prompt_lines]
+    files.sort(key=lambda f: hashlib.sha256(f[0].encode()).hexdigest())
+    lines = []
+    for rel, text in files[: args.num_prompts]:
+        prompt = "".join(text.splitlines(keepends=True)[: args.prompt_lines])
+        lines.append(json.dumps({"id": rel, "prompt": prompt}))
+    (out / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    summary["prompts"] = len(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--log-json", type=Path, default=RESULTS / "default-pair-training.json")
+    ap.add_argument("--stages", default="tokenizer,target,eval,draft,prompts")
+    ap.add_argument("--include-tests", action="store_true", help="also train on the stdlib test suites")
+    ap.add_argument("--heldout-fraction", type=float, default=0.05)
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--ff", type=int, default=768)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--draft-ff", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
+    ap.add_argument("--draft-seq-len", type=int, default=256)
+    ap.add_argument("--draft-batch", type=int, default=8)
+    ap.add_argument("--draft-steps", type=int, default=400)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--gamma", type=float, default=7.0, help="slot-weight decay (DFlash); <= 0: uniform")
+    ap.add_argument("--eval-tokens", type=int, default=65536)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--prompt-lines", type=int, default=24)
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log_json = args.log_json
+    log_path = log_json.with_suffix(".jsonl")
+    stages = args.stages.split(",")
+    summary = json.loads(log_json.read_text()) if log_json.exists() else {}
+    summary |= {"python": sys.version, "jax": jax.__version__, "backend": jax.default_backend()}
+    summary.setdefault("args", {})[args.stages] = {k: str(v) for k, v in vars(args).items()}
+
+    start = time.perf_counter()
+    corpus = read_corpus(args)
+    if "tokenizer" in stages:
+        t0 = time.perf_counter()
+        train_tokenizer(corpus, out, args.vocab_size)
+        summary["tokenizer_seconds"] = round(time.perf_counter() - t0, 1)
+    streams = tokenize(corpus, out)
+    summary["corpus"] = {
+        "stdlib": corpus["root"],
+        "files": {k: len(corpus[k]) for k in ("train", "heldout")},
+        "bytes": {k: sum(len(t.encode()) for _, t in corpus[k]) for k in ("train", "heldout")},
+        "tokens": {k: int(len(v)) for k, v in streams.items()},
+    }
+    log({"stage": "corpus", **summary["corpus"]}, log_path)
+    if "target" in stages:
+        stage_target(args, streams, out, summary, log_path)
+    if "eval" in stages:
+        stage_eval(args, streams, out, summary, log_path)
+    if "draft" in stages:
+        stage_draft(args, streams, out, summary, log_path)
+    if "prompts" in stages:
+        stage_prompts(args, corpus, out, summary)
+    sizes = {
+        d: sum(f.stat().st_size for f in (out / d).glob("*"))
+        for d in ("target", "draft")
+        if (out / d).exists()
+    }
+    summary["sizes_bytes"] = sizes
+    summary.setdefault("stage_seconds", {})[args.stages] = round(time.perf_counter() - start, 1)
+    log_json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Training module: the losses go down, the drafter's training forward equals its inference path,
+and HF checkpoints written from our parameters load back exactly."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import drafter, target, train
+from ddtree_jax.checkpoint import save_hf
+from ddtree_jax.kv_cache import empty_cache, write
+from ddtree_jax.sharding import make_mesh, param_sharding
+from ddtree_jax.weights import random_params
+
+VOCAB, MASK_ID = 96, 95
+
+
+def tiny_pair(block_size=4):
+    tcfg = train.make_target_config(VOCAB, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, ff=64)
+    dcfg = train.make_draft_config(tcfg, MASK_ID, layers=1, block_size=block_size, ff=48)
+    return tcfg, dcfg
+
+
+def tokens_of(seed, batch, length):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, MASK_ID, (batch, length)), jnp.int32)
+
+
+def test_target_step_lowers_loss():
+    tcfg, _ = tiny_pair()
+    params = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
+    trainer = train.target_trainer(tcfg, params, train.OptimConfig(steps=10, lr=1e-2, warmup=1))
+    batch = tokens_of(0, 2, 17)
+    before = float(train.target_loss(trainer.params, tcfg, batch))
+    for _ in range(3):
+        trainer.step(batch, jax.random.key(0))
+    assert float(train.target_loss(trainer.params, tcfg, batch)) < before
+
+
+def test_draft_step_lowers_loss():
+    tcfg, dcfg = tiny_pair()
+    tparams = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
+    params = train.init_params(drafter.weight_specs(dcfg), 1, dcfg.num_layers)
+    oc = train.OptimConfig(steps=10, lr=1e-2, warmup=1)
+    trainer = train.draft_trainer(dcfg, params, tparams, tcfg, oc, num_anchors=3, gamma=4.0)
+    batch, key = tokens_of(1, 2, 16), jax.random.key(3)
+
+    def loss(p):
+        return float(train.draft_loss(p, dcfg, tparams, tcfg, batch, key, 3, 4.0)[0])
+
+    before = loss(trainer.params)
+    for _ in range(3):
+        trainer.step(batch, key)
+    assert loss(trainer.params) < before
+
+
+def test_draft_training_forward_equals_inference():
+    tcfg, dcfg = tiny_pair(block_size=5)
+    tparams = random_params(target.weight_specs(tcfg), 0, jnp.float32, scale=0.2)
+    params = random_params(drafter.weight_specs(dcfg), 1, jnp.float32, scale=0.2)
+    length = 20
+    tokens = tokens_of(2, 1, length)
+    features, _ = train.target_teacher(tparams, tcfg, dcfg, tokens)
+    anchors = jnp.asarray([[1, 7, 15]], jnp.int32)  # 15 + 5 = 20: the last block reaches the end
+    got = train.draft_train_logits(params, dcfg, tparams, features, tokens, anchors)  # [1, 3, K-1, V]
+    for n, a in enumerate(anchors[0].tolist()):
+        # Inference: the context K/V of positions < a in a cache, then one block after bonus tokens[a].
+        kv = drafter.context_kv(params, dcfg, features[:, :a], jnp.arange(a, dtype=jnp.int32)[None])
+        d = dcfg.dims
+        cache = empty_cache(dcfg.num_layers, 1, d.num_kv_heads, 32, d.head_dim, jnp.float32)
+        cache = write(cache, kv, jnp.zeros((1,), jnp.int32))
+        cache.lengths = jnp.asarray([a], jnp.int32)
+        want = drafter.draft_logits(params, dcfg, tparams, tokens[:, a], cache)  # [1, K-1, V]
+        np.testing.assert_allclose(got[0, n], want[0], rtol=1e-4, atol=1e-4)
+
+
+def _bf16_exact(params):
+    return jax.tree.map(lambda x: jnp.asarray(x.astype(jnp.bfloat16), jnp.float32), params)
+
+
+def test_hf_writer_round_trips(tmp_path):
+    tcfg, dcfg = tiny_pair()
+    tcfg = dataclasses.replace(tcfg, eos_token_ids=(0,))
+    tparams = _bf16_exact(random_params(target.weight_specs(tcfg), 0, jnp.float32))
+    dparams = _bf16_exact(random_params(drafter.weight_specs(dcfg), 1, jnp.float32))
+    save_hf(tparams, target.weight_specs(tcfg), tmp_path / "t", train.target_hf_config(tcfg))
+    save_hf(dparams, drafter.weight_specs(dcfg), tmp_path / "d", train.draft_hf_config(dcfg, tcfg))
+    place = param_sharding(make_mesh(1, 1))
+    cfg2, tparams2 = target.load(tmp_path / "t", jnp.float32, place)
+    dcfg2, dparams2 = drafter.load(tmp_path / "d", cfg2, jnp.float32, place)
+    assert cfg2 == tcfg and dcfg2 == dcfg
+    for a, b in [(tparams, tparams2), (dparams, dparams2)]:
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+    raw = (tmp_path / "t" / "model.safetensors").read_bytes()
+    assert b'"BF16"' in raw and b"lm_head" not in raw  # tied embeddings
