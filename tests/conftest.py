@@ -66,6 +66,7 @@ def run(
     options=None,
     tp=1,
     dp=1,
+    tempered_draft=False,
 ):
     """Generate with the engine in float32; returns the Result list in prompt order.
 
@@ -97,6 +98,7 @@ def run(
         branching=branching or (min(budget, 32) if method == "ddtree" else 1),
         tp=tp,
         dp=dp,
+        tempered_draft=tempered_draft,
     )
     gen = Generator(
         params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped, sampling=GREEDY | (sampling or {})

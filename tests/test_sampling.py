@@ -49,6 +49,22 @@ def ar_sampled():
     return {name: ids(run(TP, PROMPTS8, batch_size=5, options=opts)) for name, opts in SETTINGS.items()}
 
 
+def test_tempered_draft_scores_stay_seed_exact(ar_sampled):
+    """Scoring the tree with the drafter at the sampled temperature changes the tree, not the output."""
+    for name, opts in SETTINGS.items():
+        results = run(
+            TP,
+            PROMPTS8,
+            method="ddtree",
+            draft_name=DRAFT,
+            budget=7,
+            batch_size=5,
+            options=opts,
+            tempered_draft=True,
+        )
+        assert ids(results) == ar_sampled[name], name
+
+
 @pytest.mark.parametrize(
     "method,budget,batch_size,host_stepped",
     [
