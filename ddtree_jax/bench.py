@@ -156,12 +156,7 @@ def bench_one(
     stepper = engine.HostStepper(plan)
     state = synthetic_state(plan, context, 1, params["embed"].dtype, sampling)
     for _ in range(rounds + 2 if stages else 0):  # the first two rounds include compilation
-        logp = tok = None
-        if plan.method != "ar":
-            logp, tok = stepper._timed("draft", stepper._draft, params, dparams, state)
-        t = stepper._timed("tree_build", stepper._build, state, logp, tok)
-        choice, kv, feats = stepper._timed("verify", stepper._verify, params, state, t)
-        state = stepper._timed("walk_commit", stepper._commit, dparams, state, t, choice, kv, feats, stop)
+        state = stepper.round(params, dparams, state, stop)
     stage_ms = {k: 1e3 * statistics.median(v[2:]) for k, v in stepper.times.items()}
 
     kv_bytes = (

@@ -408,6 +408,17 @@ class HostStepper:
         self.times[stage].append(time.perf_counter() - start)
         return out
 
+    def round(self, params, draft_params, state: DecodeState, stop_ids) -> DecodeState:
+        """One round, stage by stage, each stage's wall time appended to `times`."""
+        logp = tok = None
+        if self.plan.method != "ar":
+            logp, tok = self._timed("draft", self._draft, params, draft_params, state)
+        t = self._timed("tree_build", self._build, state, logp, tok)
+        choice, kv, features = self._timed("verify", self._verify, params, state, t)
+        return self._timed(
+            "walk_commit", self._commit, draft_params, state, t, choice, kv, features, stop_ids
+        )
+
     def run(self, params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling=None):
         """Generate like `generate`, returning the same final state."""
         state = self._timed(
@@ -422,12 +433,5 @@ class HostStepper:
             sampling,
         )
         while not bool(np.all(jax.device_get(state.done))):
-            logp = tok = None
-            if self.plan.method != "ar":
-                logp, tok = self._timed("draft", self._draft, params, draft_params, state)
-            t = self._timed("tree_build", self._build, state, logp, tok)
-            choice, kv, features = self._timed("verify", self._verify, params, state, t)
-            state = self._timed(
-                "walk_commit", self._commit, draft_params, state, t, choice, kv, features, stop_ids
-            )
+            state = self.round(params, draft_params, state, stop_ids)
         return state
