@@ -110,7 +110,11 @@ class Generator:
         program = self._program(plan, args)
         start = time.perf_counter()
         if self.host_stepped:
+            compiled_before = program.compile_seconds
             state = program.run(self.params, self.draft_params, *args)
+            compiled = program.compile_seconds - compiled_before
+            self.compile_seconds += compiled
+            start += compiled  # first stage calls compile: not generation time
             for stage, times in program.times.items():
                 self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + sum(times)
             program.times.clear()

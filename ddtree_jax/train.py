@@ -392,8 +392,3 @@ def eval_target_loss(params: Params, cfg: TargetConfig, stream: np.ndarray, leng
         total += float(loss(params, jnp.asarray(windows[i : i + batch]))) * batch
         count += batch
     return total / max(count, 1)
-
-
-def specs_for(cfg: TargetConfig | DraftConfig) -> list[WeightSpec]:
-    """The weight specs of a target or drafter config."""
-    return target.weight_specs(cfg) if isinstance(cfg, TargetConfig) else drafter.weight_specs(cfg)

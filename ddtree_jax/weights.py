@@ -88,8 +88,3 @@ def random_params(specs: list[WeightSpec], seed: int, dtype: jnp.dtype, scale: f
 
     keys = iter(jax.random.split(key, len(specs)))
     return assemble(specs, lambda spec: make_one(next(keys), spec.shape, spec.is_norm))
-
-
-def abstract_params(specs: list[WeightSpec], dtype: jnp.dtype) -> Params:
-    """ShapeDtypeStructs of the parameters (for tracing and orbax restore)."""
-    return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, dtype))
