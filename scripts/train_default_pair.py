@@ -118,7 +118,10 @@ def log(record: dict, path: Path) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def run_steps(trainer, make_batch, steps, seed, name, log_path, log_every, aux_name=None) -> list[dict]:
+def run_steps(
+    trainer, make_batch, steps, seed, name, log_path, log_every, aux_name=None, max_seconds=None
+) -> list[dict]:
+    """Train `steps` steps (fewer if `max_seconds` of wall clock pass first), logging every `log_every`."""
     key = jax.random.key(seed)
     history, start = [], time.perf_counter()
     window = []
@@ -139,6 +142,9 @@ def run_steps(trainer, make_batch, steps, seed, name, log_path, log_every, aux_n
             window = []
             history.append(rec)
             log(rec, log_path)
+            if max_seconds is not None and rec["seconds"] > max_seconds and step < steps:
+                log({"stage": name, "stopped_at_step": step, "of": steps, "max_seconds": max_seconds}, log_path)
+                break
     return history
 
 
@@ -171,6 +177,7 @@ def stage_target(args, streams, out, summary, log_path):
         "target",
         log_path,
         args.log_every,
+        max_seconds=args.max_seconds,
     )
     summary["target_seconds"] = round(time.perf_counter() - start, 1)
     save_hf(trainer.params, target.weight_specs(cfg), out / "target", train.target_hf_config(cfg))
@@ -220,6 +227,7 @@ def stage_draft(args, streams, out, summary, log_path):
         log_path,
         args.log_every,
         aux_name="agree_per_slot",
+        max_seconds=args.max_seconds,
     )
     summary["draft_seconds"] = round(time.perf_counter() - start, 1)
     save_hf(trainer.params, drafter.weight_specs(dcfg), out / "draft", train.draft_hf_config(dcfg, tcfg))
@@ -270,6 +278,12 @@ def main() -> None:
     ap.add_argument("--prompt-lines", type=int, default=24)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop a training stage after this many seconds even if steps remain (logged)",
+    )
     args = ap.parse_args()
 
     out = args.out
@@ -277,6 +291,9 @@ def main() -> None:
     log_json = args.log_json
     log_path = log_json.with_suffix(".jsonl")
     stages = args.stages.split(",")
+    unknown = set(stages) - {"tokenizer", "target", "eval", "draft", "prompts"}
+    if unknown:
+        ap.error(f"--stages: unknown stage(s) {sorted(unknown)}")
     summary = json.loads(log_json.read_text()) if log_json.exists() else {}
     summary |= {"python": sys.version, "jax": jax.__version__, "backend": jax.default_backend()}
     summary.setdefault("args", {})[args.stages] = {k: str(v) for k, v in vars(args).items()}
@@ -295,14 +312,16 @@ def main() -> None:
         "tokens": {k: int(len(v)) for k, v in streams.items()},
     }
     log({"stage": "corpus", **summary["corpus"]}, log_path)
-    if "target" in stages:
-        stage_target(args, streams, out, summary, log_path)
-    if "eval" in stages:
-        stage_eval(args, streams, out, summary, log_path)
-    if "draft" in stages:
-        stage_draft(args, streams, out, summary, log_path)
-    if "prompts" in stages:
-        stage_prompts(args, corpus, out, summary)
+    run = {
+        "target": lambda: stage_target(args, streams, out, summary, log_path),
+        "eval": lambda: stage_eval(args, streams, out, summary, log_path),
+        "draft": lambda: stage_draft(args, streams, out, summary, log_path),
+        "prompts": lambda: stage_prompts(args, corpus, out, summary),
+    }
+    for stage in stages:
+        if stage in run:
+            run[stage]()
+            log_json.write_text(json.dumps(summary, indent=2) + "\n")  # keep what is done if a later stage fails
     sizes = {
         d: sum(f.stat().st_size for f in (out / d).glob("*"))
         for d in ("target", "draft")
