@@ -143,7 +143,8 @@ def run_steps(
             history.append(rec)
             log(rec, log_path)
             if max_seconds is not None and rec["seconds"] > max_seconds and step < steps:
-                log({"stage": name, "stopped_at_step": step, "of": steps, "max_seconds": max_seconds}, log_path)
+                stop = {"stage": name, "stopped_at_step": step, "of": steps, "max_seconds": max_seconds}
+                log(stop, log_path)
                 break
     return history
 
@@ -321,7 +322,8 @@ def main() -> None:
     for stage in stages:
         if stage in run:
             run[stage]()
-            log_json.write_text(json.dumps(summary, indent=2) + "\n")  # keep what is done if a later stage fails
+            # Written after every stage: what is done survives a later stage's failure.
+            log_json.write_text(json.dumps(summary, indent=2) + "\n")
     sizes = {
         d: sum(f.stat().st_size for f in (out / d).glob("*"))
         for d in ("target", "draft")
