@@ -10,19 +10,22 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import drafter, target
-from ddtree_jax.engine import Plan
-from ddtree_jax.generation import Generator
-from ddtree_jax.prompts import read_prompts
-from ddtree_jax.sampling import GREEDY
-from ddtree_jax.sharding import make_mesh, param_sharding
-from ddtree_jax.text import TextCodec
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
+
+from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.generation import Generator  # noqa: E402
+from ddtree_jax.prompts import read_prompts  # noqa: E402
+from ddtree_jax.sampling import GREEDY  # noqa: E402
+from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
+from ddtree_jax.text import TextCodec  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "ddtree_jax" / "assets" / "default_pair"
 

@@ -23,9 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import drafter, target, train
-from ddtree_jax.checkpoint import save_hf
-from ddtree_jax.sharding import make_mesh, param_sharding
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
+
+from ddtree_jax import drafter, target, train  # noqa: E402
+from ddtree_jax.checkpoint import save_hf  # noqa: E402
+from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 ROOT = Path(__file__).resolve().parent.parent
