@@ -8,6 +8,8 @@ each is the plain single-device operation. Vocabulary-split arrays hold the cont
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -66,6 +68,32 @@ def softmax(x: jax.Array, axis: Axis) -> jax.Array:
     return e / psum(jnp.sum(e, axis=-1, keepdims=True), axis)
 
 
+CHUNK = 128  # ids per chunk in `chunked_top_k`
+
+
+def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` (values, int32 ids; ties: lower id first), reading the row once.
+
+    The k largest values lie in the k chunks of CHUNK ids with the largest maxima: each of those
+    chunks holds a distinct value >= the k-th largest maximum, and any larger value lies in one of
+    them. Among chunks tied at that maximum the lower-indexed win, and they alone hold the lowest
+    ids of the tied value, so gathering the chosen chunks in ascending order and taking the top-k of
+    those k * CHUNK candidates gives exactly `lax.top_k`'s values and ids.
+    """
+    v = x.shape[-1]
+    chunk = math.gcd(v, CHUNK)
+    if chunk < 16 or v // chunk <= k:
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    lead = x.shape[:-1]
+    chunks = x.reshape(*lead, v // chunk, chunk)
+    best = jnp.sort(jax.lax.top_k(jnp.max(chunks, axis=-1), k)[1], axis=-1)  # [..., k] ascending
+    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*lead, k * chunk)
+    values, pick = jax.lax.top_k(candidates, k)
+    ids = jnp.take_along_axis(best, pick // chunk, axis=-1) * chunk + pick % chunk
+    return values, ids.astype(jnp.int32)
+
+
 def top_k(x: jax.Array, k: int, axis: Axis) -> tuple[jax.Array, jax.Array]:
     """Global top-k over a vocabulary-split last dim: values and int32 global ids [..., k], sorted.
 
@@ -73,9 +101,8 @@ def top_k(x: jax.Array, k: int, axis: Axis) -> tuple[jax.Array, jax.Array]:
     the top-k of those: equal values keep the lower id first, as `jax.lax.top_k` does.
     """
     if axis is None:
-        values, ids = jax.lax.top_k(x, k)
-        return values, ids.astype(jnp.int32)
-    values, ids = jax.lax.top_k(x, min(k, x.shape[-1]))
+        return chunked_top_k(x, k)
+    values, ids = chunked_top_k(x, min(k, x.shape[-1]))
     ids = ids.astype(jnp.int32) + vocab_offset(x.shape[-1], axis)
     values = jax.lax.all_gather(values, axis, axis=x.ndim - 1, tiled=True)
     ids = jax.lax.all_gather(ids, axis, axis=x.ndim - 1, tiled=True)

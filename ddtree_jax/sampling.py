@@ -13,10 +13,18 @@ whatever the budget, the batch or the other requests in it; and the walk, which 
 child, emits exactly the target's sampling distribution.
 
 Processing order, as in Hugging Face: temperature, then top-k, then top-p on the renormalised
-tempered distribution. Both cut-offs are exact thresholds found by bisection over the bit patterns of
-float32 values (32 masked counts or sums over the vocabulary, no sort). Ties keep every token equal
-to the threshold: top-k keeps all tokens whose logit equals the k-th largest (possibly more than k);
-top-p keeps the smallest set {p >= t} whose mass is >= top_p, so tokens tied at t are all in or all out.
+tempered distribution. Ties keep every token equal to the threshold: top-k keeps all tokens whose
+logit equals the k-th largest (possibly more than k); top-p keeps the smallest set {p >= t} whose mass
+is >= top_p, so tokens tied at t are all in or all out. Both cut-offs keep an upper set of logits, so
+the kept support is {logit >= floor} with one `floor` per node, found in one of two ways:
+
+- the shortlist (fast, the usual case): the SHORTLIST largest logits of each node, sorted
+  (`collectives.chunked_top_k`: one pass over the vocabulary). top-k <= SHORTLIST
+  reads its threshold there; top-p runs a cumulative sum down the shortlist, normalised by the kept
+  mass from one pass over the vocabulary. Two passes over [T, V] in all.
+- bisection (exact for any setting): when some row's top-k exceeds the shortlist, or its top-p mass is
+  not reached inside it, both thresholds come from 32 halvings over the bit patterns of float32 values
+  (32 masked counts or sums over the vocabulary each, no sort).
 
 Vocabulary-parallel (`model_axis` set, logits [..., V_local] per device): the noise takes global
 token ids, the bisection's counts and sums are all-reduced at every step, and the argmax is the
@@ -35,6 +43,7 @@ import numpy as np
 from ddtree_jax.collectives import Axis, axis_size, pmax, pmin, psum, vocab_offset
 from ddtree_jax.collectives import argmax as vocab_argmax
 from ddtree_jax.collectives import softmax as vocab_softmax
+from ddtree_jax.collectives import top_k as vocab_top_k
 
 MAX_SEED = 2**32  # seeds are uint32
 
@@ -155,6 +164,88 @@ def top_p_mask(probs: jax.Array, top_p: jax.Array, axis: Axis = None) -> jax.Arr
     return keep | (need >= 1.0)
 
 
+def _tempered(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """logits [B, T, V] / temperature (greedy rows: / 1)."""
+    temperature = sampling.temperature[:, None, None]
+    return logits / jnp.where(temperature > 0, temperature, 1.0)
+
+
+def bisection_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = None) -> jax.Array:
+    """The smallest kept logit per node [B, T] after top-k and top-p, by bisection (any setting)."""
+    keep = jax.lax.cond(
+        jnp.any(sampling.top_k > 0),
+        lambda: top_k_mask(logits, sampling.top_k, axis),
+        lambda: jnp.ones(logits.shape, jnp.bool_),
+    )
+    keep = jax.lax.cond(
+        jnp.any(sampling.top_p < 1.0),
+        lambda: (
+            keep
+            & top_p_mask(
+                vocab_softmax(jnp.where(keep, _tempered(logits, sampling), -jnp.inf), axis),
+                sampling.top_p,
+                axis,
+            )
+        ),
+        lambda: keep,
+    )
+    return pmin(jnp.min(jnp.where(keep, logits, jnp.inf), axis=-1), axis)
+
+
+# -- the shortlist --------------------------------------------------------------------------------
+
+SHORTLIST = 64  # largest logits kept sorted per node: top-k up to 64 and most top-p settings use them
+
+
+def shortlist(logits: jax.Array, axis: Axis = None) -> jax.Array:
+    """The min(SHORTLIST, V) largest logits of each node [..., V_local] -> [..., n], descending."""
+    return vocab_top_k(logits, min(SHORTLIST, logits.shape[-1] * axis_size(axis)), axis)[0]
+
+
+def shortlist_floor(
+    logits: jax.Array, sampling: SamplingParams, axis: Axis = None
+) -> tuple[jax.Array, jax.Array]:
+    """The smallest kept logit per node from the shortlist [B, T], and where that is exact [B, T] bool.
+
+    Not exact (the caller falls back to bisection) when top-k exceeds the shortlist, or when the
+    shortlist's kept tokens do not reach the top-p mass. Greedy rows are always "exact" (unused).
+    """
+    top = shortlist(logits, axis)  # [B, T, n] descending
+    n, vocab = top.shape[-1], logits.shape[-1] * axis_size(axis)
+    k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), 0)[:, None]  # [B, 1]
+    kth = jnp.take_along_axis(top, jnp.clip(k - 1, 0, n - 1)[..., None], axis=-1)[..., 0]
+    k_floor = jnp.where(k > 0, kth, -jnp.inf)  # [B, T]
+    # top-p over the top-k survivors, renormalised: Z from one pass over the vocabulary.
+    temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None, None]
+    peak = top[..., :1] / temperature
+    weight = jnp.where(logits >= k_floor[..., None], jnp.exp(logits / temperature - peak), 0.0)
+    mass = psum(jnp.sum(weight, axis=-1, keepdims=True), axis)
+    probs = jnp.where(top >= k_floor[..., None], jnp.exp(top / temperature - peak) / mass, 0.0)
+    reached = jnp.cumsum(probs, axis=-1) >= sampling.top_p[:, None, None]
+    first = jnp.argmax(reached, axis=-1)  # first shortlist entry at which the mass is reached
+    t = jnp.take_along_axis(probs, first[..., None], axis=-1)
+    last = jnp.sum(probs >= t, axis=-1) - 1  # probs descend: ties with entry `first` extend it
+    p_floor = jnp.take_along_axis(top, last[..., None], axis=-1)[..., 0]
+    use_p = (sampling.top_p < 1.0)[:, None]
+    floor = jnp.where(use_p, p_floor, k_floor)
+    exact = (k <= n) & (~use_p | jnp.any(reached, axis=-1)) | (sampling.temperature == 0)[:, None]
+    return floor, exact
+
+
+def support_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = None) -> jax.Array:
+    """The smallest logit each node keeps after top-k and top-p [B, T] (-inf when neither is set)."""
+
+    def filtered():
+        floor, exact = shortlist_floor(logits, sampling, axis)
+        return jax.lax.cond(jnp.all(exact), lambda: floor, lambda: bisection_floor(logits, sampling, axis))
+
+    return jax.lax.cond(
+        jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0)),
+        filtered,
+        lambda: jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32),
+    )
+
+
 def choose(
     logits: jax.Array,
     sampling: SamplingParams | None = None,
@@ -171,20 +262,8 @@ def choose(
     if sampling is None:
         return greedy
     logits = logits.astype(jnp.float32)
-    temperature = sampling.temperature[:, None, None]
-    tempered = logits / jnp.where(temperature > 0, temperature, 1.0)
-    keep = jax.lax.cond(
-        jnp.any(sampling.top_k > 0),
-        lambda: top_k_mask(logits, sampling.top_k, model_axis),
-        lambda: jnp.ones(logits.shape, jnp.bool_),
-    )
-    tempered = jnp.where(keep, tempered, -jnp.inf)
-    keep = jax.lax.cond(
-        jnp.any(sampling.top_p < 1.0),
-        lambda: keep & top_p_mask(vocab_softmax(tempered, model_axis), sampling.top_p, model_axis),
-        lambda: keep,
-    )
+    floor = support_floor(logits, sampling, model_axis)[..., None]
     v = logits.shape[-1]
-    noisy = tempered + gumbel(sampling.seed, position, v, vocab_offset(v, model_axis))
-    sampled = vocab_argmax(jnp.where(keep, noisy, -jnp.inf), model_axis)
+    noisy = _tempered(logits, sampling) + gumbel(sampling.seed, position, v, vocab_offset(v, model_axis))
+    sampled = vocab_argmax(jnp.where(logits >= floor, noisy, -jnp.inf), model_axis)
     return jnp.where(sampling.temperature[:, None] > 0, sampled, greedy)

@@ -11,6 +11,7 @@ Needs the `train` extra (optax).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -330,7 +331,7 @@ class Trainer:
 
     def __init__(self, loss_fn: Callable, params: Params, oc: OptimConfig):
         self.optimizer, self.schedule = make_optimizer(oc)
-        self.params = params
+        self.params = jax.tree.map(jnp.copy, params)  # the step donates them: never the caller's arrays
         self.opt_state = self.optimizer.init(params)
         self.step_count = 0
 
@@ -381,12 +382,15 @@ def random_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, len
     return np.stack([stream[s : s + length] for s in starts]).astype(np.int32)
 
 
+_jit_target_loss = jax.jit(lambda p, t, cfg: target_loss(p, cfg, t), static_argnames="cfg")
+
+
 def eval_target_loss(params: Params, cfg: TargetConfig, stream: np.ndarray, length: int, batch: int) -> float:
     """Mean next-token loss over consecutive non-overlapping windows of `stream` (all of it, or up to
     the windows that fit)."""
     n = (len(stream) - 1) // length
     windows = np.stack([stream[i * length : i * length + length + 1] for i in range(n)]).astype(np.int32)
-    loss = jax.jit(lambda p, t: target_loss(p, cfg, t))
+    loss = functools.partial(_jit_target_loss, cfg=cfg)
     total, count = 0.0, 0
     for i in range(0, n - batch + 1, batch):
         total += float(loss(params, jnp.asarray(windows[i : i + batch]))) * batch

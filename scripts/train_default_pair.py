@@ -121,9 +121,10 @@ def log(record: dict, path: Path) -> None:
 
 
 def run_steps(
-    trainer, make_batch, steps, seed, name, log_path, log_every, aux_name=None, max_seconds=None
+    trainer, make_batch, steps, seed, name, log_path, log_every, aux_name=None, max_seconds=None, hook=None
 ) -> list[dict]:
-    """Train `steps` steps (fewer if `max_seconds` of wall clock pass first), logging every `log_every`."""
+    """Train `steps` steps (fewer if `max_seconds` of wall clock pass first), logging every `log_every`;
+    `hook(step)` runs at each logged step and may add fields to the record."""
     key = jax.random.key(seed)
     history, start = [], time.perf_counter()
     window = []
@@ -141,6 +142,8 @@ def run_steps(
             }
             if aux_name is not None:
                 rec[aux_name] = [round(float(a), 3) for a in np.asarray(aux)]
+            if hook is not None:
+                rec |= hook(step)
             window = []
             history.append(rec)
             log(rec, log_path)
@@ -171,6 +174,18 @@ def stage_target(args, streams, out, summary, log_path):
     oc = train.OptimConfig(args.target_steps, args.target_lr, args.warmup)
     trainer = train.target_trainer(cfg, params, oc)
     rng = np.random.default_rng(args.seed)
+    # Early stopping on a validation slice of the held-out split, after the part `eval` reports on.
+    valid = streams["heldout"][args.eval_tokens + 1 :][: args.valid_tokens + 1]
+    best = {"loss": float("inf"), "step": 0, "params": None}
+
+    def keep_best(step):
+        if len(valid) <= args.seq_len + 1:
+            return {}
+        loss = train.eval_target_loss(trainer.params, cfg, valid, args.seq_len, args.batch)
+        if loss < best["loss"]:
+            best.update(loss=loss, step=step, params=jax.tree.map(jnp.copy, trainer.params))
+        return {"valid_loss": round(loss, 4)}
+
     start = time.perf_counter()
     summary["target_history"] = run_steps(
         trainer,
@@ -181,9 +196,13 @@ def stage_target(args, streams, out, summary, log_path):
         log_path,
         args.log_every,
         max_seconds=args.max_seconds,
+        hook=keep_best,
     )
     summary["target_seconds"] = round(time.perf_counter() - start, 1)
-    save_hf(trainer.params, target.weight_specs(cfg), out / "target", train.target_hf_config(cfg))
+    summary["target_best"] = {"step": best["step"], "valid_loss": best["loss"]}
+    log({"stage": "target", "saved_step": best["step"], "valid_loss": best["loss"]}, log_path)
+    params = trainer.params if best["params"] is None else best["params"]
+    save_hf(params, target.weight_specs(cfg), out / "target", train.target_hf_config(cfg))
     gen = {"eos_token_id": eos, "bos_token_id": eos, "do_sample": False}
     (out / "target" / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
@@ -277,6 +296,12 @@ def main() -> None:
     ap.add_argument("--draft-lr", type=float, default=3e-3)
     ap.add_argument("--gamma", type=float, default=7.0, help="slot-weight decay (DFlash); <= 0: uniform")
     ap.add_argument("--eval-tokens", type=int, default=65536)
+    ap.add_argument(
+        "--valid-tokens",
+        type=int,
+        default=32768,
+        help="held-out tokens after the eval slice, scored at each logged target step; the best is saved",
+    )
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-lines", type=int, default=24)
     ap.add_argument("--log-every", type=int, default=20)

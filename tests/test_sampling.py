@@ -166,6 +166,87 @@ def test_top_k_and_top_p_masks_match_sorting():
             np.testing.assert_array_equal(keep[b, t], expect)
 
 
+def oracle_floor(row: np.ndarray, temperature: float, top_k: int, top_p: float) -> float:
+    """The smallest kept logit after top-k then top-p, by full sort in float64 (ties all in)."""
+    row = row.astype(np.float64)
+    keep = np.ones(row.shape, bool)
+    if top_k > 0:
+        keep = row >= np.sort(row)[::-1][min(top_k, row.size) - 1]
+    if top_p < 1:
+        z = np.where(keep, row / temperature, -np.inf)
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        desc = np.sort(probs)[::-1]
+        n = np.searchsorted(np.cumsum(desc), top_p * (1 - 1e-6))
+        keep &= probs >= desc[n]
+    return row[keep].min()
+
+
+def filter_cases(v: int) -> tuple[np.ndarray, list[dict]]:
+    """Logits [R, 2, v] (ties, -inf, flat and peaked rows) and one setting per row."""
+    rng = np.random.default_rng(1)
+    settings = [
+        {"top_k": 20, "top_p": 1.0},
+        {"top_k": 64, "top_p": 1.0},  # the shortlist's last entry
+        {"top_k": 65, "top_p": 1.0},  # past it: bisection
+        {"top_k": 0, "top_p": 0.9},
+        {"top_k": 20, "top_p": 0.9},
+        {"top_k": 50, "top_p": 0.3},
+        {"top_k": 1, "top_p": 1.0},
+        {"top_k": 0, "top_p": 1e-6},
+        {"top_k": 0, "top_p": 1.0},
+        {"top_k": v + 5, "top_p": 0.95},
+    ]
+    r = len(settings)
+    logits = rng.normal(size=(r, 2, v)).astype(np.float32) * 4  # node 0: peaked enough for top-p
+    logits[:, 1] = np.round(rng.normal(size=(r, v)), 1) * 0.5  # node 1: flat, ties everywhere
+    logits[:, 0, :7] = -np.inf
+    logits[3, 0, 100:140] = 30.0  # 40 tied maxima
+    return logits, settings
+
+
+@pytest.mark.parametrize("v", [256, 10240])
+def test_support_floor_matches_sorting(v):
+    """The shortlist (and its fallback to bisection) keeps exactly what a full sort keeps."""
+    logits, settings = filter_cases(v)
+    temps = np.linspace(0.5, 1.5, len(settings)).astype(np.float32)
+    params = sampling.SamplingParams.from_rows(
+        [s | {"temperature": float(t), "seed": 0} for s, t in zip(settings, temps, strict=True)]
+    )
+    x = jnp.asarray(logits)
+    floor = np.asarray(jax.jit(sampling.support_floor)(x, params))
+    fast, exact = map(np.asarray, jax.jit(sampling.shortlist_floor)(x, params))
+    bisect = np.asarray(jax.jit(sampling.bisection_floor)(x, params))
+    for i, s in enumerate(settings):
+        for t in range(2):
+            row = logits[i, t]
+            want = row >= oracle_floor(row, float(temps[i]), s["top_k"], s["top_p"])
+            np.testing.assert_array_equal(row >= floor[i, t], want, err_msg=str((i, t, s)))
+            np.testing.assert_array_equal(row >= bisect[i, t], want, err_msg=str((i, t, s)))
+            if exact[i, t]:
+                np.testing.assert_array_equal(row >= fast[i, t], want, err_msg=str((i, t, s)))
+    assert not exact[2].any()  # top-k 65
+    assert exact[[0, 1, 4, 5, 6, 7, 8], 0].all()
+    if v > 64 * 128:  # the chunked shortlist: its values are the sorted top 64
+        np.testing.assert_array_equal(sampling.shortlist(x), -np.sort(-logits, axis=-1)[..., :64])
+
+
+def test_shortlist_vocab_parallel():
+    """Split over 8 devices (chunked per device), the shortlist equals the unsplit one."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("model",))
+    x = jax.random.randint(jax.random.key(0), (2, 3, 8 * 9216), 0, 50).astype(jnp.float32)
+    split = jax.shard_map(
+        lambda a: sampling.shortlist(a, "model"),
+        mesh=mesh,
+        in_specs=P(None, None, "model"),
+        out_specs=P(),
+        check_vma=False,
+    )
+    np.testing.assert_array_equal(split(x), jax.lax.top_k(x, 64)[0])
+
+
 def test_noise_depends_only_on_seed_position_token():
     seed = jnp.asarray([5, 5, 6], jnp.uint32)
     pos = jnp.asarray([[3, 4], [4, 3], [3, 4]], jnp.int32)

@@ -1,0 +1,54 @@
+"""Time `jax.lax.top_k` against `collectives.chunked_top_k` (same values and ids) on vocabulary rows.
+
+python scripts/bench_topk.py --out topk.json
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
+
+from ddtree_jax.collectives import chunked_top_k  # noqa: E402
+
+
+def median_us(fn, x, reps: int = 50) -> float:
+    """Median time of fn(x) over `reps` calls, each synced, in microseconds."""
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--cases", default="16:32,64:64,256:64,1024:64", help="rows:k pairs")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    rows = []
+    for case in args.cases.split(","):
+        n, k = map(int, case.split(":"))
+        x = jax.random.normal(jax.random.key(0), (n, args.vocab), jnp.float32)
+        lax_fn = jax.jit(lambda a, k=k: jax.lax.top_k(a, k))
+        chunk_fn = jax.jit(lambda a, k=k: chunked_top_k(a, k))
+        same = all(bool(jnp.all(a == b)) for a, b in zip(lax_fn(x), chunk_fn(x), strict=True))
+        row = {"rows": n, "k": k, "vocab": args.vocab, "lax_top_k_us": median_us(lax_fn, x)}
+        row |= {"chunked_top_k_us": median_us(chunk_fn, x), "identical": same}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    meta = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

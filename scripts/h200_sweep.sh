@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The H200 benchmark batch of issues 6 and 8 (one device call, under 10 minutes). Each step is cut at
+# the time left before $DEADLINE (seconds); the JSON and logs of all steps come back as $OUT/sweep.tgz.
+set -u
+export PYTHONUNBUFFERED=1
+W=/tmp/sweep
+mkdir -p $W
+B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16"
+left() { echo $((${DEADLINE:-570} - SECONDS)); }
+step() { local name=$1; shift; echo "== $name ($(left) s left)"; timeout "$(left)" "$@" > "$W/$name.log" 2>&1; echo "rc $?"; tail -n 3 "$W/$name.log"; }
+
+step topk python3 scripts/bench_topk.py --out "$W/topk.json"
+step sampling $B --methods ddtree,ar --budgets 63 --contexts 1024 --batches 1 \
+  --sampling greedy,0.7:0:1,0.7:20:0.9,0.7:0:0.9 --out "$W/sampling.json"
+step budgets $B --methods ar,dflash,ddtree --budgets 7,15,31,63,127,255 --contexts 1024 --batches 1,16 \
+  --out "$W/budgets.json"
+step batches $B --methods ar,ddtree --budgets 15,63 --contexts 1024 --batches 4,32 --out "$W/batches.json"
+step stages $B --methods ddtree --budgets 63 --contexts 1024 --batches 1 --stages --out "$W/stages.json"
+step contexts $B --methods ar,ddtree --budgets 63 --contexts 8192,32768 --batches 16 --out "$W/contexts.json"
+step llama python3 scripts/bench.py --shape llama-3.1-8b --attention pallas --rounds 16 --methods ar,ddtree \
+  --budgets 15,63 --contexts 1024 --batches 1,16 --out "$W/llama.json"
+date -u
+tar czf "$OUT/sweep.tgz" -C /tmp sweep
