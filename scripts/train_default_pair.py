@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax import drafter, target, train  # noqa: E402
 from ddtree_jax.checkpoint import save_hf  # noqa: E402
+from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.generation import Generator, prompt_bucket  # noqa: E402
+from ddtree_jax.prompts import Prompt  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
@@ -225,6 +228,26 @@ def stage_eval(args, streams, out, summary, log_path):
     log(rec, log_path)
 
 
+def self_generated(args, tcfg, tparams, stream: np.ndarray, log_path) -> np.ndarray:
+    """The target's own greedy continuations of random training windows, as one token stream.
+
+    At inference the drafter extends the target's own output, which is more regular than the corpus
+    (small models repeat themselves); training on it too is DFlash's self-distillation data.
+    """
+    rng = np.random.default_rng(args.seed + 2)
+    n, prompt_len, new = args.selfgen_sequences, args.selfgen_prompt, args.draft_seq_len - args.selfgen_prompt
+    plan = Plan(tcfg, None, "ar", args.selfgen_batch, prompt_bucket(prompt_len), new, 0, 1)
+    gen = Generator(tparams, None, plan, stop_ids=())
+    start, rows = time.perf_counter(), []
+    for first in range(0, n, args.selfgen_batch):
+        windows = train.random_windows(stream, rng, min(args.selfgen_batch, n - first), prompt_len)
+        prompts = [Prompt(first + i, 0, w.tolist(), {}) for i, w in enumerate(windows)]
+        rows += [[*p.input_ids, *r.output_ids] for p, r in zip(prompts, gen.run_batch(prompts), strict=True)]
+    seconds = round(time.perf_counter() - start, 1)
+    log({"stage": "selfgen", "sequences": len(rows), "seconds": seconds}, log_path)
+    return np.asarray([t for row in rows for t in row], np.int32)
+
+
 def stage_draft(args, streams, out, summary, log_path):
     from tokenizers import Tokenizer
 
@@ -239,10 +262,19 @@ def stage_draft(args, streams, out, summary, log_path):
     gamma = args.gamma if args.gamma > 0 else None
     trainer = train.draft_trainer(dcfg, params, tparams, tcfg, oc, args.anchors, gamma)
     rng = np.random.default_rng(args.seed + 1)
+    own = self_generated(args, tcfg, tparams, streams["train"], log_path) if args.selfgen_sequences else None
+    num_own = 0 if own is None else round(args.draft_batch * args.selfgen_fraction)
+
+    def make_batch():
+        rows = train.random_windows(streams["train"], rng, args.draft_batch - num_own, args.draft_seq_len)
+        if num_own:
+            rows = np.concatenate([rows, train.random_windows(own, rng, num_own, args.draft_seq_len)])
+        return rows
+
     start = time.perf_counter()
     summary["draft_history"] = run_steps(
         trainer,
-        lambda: train.random_windows(streams["train"], rng, args.draft_batch, args.draft_seq_len),
+        make_batch,
         args.draft_steps,
         args.seed + 1,
         "draft",
@@ -294,6 +326,15 @@ def main() -> None:
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-steps", type=int, default=400)
     ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--selfgen-sequences",
+        type=int,
+        default=0,
+        help="drafter data: this many greedy continuations by the target of random training windows",
+    )
+    ap.add_argument("--selfgen-prompt", type=int, default=32, help="tokens of each continuation's window")
+    ap.add_argument("--selfgen-batch", type=int, default=256)
+    ap.add_argument("--selfgen-fraction", type=float, default=0.5, help="share of each drafter batch")
     ap.add_argument("--gamma", type=float, default=7.0, help="slot-weight decay (DFlash); <= 0: uniform")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument(
