@@ -266,10 +266,8 @@ def stage_draft(args, streams, out, summary, log_path):
     num_own = 0 if own is None else round(args.draft_batch * args.selfgen_fraction)
 
     def make_batch():
-        rows = train.random_windows(streams["train"], rng, args.draft_batch - num_own, args.draft_seq_len)
-        if num_own:
-            rows = np.concatenate([rows, train.random_windows(own, rng, num_own, args.draft_seq_len)])
-        return rows
+        parts = [(streams["train"], args.draft_batch - num_own), (own, num_own)]
+        return np.concatenate([train.random_windows(s, rng, n, args.draft_seq_len) for s, n in parts if n])
 
     start = time.perf_counter()
     summary["draft_history"] = run_steps(
