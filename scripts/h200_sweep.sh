@@ -7,7 +7,13 @@ W=/tmp/sweep
 mkdir -p $W
 B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16"
 left() { echo $((${DEADLINE:-570} - SECONDS)); }
-step() { local name=$1; shift; echo "== $name ($(left) s left)"; timeout "$(left)" "$@" > "$W/$name.log" 2>&1; echo "rc $?"; tail -n 3 "$W/$name.log"; }
+step() {
+  local name=$1; shift
+  if [ "$(left)" -lt 20 ]; then echo "== $name: skipped, $(left) s left"; return; fi
+  echo "== $name ($(left) s left)"
+  timeout "$(left)" "$@" > "$W/$name.log" 2>&1
+  echo "rc $?"; tail -n 3 "$W/$name.log"
+}
 
 step topk python3 scripts/bench_topk.py --out "$W/topk.json"
 step sampling $B --methods ddtree,ar --budgets 63 --contexts 1024 --batches 1 \

@@ -1,0 +1,113 @@
+"""Plots of `ddtree-bench` results: round time and projected speed-up vs budget per batch size, round
+time vs context, the stage breakdown. Needs matplotlib (not a dependency of the package).
+
+Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree round(N, B), with the
+acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
+per batch size is written to default_budgets.json (the source of `ddtree-generate`'s defaults).
+
+    python scripts/plot_bench.py --bench results/h200/sweep/*.json \\
+        --acceptance results/default-pair-eval-budgets.json --out results/h200/plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def load_rows(paths: list[Path]) -> list[dict]:
+    """Greedy, error-free rows of every bench JSON given."""
+    rows = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        rows += [r for r in data.get("rows", []) if "error" not in r and not r.get("sampling")]
+    return rows
+
+
+def acceptance_curve(path: Path) -> dict[int, float]:
+    """{budget: mean acceptance} of ddtree (budget 0: dflash) from an eval_default_pair.py JSON."""
+    runs = json.loads(path.read_text())["runs"]
+    return {r["budget"]: r["mean_acceptance"] for r in runs if r["method"] in ("ddtree", "dflash")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", type=Path, nargs="+", required=True)
+    ap.add_argument("--acceptance", type=Path, help="eval_default_pair.py JSON with ddtree at the budgets")
+    ap.add_argument("--context", type=int, default=1024, help="context of the budget plots")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_rows(args.bench)
+    args.out.mkdir(parents=True, exist_ok=True)
+    at = [r for r in rows if r["context"] == args.context]
+    ar = {r["batch"]: r["round_ms"] for r in at if r["method"] == "ar"}
+    by_batch = defaultdict(dict)
+    for r in at:
+        if r["method"] == "ddtree":
+            by_batch[r["batch"]][r["budget"]] = r["round_ms"]
+
+    fig, axes = plt.subplots(1, 2 if args.acceptance else 1, figsize=(11 if args.acceptance else 6, 4))
+    axes = axes if args.acceptance else [axes]
+    for b in sorted(by_batch):
+        budgets = sorted(by_batch[b])
+        axes[0].plot(budgets, [by_batch[b][n] / ar[b] for n in budgets], "o-", label=f"batch {b}")
+    axes[0].set(xscale="log", xlabel="budget N", ylabel="ddtree round / ar step", title="Cost of a round")
+    axes[0].set_xticks([7, 15, 31, 63, 127, 255], ["7", "15", "31", "63", "127", "255"])
+    axes[0].legend()
+    if args.acceptance:
+        acc, choice = acceptance_curve(args.acceptance), {}
+        for b in sorted(by_batch):
+            budgets = [n for n in sorted(by_batch[b]) if n in acc]
+            speedup = [acc[n] * ar[b] / by_batch[b][n] for n in budgets]
+            axes[1].plot(budgets, speedup, "o-", label=f"batch {b}")
+            best = max(budgets, key=lambda n: acc[n] / by_batch[b][n])
+            choice[b] = {"budget": best, "projected_speedup": acc[best] * ar[b] / by_batch[b][best]}
+        print(json.dumps({"default_budget_by_batch": choice}))
+        (args.out / "default_budgets.json").write_text(json.dumps(choice, indent=1) + "\n")
+        axes[1].axhline(1.0, color="grey", lw=0.8)
+        axes[1].set(xscale="log", xlabel="budget N", ylabel="tokens/s over ar", title="Projected speed-up")
+        axes[1].set_xticks([7, 15, 31, 63, 127, 255], ["7", "15", "31", "63", "127", "255"])
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "budget.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series = defaultdict(dict)
+    for r in rows:
+        if r["method"] == "ar" or (r["method"] == "ddtree" and r["budget"] == 63):
+            series[(r["method"], r["batch"])][r["context"]] = r["round_ms"]
+    for (method, b), points in sorted(series.items()):
+        if len(points) > 1:
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], "o-", label=f"{method} {'63 ' * (method == 'ddtree')}B={b}")
+    ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms per round", title="Round time vs context")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "context.png", dpi=120)
+
+    staged = [r for r in rows if r.get("stages_ms")]
+    if staged:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        labels = [f"{r['method']} {r['budget']} B={r['batch']}" for r in staged]
+        bottom = [0.0] * len(staged)
+        for stage in staged[0]["stages_ms"]:
+            values = [r["stages_ms"].get(stage, 0.0) for r in staged]
+            ax.bar(labels, values, bottom=bottom, label=stage)
+            bottom = [a + v for a, v in zip(bottom, values, strict=True)]
+        ax.scatter(labels, [r["round_ms"] for r in staged], color="black", zorder=3, label="device loop")
+        ax.set(ylabel="ms", title="Host-stepped stages vs device-loop round")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out / "stages.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
