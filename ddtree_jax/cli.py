@@ -13,7 +13,18 @@ from pathlib import Path
 
 from ddtree_jax.errors import DDTreeError
 
-DEFAULT_BUDGET = 32
+# The ddtree budget when --budget is not given, by batch size (the entry of the largest key <= the
+# batch size): the budget with the highest projected tokens/s = acceptance(budget) x ar step /
+# ddtree round, from the bundled pair's acceptance curve and Qwen3-8B-shaped round times on one
+# H200 at 1k context (results/h200/README.md, "Default budget per batch size").
+DEFAULT_BUDGETS = {1: 31, 4: 15, 16: 7}
+
+
+def default_budget(batch_size: int) -> int:
+    """The ddtree budget used for `batch_size` rows when --budget is not given."""
+    return DEFAULT_BUDGETS[max(b for b in DEFAULT_BUDGETS if b <= batch_size)]
+
+
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 
 
@@ -41,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompts that set none")
     p.add_argument("--no-chat-template", action="store_true", help="encode 'prompt' text as is")
     p.add_argument(
-        "--budget", type=int, help=f"ddtree: tree nodes besides the root (default {DEFAULT_BUDGET})"
+        "--budget",
+        type=int,
+        help="ddtree: tree nodes besides the root (default by batch size: "
+        + ", ".join(f"{n} from batch {b}" for b, n in DEFAULT_BUDGETS.items())
+        + ")",
     )
     p.add_argument("--block-size", type=int, help="draft block size (<= the drafter's; depth = block - 1)")
     p.add_argument(
@@ -138,7 +153,7 @@ def make_generator(args: argparse.Namespace):
             if args.block_size > dcfg.block_size:
                 raise DDTreeError(f"--block-size {args.block_size} exceeds the drafter's {dcfg.block_size}")
             dcfg = dataclasses.replace(dcfg, block_size=args.block_size)
-    budget = (args.budget or DEFAULT_BUDGET) if args.method == "ddtree" else 0
+    budget = (args.budget or default_budget(args.batch_size)) if args.method == "ddtree" else 0
     branching = {"ar": 1, "dflash": 1, "ddtree": args.branching or min(budget, 32)}[args.method]
     plan = Plan(
         target=cfg,
@@ -175,7 +190,11 @@ def summarize(results, gen, wall: float) -> str:
     """The end-of-run summary."""
     tokens = sum(len(r.output_ids) for r in results)
     accepted = [a for r in results for a in r.acceptance_lengths]
+    plan = gen.plan_template
     lines = [
+        f"method: {plan.method}"
+        + (f"   budget: {plan.budget}   branching: {plan.branching}" if plan.method == "ddtree" else "")
+        + f"   batch size: {plan.batch_size}   attention: {plan.attention}",
         f"prompts: {len(results)}   output tokens: {tokens}   "
         f"generation: {gen.generate_seconds:.2f} s ({tokens / max(gen.generate_seconds, 1e-9):.1f} tok/s)   "
         f"compile: {gen.compile_seconds:.2f} s   wall: {wall:.2f} s",

@@ -5,8 +5,9 @@ Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree 
 acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
 per batch size is written to default_budgets.json (the source of `ddtree-generate`'s defaults).
 
-    python scripts/plot_bench.py --bench results/h200/sweep/*.json \\
-        --acceptance results/default-pair-eval-budgets.json --out results/h200/plots
+    python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
+        --context-bench results/h200/bench_qwen3_8b_b1.json results/h200/bench_ar_kernel.json \\
+        --acceptance results/default-pair-eval-greedy.json --out results/h200/plots
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def acceptance_curve(path: Path) -> dict[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench", type=Path, nargs="+", required=True)
+    ap.add_argument("--bench", type=Path, nargs="+", required=True, help="budget and batch sweeps")
+    ap.add_argument(
+        "--context-bench", type=Path, nargs="*", default=[], help="context sweeps (default: --bench)"
+    )
     ap.add_argument("--acceptance", type=Path, help="eval_default_pair.py JSON with ddtree at the budgets")
     ap.add_argument("--context", type=int, default=1024, help="context of the budget plots")
     ap.add_argument("--out", type=Path, required=True)
@@ -81,13 +85,14 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     series = defaultdict(dict)
-    for r in rows:
+    for r in load_rows(args.context_bench) if args.context_bench else rows:
         if r["method"] == "ar" or (r["method"] == "ddtree" and r["budget"] == 63):
-            series[(r["method"], r["batch"])][r["context"]] = r["round_ms"]
-    for (method, b), points in sorted(series.items()):
+            series[(r["method"], r["batch"], r["attention"])][r["context"]] = r["round_ms"]
+    for (method, b, attention), points in sorted(series.items()):
         if len(points) > 1:
             xs = sorted(points)
-            ax.plot(xs, [points[x] for x in xs], "o-", label=f"{method} {'63 ' * (method == 'ddtree')}B={b}")
+            name = f"{method} {'63 ' * (method == 'ddtree')}B={b}, {attention}"
+            ax.plot(xs, [points[x] for x in xs], "o-" if attention == "pallas" else "x--", label=name)
     ax.set(xscale="log", xlabel="context (tokens)", ylabel="ms per round", title="Round time vs context")
     ax.legend()
     fig.tight_layout()

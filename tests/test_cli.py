@@ -215,3 +215,18 @@ def test_prompts_required_with_target_and_draft_needs_target(tmp_path, capsys):
     assert "--prompts FILE is required with --target" in capsys.readouterr().err
     assert main(["--draft", str(FIXTURES / "dflash_qwen3_gqa1"), "--out", out]) == 1
     assert "--draft needs --target" in capsys.readouterr().err
+
+
+def test_default_budget_follows_batch_size():
+    """Without --budget, ddtree uses the measured default of the batch size (cli.DEFAULT_BUDGETS)."""
+    from ddtree_jax.cli import build_parser, check_args, make_generator
+
+    base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
+    base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl"]
+    for batch, budget in ((1, 31), (3, 31), (4, 15), (15, 15), (16, 7), (64, 7)):
+        args = build_parser().parse_args([*base, "--batch-size", str(batch)])
+        check_args(args)
+        assert make_generator(args).plan_template.budget == budget, batch
+    args = build_parser().parse_args([*base, "--batch-size", "1", "--budget", "5"])
+    check_args(args)
+    assert make_generator(args).plan_template.budget == 5
