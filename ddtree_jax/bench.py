@@ -118,6 +118,53 @@ def run_rounds(params, draft_params, state, stop_ids, plan: Plan, rounds: int):
     )
 
 
+@jax.jit(static_argnames=("plan", "rounds"))
+def draft_loop(params, draft_params, state, plan: Plan, rounds: int):
+    """`rounds` drafter passes in one program; each pass's root is the previous pass's first token."""
+
+    def body(_, bonus):
+        _, tok = engine.draft(params, draft_params, dataclasses.replace(state, bonus=bonus), plan)
+        return tok[:, 0, 0]
+
+    return jax.lax.fori_loop(0, rounds, body, state.bonus)
+
+
+@jax.jit(static_argnames=("plan", "rounds"))
+def build_loop(state, logp, tok, plan: Plan, rounds: int):
+    """`rounds` tree builds in one program; each tree's root is the previous tree's last node token."""
+
+    def body(_, bonus):
+        return engine.build(dataclasses.replace(state, bonus=bonus), logp, tok, plan).tokens[:, -1]
+
+    return jax.lax.fori_loop(0, rounds, body, state.bonus)
+
+
+@jax.jit(static_argnames=("plan", "rounds"))
+def verify_loop(params, state, t, plan: Plan, rounds: int):
+    """`rounds` verify passes over one tree in one program; each pass's root token is the previous
+    pass's choice at the root (so no pass can be hoisted out of the loop)."""
+
+    def body(_, root):
+        tokens = t.tokens.at[:, 0].set(root)
+        return engine.verify(params, state, t._replace(tokens=tokens), plan)[0][:, 0]
+
+    return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
+
+
+def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict[str, float]:
+    """Each stage alone in a device loop (no host sync between passes), ms per pass; the caller adds
+    walk + commit as what remains of the round (`walk_commit_rest`)."""
+    logp = tok = None
+    if plan.method != "ar":
+        logp, tok = engine.draft(params, dparams, state, plan)
+    t = engine.build(state, logp, tok, plan)
+    loops = {"verify": lambda: verify_loop(params, state, t, plan=plan, rounds=rounds)}
+    if plan.method != "ar":
+        loops["draft"] = lambda: draft_loop(params, dparams, state, plan=plan, rounds=rounds)
+        loops["tree_build"] = lambda: build_loop(state, logp, tok, plan=plan, rounds=rounds)
+    return {name: 1e3 * _median_seconds(fn, 3) / rounds for name, fn in loops.items()}
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -144,7 +191,8 @@ def step_weight_bytes(params, cfg: TargetConfig) -> int:
 def bench_one(
     params, dparams, plan: Plan, context: int, rounds: int, ceiling_gbs: float, stages: bool, sampling=None
 ) -> dict:
-    """Device-loop round time and host-stepped stage times of one configuration."""
+    """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
+    (a sync per stage) and each alone in a device loop."""
     stop = jnp.full((8,), -1, jnp.int32)
     state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
     start = time.perf_counter()
@@ -164,6 +212,11 @@ def bench_one(
     for _ in range(rounds + 2 if stages else 0):  # round 1 compiles (kept apart), round 2 warms up
         state = stepper.round(params, dparams, state, stop)
     stage_ms = {k: 1e3 * statistics.median(v[1:]) for k, v in stepper.times.items()}
+    device_ms = {}
+    if stages:
+        state = synthetic_state(plan, context, 2, params["embed"].dtype, sampling)
+        device_ms = device_stage_ms(params, dparams, state, plan, rounds)
+        device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
 
     kv_bytes = (
         2
@@ -186,6 +239,7 @@ def bench_one(
         "round_ms": round_ms,
         "stages_ms": stage_ms,
         "host_stepped_round_ms": sum(stage_ms.values()),
+        "device_stages_ms": device_ms,
         "target_floor_ms": floor_ms,
         "round_over_floor": round_ms / floor_ms,
         "compile_s": compile_s,
@@ -204,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="1024")
     p.add_argument("--attention", default="reference", help="comma list of reference,pallas")
     p.add_argument("--rounds", type=int, default=16)
-    p.add_argument("--stages", action="store_true", help="also time each stage host-stepped")
+    p.add_argument(
+        "--stages", action="store_true", help="also time each stage, host-stepped and alone in a device loop"
+    )
     p.add_argument(
         "--sampling",
         default="greedy",
@@ -273,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{head}  {r['error'][:60]}")
             continue
         stages = " ".join(f"{k}={v:.2f}" for k, v in r["stages_ms"].items())
+        if r["device_stages_ms"]:
+            stages += "  device loop: " + " ".join(f"{k}={v:.2f}" for k, v in r["device_stages_ms"].items())
         print(f"{head}{r['round_ms']:10.2f}{r['target_floor_ms']:10.2f}  {stages}")
     return 0
 

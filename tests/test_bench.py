@@ -45,4 +45,7 @@ def test_bench_tiny_writes_every_configuration(tmp_path):
         assert "error" not in r, r.get("error")
         assert r["round_ms"] > 0 and r["target_floor_ms"] > 0
         assert set(r["stages_ms"]) >= {"tree_build", "verify", "walk_commit"}
+        drafted = {"draft", "tree_build"} if r["method"] == "ddtree" else set()
+        assert set(r["device_stages_ms"]) == {"verify", "walk_commit_rest"} | drafted
+        assert all(r["device_stages_ms"][k] > 0 for k in {"verify"} | drafted)
     assert data["meta"]["read_ceiling_gbs"] > 0

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from test_generate import EXTRA_PROMPTS
 
 from ddtree_jax import collectives, engine, target
+from ddtree_jax import sampling as sampling_lib
 from ddtree_jax.cli import main
 from ddtree_jax.sampling import SamplingParams
 
@@ -213,9 +214,12 @@ def test_tp_program_all_reduces_and_gathers_no_weight():
     assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) >= 2 * (2 * cfg.num_layers + 2)
     hlo = lowered.compile().as_text()
     assert len(re.findall(r" all-reduce\(", hlo)) >= 2 * (cfg.num_layers + dcfg.num_layers)
-    # The only all-gathers: the drafter's top-k candidates (values, ids) [B, D, tp * k], no weight.
+    # The only all-gathers are top-k candidates, no weight: the drafter's (values, ids) [B, D, tp * k]
+    # and the sampling shortlist's values [B, T, tp * 64] at the prefill (T = 1) and verify (T = 8).
     gathered = re.findall(r"= ([a-z0-9]+)\[([0-9,]*)\]\S* all-gather\(", hlo)
-    assert sorted(gathered) == [("f32", f"8,{dcfg.depth},{tp * 7}"), ("s32", f"8,{dcfg.depth},{tp * 7}")]
+    shortlist = [("f32", f"8,{t},{tp * sampling_lib.SHORTLIST}") for t in (1, 8)]
+    drafted = [("f32", f"8,{dcfg.depth},{tp * 7}"), ("s32", f"8,{dcfg.depth},{tp * 7}")]
+    assert sorted(gathered) == sorted(drafted + shortlist)
     assert not re.search(r"all-to-all|collective-permute", hlo)
 
 
