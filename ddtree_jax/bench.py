@@ -118,35 +118,62 @@ def run_rounds(params, draft_params, state, stop_ids, plan: Plan, rounds: int):
     )
 
 
+# The stage loops below chain each pass to the previous one through a value that depends on all of
+# the pass's output and feeds all of its input (`_never(c)` is 0, but XLA cannot know it), so no part
+# of a pass is loop-invariant: XLA can neither hoist it out of the loop nor drop it.
+
+
+def _never(carry: jax.Array) -> jax.Array:
+    """[B] int32 zeros that depend on `carry` [B] (which is never negative)."""
+    return (carry < 0).astype(jnp.int32)
+
+
 @jax.jit(static_argnames=("plan", "rounds"))
 def draft_loop(params, draft_params, state, plan: Plan, rounds: int):
-    """`rounds` drafter passes in one program; each pass's root is the previous pass's first token."""
+    """`rounds` drafter passes in one program; each pass's root and positions depend on all of the last
+    pass's tokens."""
 
-    def body(_, bonus):
-        _, tok = engine.draft(params, draft_params, dataclasses.replace(state, bonus=bonus), plan)
-        return tok[:, 0, 0]
+    def body(_, carry):
+        bonus = (state.bonus + carry) % plan.target.vocab_size
+        lengths = state.draft_cache.lengths + _never(carry)
+        passed = dataclasses.replace(
+            state, bonus=bonus, draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths)
+        )
+        _, tok = engine.draft(params, draft_params, passed, plan)
+        return jnp.sum(tok, axis=(1, 2)) % plan.target.vocab_size
 
-    return jax.lax.fori_loop(0, rounds, body, state.bonus)
+    return jax.lax.fori_loop(0, rounds, body, jnp.zeros_like(state.bonus))
 
 
 @jax.jit(static_argnames=("plan", "rounds"))
 def build_loop(state, logp, tok, plan: Plan, rounds: int):
-    """`rounds` tree builds in one program; each tree's root is the previous tree's last node token."""
+    """`rounds` tree builds in one program; each pass's inputs depend on all of the last tree."""
 
-    def body(_, bonus):
-        return engine.build(dataclasses.replace(state, bonus=bonus), logp, tok, plan).tokens[:, -1]
+    def body(_, carry):
+        zero = _never(carry)[:, None, None]
+        lp = None if logp is None else logp + zero.astype(logp.dtype)
+        t = engine.build(dataclasses.replace(state, bonus=carry), lp, tok + zero, plan)
+        mixed = t.tokens.sum(-1) + t.parent.sum(-1) + t.depth.sum(-1) + t.mask.sum((1, 2))
+        return mixed % plan.target.vocab_size
 
     return jax.lax.fori_loop(0, rounds, body, state.bonus)
 
 
 @jax.jit(static_argnames=("plan", "rounds"))
 def verify_loop(params, state, t, plan: Plan, rounds: int):
-    """`rounds` verify passes over one tree in one program; each pass's root token is the previous
-    pass's choice at the root (so no pass can be hoisted out of the loop)."""
+    """`rounds` verify passes over one tree in one program; each pass's root token, positions and
+    sampling seed depend on all of the last pass's choices."""
 
-    def body(_, root):
-        tokens = t.tokens.at[:, 0].set(root)
-        return engine.verify(params, state, t._replace(tokens=tokens), plan)[0][:, 0]
+    def body(_, carry):
+        zero = _never(carry)
+        cache = dataclasses.replace(state.cache, lengths=state.cache.lengths + zero)
+        sampling = state.sampling
+        if sampling is not None:
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + zero.astype(jnp.uint32))
+        tokens = t.tokens.at[:, 0].set(carry)
+        passed = dataclasses.replace(state, cache=cache, sampling=sampling)
+        choice = engine.verify(params, passed, t._replace(tokens=tokens), plan)[0]
+        return jnp.sum(choice, axis=-1) % plan.target.vocab_size
 
     return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
 

@@ -8,8 +8,6 @@ each is the plain single-device operation. Vocabulary-split arrays hold the cont
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -74,23 +72,28 @@ CHUNK = 128  # ids per chunk in `chunked_top_k`
 def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k(x, k)` (values, int32 ids; ties: lower id first), reading the row once.
 
-    The k largest values lie in the k chunks of CHUNK ids with the largest maxima: each of those
-    chunks holds a distinct value >= the k-th largest maximum, and any larger value lies in one of
-    them. Among chunks tied at that maximum the lower-indexed win, and they alone hold the lowest
-    ids of the tied value, so gathering the chosen chunks in ascending order and taking the top-k of
-    those k * CHUNK candidates gives exactly `lax.top_k`'s values and ids.
+    The row is cut into chunks of CHUNK ids (padded with -inf to a whole number of chunks), and only
+    the k chunks with the largest maxima (ties: lower chunk first, as `lax.top_k` orders them) are
+    searched. Why that is exact: take any element e of a chunk c that was not chosen. Each of the k
+    chosen chunks has a maximum above e's value, or equal to it in a lower chunk and so at a lower
+    id; either way that maximum comes before e in `lax.top_k`'s order, so k elements come before e
+    and e is not in the top k. Gathering the chosen chunks in ascending order keeps ids ascending
+    among the k * CHUNK candidates, so the top-k of those has the same values and ids. Padding ids
+    (past the row) lose every tie at -inf to real ids and are never among the top k <= V.
     """
     v = x.shape[-1]
-    chunk = math.gcd(v, CHUNK)
-    if chunk < 16 or v // chunk <= k:
+    padded = -(-v // CHUNK) * CHUNK
+    if padded // CHUNK <= k:  # too few chunks for the shortcut to pay
         values, ids = jax.lax.top_k(x, k)
         return values, ids.astype(jnp.int32)
+    if padded != v:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - v)], constant_values=-jnp.inf)
     lead = x.shape[:-1]
-    chunks = x.reshape(*lead, v // chunk, chunk)
+    chunks = x.reshape(*lead, padded // CHUNK, CHUNK)
     best = jnp.sort(jax.lax.top_k(jnp.max(chunks, axis=-1), k)[1], axis=-1)  # [..., k] ascending
-    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*lead, k * chunk)
+    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*lead, k * CHUNK)
     values, pick = jax.lax.top_k(candidates, k)
-    ids = jnp.take_along_axis(best, pick // chunk, axis=-1) * chunk + pick % chunk
+    ids = jnp.take_along_axis(best, pick // CHUNK, axis=-1) * CHUNK + pick % CHUNK
     return values, ids.astype(jnp.int32)
 
 

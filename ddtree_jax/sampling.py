@@ -22,13 +22,20 @@ the kept support is {logit >= floor} with one `floor` per node, found in one of 
   (`collectives.chunked_top_k`: one pass over the vocabulary). top-k <= SHORTLIST
   reads its threshold there; top-p runs a cumulative sum down the shortlist, normalised by the kept
   mass from one pass over the vocabulary. Two passes over [T, V] in all.
-- bisection (exact for any setting): when some row's top-k exceeds the shortlist, or its top-p mass is
-  not reached inside it, both thresholds come from 32 halvings over the bit patterns of float32 values
-  (32 masked counts or sums over the vocabulary each, no sort).
+- bisection (exact for any setting): for the nodes whose top-k exceeds the shortlist or whose top-p
+  mass is not reached inside it, both thresholds come from 32 halvings over the bit patterns of
+  float32 values (32 masked counts or sums over the vocabulary each, no sort). It runs over the
+  whole [B, T, V] when any node needs it, so one such node costs the whole batch its passes.
+
+The two ways agree up to float rounding of the top-p mass (a cumulative sum down the shortlist
+against masked sums): a node whose top_p lies within rounding of a partial sum may keep one set or
+the other. Which way a node takes depends only on its own logits and settings, so outputs stay
+independent of the batch and the tree.
 
 Vocabulary-parallel (`model_axis` set, logits [..., V_local] per device): the noise takes global
-token ids, the bisection's counts and sums are all-reduced at every step, and the argmax is the
-global one with the lowest-id tie rule (collectives.py), so the choice equals the unsplit one.
+token ids, the shortlist is the top of an all-gather of each device's shortlist, the top-p mass and
+the bisection's counts and sums are all-reduced, and the argmax is the global one with the lowest-id
+tie rule (collectives.py), so the choice equals the unsplit one.
 """
 
 from __future__ import annotations
@@ -237,7 +244,13 @@ def support_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = None
 
     def filtered():
         floor, exact = shortlist_floor(logits, sampling, axis)
-        return jax.lax.cond(jnp.all(exact), lambda: floor, lambda: bisection_floor(logits, sampling, axis))
+        # Nodes the shortlist cannot decide take bisection's floor; every other node keeps its own, so a
+        # node's choice never depends on the other rows of the batch or nodes of the tree.
+        return jax.lax.cond(
+            jnp.all(exact),
+            lambda: floor,
+            lambda: jnp.where(exact, floor, bisection_floor(logits, sampling, axis)),
+        )
 
     return jax.lax.cond(
         jnp.any((sampling.top_k > 0) | (sampling.top_p < 1.0)),

@@ -386,13 +386,15 @@ _jit_target_loss = jax.jit(lambda p, t, cfg: target_loss(p, cfg, t), static_argn
 
 
 def eval_target_loss(params: Params, cfg: TargetConfig, stream: np.ndarray, length: int, batch: int) -> float:
-    """Mean next-token loss over consecutive non-overlapping windows of `stream` (all of it, or up to
-    the windows that fit)."""
+    """Mean next-token loss over the consecutive non-overlapping windows of `stream` that fit, in
+    batches of at most `batch` windows (the last batch may be smaller)."""
     n = (len(stream) - 1) // length
+    if n == 0:
+        raise ValueError(f"eval_target_loss: {len(stream)} tokens hold no window of {length} + 1")
     windows = np.stack([stream[i * length : i * length + length + 1] for i in range(n)]).astype(np.int32)
     loss = functools.partial(_jit_target_loss, cfg=cfg)
-    total, count = 0.0, 0
-    for i in range(0, n - batch + 1, batch):
-        total += float(loss(params, jnp.asarray(windows[i : i + batch]))) * batch
-        count += batch
-    return total / max(count, 1)
+    total = 0.0
+    for i in range(0, n, batch):
+        part = windows[i : i + batch]
+        total += float(loss(params, jnp.asarray(part))) * len(part)
+    return total / n

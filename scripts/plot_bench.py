@@ -3,7 +3,8 @@ time vs context, the stage breakdown. Needs matplotlib (not a dependency of the 
 
 Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree round(N, B), with the
 acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
-per batch size is written to default_budgets.json (the source of `ddtree-generate`'s defaults).
+per batch size is written to default_budgets.json, the input to `cli.DEFAULT_BUDGETS` (which keeps
+7 from batch 16 on, where a batch-32 sweep has only budget 15).
 
     python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
         --context-bench results/h200/bench_qwen3_8b_b1.json results/h200/bench_ar_kernel.json \\

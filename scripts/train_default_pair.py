@@ -1,12 +1,17 @@
 """Train the bundled default pair: a Qwen3 code model on the Python standard library, and its DFlash
-drafter. Stages: tokenizer, target, draft, prompts (default: all, in order; each stage reads the
-previous stages' files from --out).
+drafter. Stages: tokenizer, target, eval, draft, prompts (default: all, in that order; run in the
+order --stages gives; each stage reads the earlier stages' files from --out).
 
-    python scripts/train_default_pair.py --target-steps 600 --draft-steps 400     # CPU, ~30 min
-    python scripts/train_default_pair.py --batch 64 --target-steps 5000 ...       # a GPU
+The bundled pair (results/default-pair.md; about four minutes on one H200):
+
+    python scripts/train_default_pair.py --layers 6 --ff 1024 --draft-layers 2 --batch 64 \\
+        --target-steps 2000 --warmup 100 --log-every 100 --stages tokenizer,target,eval,prompts
+    python scripts/train_default_pair.py --draft-layers 2 --draft-batch 32 --draft-steps 12000 --warmup 100 \\
+        --selfgen-sequences 8192 --selfgen-fraction 0.5 --stages draft
 
 The corpus is the `.py` files of the interpreter running this script (its version is logged), split
-by file (a hash of the relative path) into train and held-out sets.
+by file (a hash of the relative path) into train and held-out sets. The target keeps its best step
+by the loss on a validation slice of the held-out split.
 """
 
 from __future__ import annotations
@@ -229,7 +234,7 @@ def stage_eval(args, streams, out, summary, log_path):
 
 
 def self_generated(args, tcfg, tparams, stream: np.ndarray, log_path) -> np.ndarray:
-    """The target's own greedy continuations of random training windows, as one token stream.
+    """The target's own greedy continuations of random training windows [n, draft_seq_len].
 
     At inference the drafter extends the target's own output, which is more regular than the corpus
     (small models repeat themselves); training on it too is DFlash's self-distillation data.
@@ -245,7 +250,7 @@ def self_generated(args, tcfg, tparams, stream: np.ndarray, log_path) -> np.ndar
         rows += [[*p.input_ids, *r.output_ids] for p, r in zip(prompts, gen.run_batch(prompts), strict=True)]
     seconds = round(time.perf_counter() - start, 1)
     log({"stage": "selfgen", "sequences": len(rows), "seconds": seconds}, log_path)
-    return np.asarray([t for row in rows for t in row], np.int32)
+    return np.asarray(rows, np.int32)  # [n, draft_seq_len]: each row one window
 
 
 def stage_draft(args, streams, out, summary, log_path):
@@ -266,8 +271,14 @@ def stage_draft(args, streams, out, summary, log_path):
     num_own = 0 if own is None else round(args.draft_batch * args.selfgen_fraction)
 
     def make_batch():
-        parts = [(streams["train"], args.draft_batch - num_own), (own, num_own)]
-        return np.concatenate([train.random_windows(s, rng, n, args.draft_seq_len) for s, n in parts if n])
+        parts = []
+        if args.draft_batch > num_own:
+            parts.append(
+                train.random_windows(streams["train"], rng, args.draft_batch - num_own, args.draft_seq_len)
+            )
+        if num_own:  # whole continuations, never a window across two of them
+            parts.append(own[rng.integers(0, len(own), size=num_own)])
+        return np.concatenate(parts)
 
     start = time.perf_counter()
     summary["draft_history"] = run_steps(
@@ -361,6 +372,10 @@ def main() -> None:
     unknown = set(stages) - {"tokenizer", "target", "eval", "draft", "prompts"}
     if unknown:
         ap.error(f"--stages: unknown stage(s) {sorted(unknown)}")
+    if not 0 <= args.selfgen_fraction <= 1:
+        ap.error(f"--selfgen-fraction must be in [0, 1], got {args.selfgen_fraction}")
+    if args.selfgen_prompt >= args.draft_seq_len:
+        ap.error("--selfgen-prompt must be shorter than --draft-seq-len")
     summary = json.loads(log_json.read_text()) if log_json.exists() else {}
     summary |= {"python": sys.version, "jax": jax.__version__, "backend": jax.default_backend()}
     summary.setdefault("args", {})[args.stages] = {k: str(v) for k, v in vars(args).items()}

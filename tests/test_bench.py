@@ -49,3 +49,36 @@ def test_bench_tiny_writes_every_configuration(tmp_path):
         assert set(r["device_stages_ms"]) == {"verify", "walk_commit_rest"} | drafted
         assert all(r["device_stages_ms"][k] > 0 for k in {"verify"} | drafted)
     assert data["meta"]["read_ceiling_gbs"] > 0
+
+
+def test_stage_loops_keep_every_pass_inside_the_loop():
+    """The device-loop stage timers: XLA hoists nothing of a pass but constants and settings (no
+    matmul, sort, top-k, and nothing computed from positions or seeds) out of the timed loop."""
+    import re
+
+    import jax.numpy as jnp
+
+    from ddtree_jax import bench, drafter, engine, target
+    from ddtree_jax.engine import Plan
+    from ddtree_jax.weights import random_params
+
+    cfg = bench.SHAPES["tiny"]
+    dcfg = bench.draft_shape(cfg, 1, 4)
+    params = random_params(target.weight_specs(cfg), 0, jnp.float32)
+    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.float32)
+    plan = Plan(cfg, dcfg, "ddtree", 2, 32, 64, 7, 7, "reference")
+    sampled = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 0}
+    state = bench.synthetic_state(plan, 32, 0, jnp.float32, sampled)
+    logp, tok = engine.draft(params, dparams, state, plan)
+    tree = engine.build(state, logp, tok, plan)
+    loops = {
+        "draft": bench.draft_loop.lower(params, dparams, state, plan=plan, rounds=4),
+        "build": bench.build_loop.lower(state, logp, tok, plan=plan, rounds=4),
+        "verify": bench.verify_loop.lower(params, state, tree, plan=plan, rounds=4),
+    }
+    for name, lowered in loops.items():
+        hlo = lowered.compile().as_text()
+        entry = hlo[hlo.index("ENTRY") :]
+        assert entry.count(" while(") == 1, name
+        assert not re.search(r" (dot|sort|custom-call|convolution)\(", entry), name
+        assert not re.search(r"fusion\([^)]*(seed|lengths)", entry), name

@@ -205,7 +205,7 @@ def filter_cases(v: int) -> tuple[np.ndarray, list[dict]]:
     return logits, settings
 
 
-@pytest.mark.parametrize("v", [256, 10240])
+@pytest.mark.parametrize("v", [256, 10240, 10000])
 def test_support_floor_matches_sorting(v):
     """The shortlist (and its fallback to bisection) keeps exactly what a full sort keeps."""
     logits, settings = filter_cases(v)
@@ -229,6 +229,23 @@ def test_support_floor_matches_sorting(v):
     assert exact[[0, 1, 4, 5, 6, 7, 8], 0].all()
     if v > 64 * 128:  # the chunked shortlist: its values are the sorted top 64
         np.testing.assert_array_equal(sampling.shortlist(x), -np.sort(-logits, axis=-1)[..., :64])
+
+
+def test_floor_of_a_node_ignores_the_rest_of_the_batch():
+    """top_p at the partial sums of the shortlist (where the two ways may round apart): each row's
+    floor is the same whether or not another row of the batch needs bisection."""
+    rng = np.random.default_rng(3)
+    v, n = 10240, 24
+    row = rng.normal(size=v).astype(np.float32) * 3
+    top = np.sort(row)[::-1][:64].astype(np.float64)
+    partial = np.cumsum(np.exp(top - top[0]) / np.exp(row.astype(np.float64) - top[0]).sum())[:n]
+    logits = jnp.asarray(np.broadcast_to(row, (n + 1, 1, v)))
+    rows = [{"temperature": 1.0, "top_k": 0, "top_p": float(np.float32(p)), "seed": 0} for p in partial]
+    floors = {}
+    for first_k in (20, 65):  # row 0 alone: shortlist, or bisection for the whole batch
+        params = sampling.SamplingParams.from_rows([{**rows[0], "top_k": first_k, "top_p": 1.0}, *rows])
+        floors[first_k] = np.asarray(jax.jit(sampling.support_floor)(logits, params))[1:]
+    np.testing.assert_array_equal(floors[20], floors[65])
 
 
 def test_shortlist_vocab_parallel():

@@ -267,7 +267,7 @@ def test_embed_argmax_top_k_vocab_parallel():
     np.testing.assert_allclose(logp(x), jax.nn.log_softmax(x, axis=-1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("v", [151936, 10000])
+@pytest.mark.parametrize("v", [151936, 10000, 50257])
 def test_chunked_top_k_is_lax_top_k(v):
     """Values and ids equal `lax.top_k` (lowest id first among ties), with heavy ties and -inf."""
     x = jax.random.randint(jax.random.key(1), (3, 4, v), 0, 8).astype(jnp.float32)

@@ -93,3 +93,20 @@ def test_hf_writer_round_trips(tmp_path):
         jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
     raw = (tmp_path / "t" / "model.safetensors").read_bytes()
     assert b'"BF16"' in raw and b"lm_head" not in raw  # tied embeddings
+
+
+def test_eval_loss_averages_every_window_whatever_the_batch():
+    """Held-out loss = mean over all consecutive windows, with batches larger than the window count
+    and a smaller last batch (an earlier version returned 0 when the batch exceeded the windows)."""
+    import pytest
+
+    tcfg, _ = tiny_pair()
+    params = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
+    stream = np.asarray(tokens_of(1, 1, 5 * 8 + 3)[0])  # 5 windows of 8 (+1 label), 2 tokens spare
+    windows = np.stack([stream[i * 8 : i * 8 + 9] for i in range(5)])
+    per_window = [float(train.target_loss(params, tcfg, jnp.asarray(w[None]))) for w in windows]
+    for batch in (1, 2, 5, 64):
+        got = train.eval_target_loss(params, tcfg, stream, 8, batch)
+        np.testing.assert_allclose(got, np.mean(per_window), rtol=1e-5)
+    with pytest.raises(ValueError, match="no window"):
+        train.eval_target_loss(params, tcfg, stream[:8], 8, 4)
