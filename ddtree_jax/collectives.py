@@ -106,7 +106,7 @@ def top_k(x: jax.Array, k: int, axis: Axis) -> tuple[jax.Array, jax.Array]:
     if axis is None:
         return chunked_top_k(x, k)
     values, ids = chunked_top_k(x, min(k, x.shape[-1]))
-    ids = ids.astype(jnp.int32) + vocab_offset(x.shape[-1], axis)
+    ids = ids + vocab_offset(x.shape[-1], axis)
     values = jax.lax.all_gather(values, axis, axis=x.ndim - 1, tiled=True)
     ids = jax.lax.all_gather(ids, axis, axis=x.ndim - 1, tiled=True)
     values, pick = jax.lax.top_k(values, k)

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax import collectives, drafter, target, tree
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.kv_cache import KVCache, empty_cache, gather_slots, write
-from ddtree_jax.sampling import SamplingParams, choose
+from ddtree_jax.sampling import SamplingParams, choose, tempered
 from ddtree_jax.sharding import DATA, MODEL, make_mesh, param_sharding
 from ddtree_jax.weights import Params, assemble
 
@@ -188,8 +188,7 @@ def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
         model_axis=plan.model_axis,
     )
     if plan.tempered_draft and state.sampling is not None:
-        temperature = state.sampling.temperature[:, None, None]
-        logits = logits / jnp.where(temperature > 0, temperature, 1.0)
+        logits = tempered(logits, state.sampling)
     logp = collectives.log_softmax(logits, plan.model_axis)
     return collectives.top_k(logp, plan.branching, plan.model_axis)
 

@@ -171,8 +171,8 @@ def top_p_mask(probs: jax.Array, top_p: jax.Array, axis: Axis = None) -> jax.Arr
     return keep | (need >= 1.0)
 
 
-def _tempered(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """logits [B, T, V] / temperature (greedy rows: / 1)."""
+def tempered(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """logits [B, T, V] / each row's temperature (greedy rows: / 1)."""
     temperature = sampling.temperature[:, None, None]
     return logits / jnp.where(temperature > 0, temperature, 1.0)
 
@@ -189,7 +189,7 @@ def bisection_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = No
         lambda: (
             keep
             & top_p_mask(
-                vocab_softmax(jnp.where(keep, _tempered(logits, sampling), -jnp.inf), axis),
+                vocab_softmax(jnp.where(keep, tempered(logits, sampling), -jnp.inf), axis),
                 sampling.top_p,
                 axis,
             )
@@ -223,11 +223,10 @@ def shortlist_floor(
     kth = jnp.take_along_axis(top, jnp.clip(k - 1, 0, n - 1)[..., None], axis=-1)[..., 0]
     k_floor = jnp.where(k > 0, kth, -jnp.inf)  # [B, T]
     # top-p over the top-k survivors, renormalised: Z from one pass over the vocabulary.
-    temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None, None]
-    peak = top[..., :1] / temperature
-    weight = jnp.where(logits >= k_floor[..., None], jnp.exp(logits / temperature - peak), 0.0)
+    peak = tempered(top[..., :1], sampling)
+    weight = jnp.where(logits >= k_floor[..., None], jnp.exp(tempered(logits, sampling) - peak), 0.0)
     mass = psum(jnp.sum(weight, axis=-1, keepdims=True), axis)
-    probs = jnp.where(top >= k_floor[..., None], jnp.exp(top / temperature - peak) / mass, 0.0)
+    probs = jnp.where(top >= k_floor[..., None], jnp.exp(tempered(top, sampling) - peak) / mass, 0.0)
     reached = jnp.cumsum(probs, axis=-1) >= sampling.top_p[:, None, None]
     first = jnp.argmax(reached, axis=-1)  # first shortlist entry at which the mass is reached
     t = jnp.take_along_axis(probs, first[..., None], axis=-1)
@@ -277,6 +276,6 @@ def choose(
     logits = logits.astype(jnp.float32)
     floor = support_floor(logits, sampling, model_axis)[..., None]
     v = logits.shape[-1]
-    noisy = _tempered(logits, sampling) + gumbel(sampling.seed, position, v, vocab_offset(v, model_axis))
+    noisy = tempered(logits, sampling) + gumbel(sampling.seed, position, v, vocab_offset(v, model_axis))
     sampled = vocab_argmax(jnp.where(logits >= floor, noisy, -jnp.inf), model_axis)
     return jnp.where(sampling.temperature[:, None] > 0, sampled, greedy)
