@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import platform
@@ -19,12 +20,15 @@ from datetime import UTC, datetime
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, target
+from ddtree_jax import collectives, drafter, engine, layers, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
-from ddtree_jax.engine import DecodeState, Plan
+from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache
 from ddtree_jax.sampling import GREEDY, SamplingParams
+from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
 from ddtree_jax.weights import random_params
 
 
@@ -81,12 +85,14 @@ def _median_seconds(fn, reps: int) -> float:
 
 
 def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None) -> DecodeState:
-    """A batch mid-generation: random K/V committed up to `context` in both caches."""
+    """A batch mid-generation: random K/V committed up to `context` in both caches, placed on the
+    plan's mesh (K/V heads split over "model", rows over "data")."""
     key = jax.random.key(seed)
     b, s = plan.batch_size, plan.capacity
 
     def cache(layers, dims):
-        shape = (b, dims.num_kv_heads, s, dims.head_dim)
+        heads = max(dims.num_kv_heads, plan.tp)  # one head per device when fewer heads than devices
+        shape = (b, heads, s, dims.head_dim)
         keys = jax.random.split(key, 2 * layers)
         make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
         return KVCache(
@@ -96,7 +102,7 @@ def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict |
         )
 
     t = plan.target
-    return DecodeState(
+    state = DecodeState(
         cache=cache(t.num_layers, t.dims),
         draft_cache=None if plan.method == "ar" else cache(plan.draft.num_layers, plan.draft.dims),
         bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
@@ -108,14 +114,41 @@ def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict |
         rounds=jnp.zeros((b,), jnp.int32),
         sampling=None if sampling is None else SamplingParams.from_rows([sampling] * b),
     )
+    return place_state(state, plan)
 
 
-@jax.jit(static_argnames=("plan", "rounds"), donate_argnames=("state",))
-def run_rounds(params, draft_params, state, stop_ids, plan: Plan, rounds: int):
+def place_state(state: DecodeState, plan: Plan) -> DecodeState:
+    """Put a DecodeState on the plan's mesh as `engine.state_specs` lays it out."""
+    if plan.tp * plan.dp == 1:
+        return state
+    mesh = make_mesh(plan.tp, plan.dp)
+    return jax.tree.map(
+        lambda spec, x: jax.device_put(x, NamedSharding(mesh, spec)),
+        engine.state_specs(plan),
+        state,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def mesh_program(fn, plan: Plan, in_specs, out_specs, donate=(), **static):
+    """`fn(*args, plan=plan, **static)` jitted, and shard_mapped over the plan's mesh when it has one."""
+    return jax.jit(
+        engine.on_mesh(functools.partial(fn, **static), plan, in_specs, out_specs), donate_argnums=donate
+    )
+
+
+def decode_rounds(params, draft_params, state, stop_ids, *, plan: Plan, rounds: int):
     """`rounds` decode rounds in one program (the device loop)."""
     return jax.lax.fori_loop(
         0, rounds, lambda _, s: engine.decode_round(params, draft_params, s, stop_ids, plan), state
     )
+
+
+def round_program(plan: Plan, rounds: int):
+    """`decode_rounds`, jitted on the plan's mesh (the state is donated)."""
+    tspec, dspec = engine.param_specs(plan)
+    sspec = engine.state_specs(plan)
+    return mesh_program(decode_rounds, plan, (tspec, dspec, sspec, ALL), sspec, donate=(2,), rounds=rounds)
 
 
 # The stage loops below chain each pass to the previous one through a value that depends on all of
@@ -128,10 +161,8 @@ def _never(carry: jax.Array) -> jax.Array:
     return (carry < 0).astype(jnp.int32)
 
 
-@jax.jit(static_argnames=("plan", "rounds"))
-def draft_loop(params, draft_params, state, plan: Plan, rounds: int):
-    """`rounds` drafter passes in one program; each pass's root and positions depend on all of the last
-    pass's tokens."""
+def draft_passes(params, draft_params, state, *, plan: Plan, rounds: int):
+    """`rounds` drafter passes; each pass's root and positions depend on all of the last pass's tokens."""
 
     def body(_, carry):
         bonus = (state.bonus + carry) % plan.target.vocab_size
@@ -145,9 +176,8 @@ def draft_loop(params, draft_params, state, plan: Plan, rounds: int):
     return jax.lax.fori_loop(0, rounds, body, jnp.zeros_like(state.bonus))
 
 
-@jax.jit(static_argnames=("plan", "rounds"))
-def build_loop(state, logp, tok, plan: Plan, rounds: int):
-    """`rounds` tree builds in one program; each pass's inputs depend on all of the last tree."""
+def build_passes(state, logp, tok, *, plan: Plan, rounds: int):
+    """`rounds` tree builds; each pass's inputs depend on all of the last tree."""
 
     def body(_, carry):
         zero = _never(carry)[:, None, None]
@@ -159,10 +189,9 @@ def build_loop(state, logp, tok, plan: Plan, rounds: int):
     return jax.lax.fori_loop(0, rounds, body, state.bonus)
 
 
-@jax.jit(static_argnames=("plan", "rounds"))
-def verify_loop(params, state, t, plan: Plan, rounds: int):
-    """`rounds` verify passes over one tree in one program; each pass's root token, positions and
-    sampling seed depend on all of the last pass's choices."""
+def verify_passes(params, state, t, *, plan: Plan, rounds: int):
+    """`rounds` verify passes over one tree; each pass's root token, positions and sampling seed depend
+    on all of the last pass's choices."""
 
     def body(_, carry):
         zero = _never(carry)
@@ -178,18 +207,37 @@ def verify_loop(params, state, t, plan: Plan, rounds: int):
     return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
 
 
+def stage_programs(plan: Plan, rounds: int) -> dict:
+    """The device-loop stage timers, jitted on the plan's mesh: name -> program.
+
+    verify(params, state, tree); draft(params, draft_params, state); tree_build(state, logp, tok).
+    """
+    tspec, dspec = engine.param_specs(plan)
+    sspec = engine.state_specs(plan)
+    programs = {"verify": mesh_program(verify_passes, plan, (tspec, sspec, ROW), ROW, rounds=rounds)}
+    if plan.method != "ar":
+        programs["draft"] = mesh_program(draft_passes, plan, (tspec, dspec, sspec), ROW, rounds=rounds)
+        programs["tree_build"] = mesh_program(build_passes, plan, (sspec, ROW, ROW), ROW, rounds=rounds)
+    return programs
+
+
 def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict[str, float]:
     """Each stage alone in a device loop (no host sync between passes), ms per pass; the caller adds
     walk + commit as what remains of the round (`walk_commit_rest`)."""
+    tspec, dspec = engine.param_specs(plan)
+    sspec = engine.state_specs(plan)
     logp = tok = None
     if plan.method != "ar":
-        logp, tok = engine.draft(params, dparams, state, plan)
-    t = engine.build(state, logp, tok, plan)
-    loops = {"verify": lambda: verify_loop(params, state, t, plan=plan, rounds=rounds)}
-    if plan.method != "ar":
-        loops["draft"] = lambda: draft_loop(params, dparams, state, plan=plan, rounds=rounds)
-        loops["tree_build"] = lambda: build_loop(state, logp, tok, plan=plan, rounds=rounds)
-    return {name: 1e3 * _median_seconds(fn, 3) / rounds for name, fn in loops.items()}
+        logp, tok = mesh_program(engine.draft, plan, (tspec, dspec, sspec), (ROW, ROW))(
+            params, dparams, state
+        )
+    t = mesh_program(engine.build, plan, (sspec, ROW, ROW), ROW)(state, logp, tok)
+    programs = stage_programs(plan, rounds)
+    args = {"verify": (params, state, t), "draft": (params, dparams, state), "tree_build": (state, logp, tok)}
+    return {
+        name: 1e3 * _median_seconds(lambda p=p, a=args[name]: p(*a), 3) / rounds
+        for name, p in programs.items()
+    }
 
 
 def _ints(text: str) -> list[int]:
@@ -205,14 +253,19 @@ def parse_sampling(text: str) -> dict | None:
 
 
 def weight_bytes(params) -> int:
-    """Bytes of all parameters."""
+    """Bytes of all parameters (all devices' together)."""
     return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
+def _device_bytes(x: jax.Array) -> int:
+    return x.addressable_shards[0].data.nbytes
+
+
 def step_weight_bytes(params, cfg: TargetConfig) -> int:
-    """Weight bytes a decode step reads: all, less the embedding table when lm_head is separate (the
-    step gathers only its rows from it)."""
-    return weight_bytes(params) - (0 if cfg.tie_word_embeddings else params["embed"].nbytes)
+    """Weight bytes a decode step reads on one device: all it holds, less the embedding table when
+    lm_head is separate (the step gathers only its rows from it)."""
+    held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
+    return held - (0 if cfg.tie_word_embeddings else _device_bytes(params["embed"]))
 
 
 def bench_one(
@@ -220,13 +273,17 @@ def bench_one(
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
     (a sync per stage) and each alone in a device loop."""
+    dparams = None if plan.method == "ar" else dparams
     stop = jnp.full((8,), -1, jnp.int32)
+    if plan.tp * plan.dp > 1:
+        stop = jax.device_put(stop, NamedSharding(make_mesh(plan.tp, plan.dp), ALL))
     state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
     start = time.perf_counter()
-    compiled = run_rounds.lower(params, dparams, state, stop, plan=plan, rounds=rounds).compile()
+    compiled = round_program(plan, rounds).lower(params, dparams, state, stop).compile()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(3):
+        state = None  # free the last state first: at 32k tokens one state can fill half the memory
         state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
         jax.block_until_ready(state)
         start = time.perf_counter()
@@ -235,23 +292,26 @@ def bench_one(
     round_ms = 1e3 * statistics.median(times)
 
     stepper = engine.HostStepper(plan)
-    state = synthetic_state(plan, context, 1, params["embed"].dtype, sampling)
+    state = None
+    state = synthetic_state(plan, context, 1, params["embed"].dtype, sampling) if stages else None
     for _ in range(rounds + 2 if stages else 0):  # round 1 compiles (kept apart), round 2 warms up
         state = stepper.round(params, dparams, state, stop)
     stage_ms = {k: 1e3 * statistics.median(v[1:]) for k, v in stepper.times.items()}
     device_ms = {}
     if stages:
+        state = None
         state = synthetic_state(plan, context, 2, params["embed"].dtype, sampling)
         device_ms = device_stage_ms(params, dparams, state, plan, rounds)
         device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
 
-    kv_bytes = (
+    dims = plan.target.dims
+    kv_bytes = (  # one device's: its rows, its K/V heads (one when fewer heads than devices)
         2
         * plan.target.num_layers
-        * plan.batch_size
+        * (plan.batch_size // plan.dp)
         * context
-        * plan.target.dims.num_kv_heads
-        * plan.target.dims.head_dim
+        * max(dims.num_kv_heads // plan.tp, 1)
+        * dims.head_dim
         * params["embed"].dtype.itemsize
     )
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target) + kv_bytes) / (ceiling_gbs * 1e9)
@@ -262,6 +322,7 @@ def bench_one(
         "batch": plan.batch_size,
         "context": context,
         "attention": plan.attention,
+        "tp": plan.tp,
         "sampling": sampling,
         "round_ms": round_ms,
         "stages_ms": stage_ms,
@@ -293,14 +354,34 @@ def main(argv: list[str] | None = None) -> int:
         default="greedy",
         help="comma list of greedy or T:top_k:top_p settings, e.g. greedy,0.7:0:1,0.7:20:0.9",
     )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (the model split over them)")
+    p.add_argument(
+        "--drop-layer-all-reduce",
+        action="store_true",
+        help="timing only, outputs are wrong: skip the all-reduce after o_proj and down_proj (its cost "
+        "is the difference to a run without this flag)",
+    )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
     cfg = SHAPES[args.shape]
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
-    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
-    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
+    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
+    check_divisible(dcfg.dims, cfg.vocab_size, args.tp, "drafter")
+    place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
+    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16, place=place)
+    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16, place=place)
+    if args.drop_layer_all_reduce:
+        layers.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
+    try:
+        return _sweep(args, cfg, dcfg, params, dparams)
+    finally:
+        layers.psum = collectives.psum
+
+
+def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
+    """Time every configuration of the grid, writing the JSON after each."""
     ceiling = read_ceiling_gbs(args.ceiling_bytes)
     print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
     meta = {
@@ -311,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "argv": sys.argv,
         "shape": args.shape,
+        "tp": args.tp,
+        "devices": [str(d) for d in jax.devices()[: args.tp]],
+        "layer_all_reduce": not args.drop_layer_all_reduce,
         "read_ceiling_gbs": ceiling,
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),
@@ -329,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = parse_sampling(sampling_arg)
         branching = min(budget, 32) if method == "ddtree" else 1
         draft = None if method == "ar" else dcfg
-        plan = Plan(cfg, draft, method, batch, context, 64, budget, branching, attention)
+        plan = Plan(cfg, draft, method, batch, context, 64, budget, branching, attention, tp=args.tp)
         try:
             row = bench_one(params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling)
         except Exception as e:  # keep the other configurations

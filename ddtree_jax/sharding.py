@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -103,6 +104,16 @@ class Placement:
         src = (cols // head_dim) // r * head_dim + cols % head_dim  # placed column -> checkpoint column
         block = host[tuple(slice(None) if i == dim else s for i, s in enumerate(index))]
         return np.take(block, src, axis=dim)
+
+    def place(self, spec: WeightSpec, whole: jax.Array) -> jax.Array:
+        """A weight held whole (checkpoint layout, our [in, out]) -> the placed array on the mesh, with
+        K/V heads repeated as `host_block` repeats them."""
+        r = self._kv_repeat(spec)
+        if r > 1:
+            dim = spec.axes.index("kv_heads")
+            split = whole.shape[:dim] + (spec.heads, spec.shape[dim] // spec.heads) + whole.shape[dim + 1 :]
+            whole = jnp.repeat(whole.reshape(split), r, axis=dim).reshape(self.placed_shape(spec))
+        return jax.device_put(whole, self(spec))
 
     def __call__(self, spec: WeightSpec) -> NamedSharding:
         for n, a in zip(self.placed_shape(spec), spec.axes, strict=True):

@@ -55,9 +55,14 @@ def make_target_config(
 
 
 def make_draft_config(
-    tcfg: TargetConfig, mask_token_id: int, layers: int = 1, block_size: int = 16, ff: int | None = None
+    tcfg: TargetConfig,
+    mask_token_id: int,
+    layers: int = 1,
+    block_size: int = 16,
+    ff: int | None = None,
+    target_layer_ids: tuple[int, ...] | None = None,
 ) -> DraftConfig:
-    """A DFlash drafter shaped like the target's layers, on DFlash's default target layers."""
+    """A DFlash drafter shaped like the target's layers, on `target_layer_ids` (default: DFlash's)."""
     from ddtree_jax.config import default_target_layer_ids
 
     dims = dataclasses.replace(tcfg.dims, intermediate_size=ff or tcfg.dims.intermediate_size)
@@ -67,7 +72,7 @@ def make_draft_config(
         rope=tcfg.rope,
         block_size=block_size,
         mask_token_id=mask_token_id,
-        target_layer_ids=default_target_layer_ids(tcfg.num_layers, layers),
+        target_layer_ids=target_layer_ids or default_target_layer_ids(tcfg.num_layers, layers),
         vocab_size=tcfg.vocab_size,
     )
 

@@ -77,8 +77,17 @@ def assemble(specs: Iterable[WeightSpec], make: Callable[[WeightSpec], Any]) -> 
     return tree
 
 
-def random_params(specs: list[WeightSpec], seed: int, dtype: jnp.dtype, scale: float = 0.02) -> Params:
-    """Random weights made on the device (normal * scale, norms near 1): for benchmarks of shapes."""
+def random_params(
+    specs: list[WeightSpec],
+    seed: int,
+    dtype: jnp.dtype,
+    scale: float = 0.02,
+    place: Callable[[WeightSpec, jax.Array], jax.Array] | None = None,
+) -> Params:
+    """Random weights made on the device (normal * scale, norms near 1): for benchmarks of shapes.
+
+    `place` (e.g. `sharding.Placement.place`) puts each weight on a mesh; the values do not depend on it.
+    """
     key = jax.random.key(seed)
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -86,5 +95,9 @@ def random_params(specs: list[WeightSpec], seed: int, dtype: jnp.dtype, scale: f
         noise = jax.random.normal(key, shape, jnp.float32)
         return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
 
+    def make(spec: WeightSpec) -> jax.Array:
+        whole = make_one(next(keys), spec.shape, spec.is_norm)
+        return whole if place is None else place(spec, whole)
+
     keys = iter(jax.random.split(key, len(specs)))
-    return assemble(specs, lambda spec: make_one(next(keys), spec.shape, spec.is_norm))
+    return assemble(specs, make)

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The H200 benchmark batch of issues 6 and 8 (one device call, under 10 minutes). Each step is cut at
-# the time left before $DEADLINE (seconds); the JSON and logs of all steps come back as $OUT/sweep.tgz.
+# the time left before $DEADLINE (seconds); $STEPS (a space-separated list, default all) picks steps.
+# The JSON and logs of all steps come back as $OUT/sweep.tgz.
 set -u
 export PYTHONUNBUFFERED=1
 W=/tmp/sweep
 mkdir -p $W
 B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16"
+ALL="topk sampling budgets batches stages tp1 contexts llama arbatch"
 left() { echo $((${DEADLINE:-570} - SECONDS)); }
 step() {
   local name=$1; shift
+  case " ${STEPS:-$ALL} " in *" $name "*) ;; *) return;; esac
   if [ "$(left)" -lt 20 ]; then echo "== $name: skipped, $(left) s left"; return; fi
   echo "== $name ($(left) s left)"
   timeout "$(left)" "$@" > "$W/$name.log" 2>&1
@@ -21,9 +24,11 @@ step sampling $B --methods ddtree,ar --budgets 63 --contexts 1024 --batches 1 \
 step budgets $B --methods ar,dflash,ddtree --budgets 7,15,31,63,127,255 --contexts 1024 --batches 1,16 \
   --out "$W/budgets.json"
 step batches $B --methods ar,ddtree --budgets 15,63 --contexts 1024 --batches 4,32 --out "$W/batches.json"
-step stages $B --methods ddtree --budgets 63 --contexts 1024 --batches 1 --stages --out "$W/stages.json"
+step stages $B --methods ar,ddtree --budgets 63 --contexts 1024 --batches 1,16 --stages --out "$W/stages.json"
+step tp1 $B --methods dflash,ddtree --budgets 15 --contexts 1024 --batches 1,16 --out "$W/tp1.json"
 step contexts $B --methods ar,ddtree --budgets 63 --contexts 8192,32768 --batches 16 --out "$W/contexts.json"
 step llama python3 scripts/bench.py --shape llama-3.1-8b --attention pallas --rounds 16 --methods ar,ddtree \
   --budgets 15,63 --contexts 1024 --batches 1,16 --out "$W/llama.json"
+step arbatch $B --methods ar,ddtree --budgets 7 --contexts 1024 --batches 2,8,32 --out "$W/arbatch.json"
 date -u
 tar czf "$OUT/sweep.tgz" -C /tmp sweep

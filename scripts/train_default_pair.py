@@ -258,7 +258,16 @@ def stage_draft(args, streams, out, summary, log_path):
 
     tcfg, tparams = load_target_f32(out)  # the bf16 weights the engine will run, upcast
     mask_id = Tokenizer.from_file(str(out / "target" / "tokenizer.json")).token_to_id(MASK)
-    dcfg = train.make_draft_config(tcfg, mask_id, args.draft_layers, args.block_size, args.draft_ff)
+    layer_ids = (
+        tuple(int(i) for i in args.draft_target_layers.split(",")) if args.draft_target_layers else None
+    )
+    if layer_ids and not all(0 <= i < tcfg.num_layers for i in layer_ids):
+        raise SystemExit(
+            f"--draft-target-layers {args.draft_target_layers}: the target has {tcfg.num_layers} layers"
+        )
+    dcfg = train.make_draft_config(
+        tcfg, mask_id, args.draft_layers, args.block_size, args.draft_ff, layer_ids
+    )
     params = train.init_params(drafter.weight_specs(dcfg), args.seed + 1, dcfg.num_layers)
     # The drafter's logits go through the target's lm_head: start its output norm at the target's.
     params["norm"] = jnp.asarray(tparams["norm"], jnp.float32)
@@ -329,6 +338,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--draft-ff", type=int, default=None)
+    ap.add_argument(
+        "--draft-target-layers",
+        default=None,
+        help="comma list of target layers whose outputs feed the drafter (default: DFlash's spacing)",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=16, help="anchors per training sequence")
     ap.add_argument("--draft-seq-len", type=int, default=256)

@@ -190,6 +190,28 @@ def test_weights_split_over_model_axis(tp, dp):
         np.testing.assert_array_equal(local, full_k[:, want])
 
 
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_place_matches_the_loader(tp):
+    """Placing whole weights (random benchmark weights) lays them out as the checkpoint loader does,
+    K/V heads repeated included (Hkv = 2 < tp = 4, 8)."""
+    from ddtree_jax.sharding import make_mesh, param_sharding
+
+    cfg, one = load_target(TP)
+    _, loaded = load_target(TP, tp=tp)
+    placement = param_sharding(make_mesh(tp))
+    placed = {spec.path: placement.place(spec, _at(one, spec.path)) for spec in target.weight_specs(cfg)}
+    for path, x in placed.items():
+        want = _at(loaded, path)
+        assert x.sharding == want.sharding, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want), err_msg=str(path))
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 def test_drafter_split_like_target():
     _, dparams = load_drafter(DRAFT, tp=4)
     layer = dparams["layers"][0]

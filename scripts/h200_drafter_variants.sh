@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Drafter variants for the bundled target, trained side by side on one GPU (issue 7). Each variant
+# copies the bundled pair to /tmp/v-NAME and retrains its draft/ with the flags given in $VARIANTS
+# ("NAME:flags;NAME:flags", flags with commas as spaces' stand-ins are not needed: use plain spaces).
+# Drafts, training logs and JSON come back as $OUT/variants.tgz.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.3}
+W=/tmp/variants
+mkdir -p $W
+pids=()
+IFS=';' read -ra specs <<< "$VARIANTS"
+for spec in "${specs[@]}"; do
+  name=${spec%%:*}; flags=${spec#*:}
+  dir=/tmp/v-$name
+  rm -rf $dir; mkdir -p $dir; cp -r ddtree_jax/assets/default_pair/target $dir/
+  # shellcheck disable=SC2086
+  timeout ${MAX_WALL:-520} python3 scripts/train_default_pair.py --out $dir --log-json $W/training-$name.json \
+    --stages draft --warmup 100 --log-every 500 $flags > $W/train-$name.log 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait $p; echo "rc $?"; done
+for spec in "${specs[@]}"; do
+  name=${spec%%:*}
+  tail -n 2 $W/train-$name.log
+  [ -d /tmp/v-$name/draft ] && cp -r /tmp/v-$name/draft $W/draft-$name
+done
+date -u
+tar czf "$OUT/variants.tgz" -C /tmp variants

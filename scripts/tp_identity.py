@@ -1,0 +1,191 @@
+"""Outputs on a tensor-parallel mesh against one device: the same tokens and acceptance lengths.
+
+For the bundled pair (loaded from its checkpoints, as `ddtree-generate` loads them) and for a
+random-weight model of a real shape (`--shape`, e.g. qwen3-8b with a 5-layer drafter), every method
+runs at each `--tp` on the same prompts; each tp's outputs are compared with tp = 1's.
+
+    python scripts/tp_identity.py --tp 1,2 --shape qwen3-8b --out results/h200/tp/identity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
+
+from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
+from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.generation import Generator  # noqa: E402
+from ddtree_jax.prompts import Prompt, read_prompts  # noqa: E402
+from ddtree_jax.sampling import GREEDY  # noqa: E402
+from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding  # noqa: E402
+from ddtree_jax.text import TextCodec  # noqa: E402
+from ddtree_jax.weights import random_params  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent.parent / "ddtree_jax" / "assets" / "default_pair"
+
+
+def bundled_pair(tp: int, dtype, num_prompts: int):
+    """(target config, params, drafter config, params, prompts) of the bundled pair on a tp mesh."""
+    placement = param_sharding(make_mesh(tp))
+    tcfg, tparams = target.load(ASSETS / "target", dtype, placement)
+    dcfg, dparams = drafter.load(ASSETS / "draft", tcfg, dtype, placement)
+    prompts = read_prompts(ASSETS / "prompts.jsonl", TextCodec(ASSETS / "target"), False, tcfg.vocab_size)
+    return tcfg, tparams, dcfg, dparams, prompts[:num_prompts]
+
+
+def random_model(shape: str, draft_layers: int, tp: int, dtype, num_prompts: int):
+    """The same, for random weights of a real shape (identical values at every tp) and random prompts."""
+    tcfg = SHAPES[shape]
+    dcfg = draft_shape(tcfg, draft_layers, 16)
+    check_divisible(tcfg.dims, tcfg.vocab_size, tp, "target")
+    place = None if tp == 1 else param_sharding(make_mesh(tp)).place
+    tparams = random_params(target.weight_specs(tcfg), 0, dtype, place=place)
+    dparams = random_params(drafter.weight_specs(dcfg), 1, dtype, place=place)
+    rng = np.random.default_rng(0)
+    prompts = [
+        Prompt(i, i, rng.integers(0, tcfg.vocab_size, size=int(rng.integers(5, 16))).tolist(), {})
+        for i in range(num_prompts)
+    ]
+    return tcfg, tparams, dcfg, dparams, prompts
+
+
+def run_all(model, tp: int, args, sampling: dict) -> list[dict]:
+    """Every method and budget on the model's prompts, one batch each."""
+    tcfg, tparams, dcfg, dparams, prompts = model
+    runs = []
+    for method in args.methods.split(","):
+        for budget in [int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]:
+            plan = Plan(
+                target=tcfg,
+                draft=None if method == "ar" else dcfg,
+                method=method,
+                batch_size=len(prompts),
+                prompt_len=16,
+                max_new_tokens=args.max_new_tokens,
+                budget=budget,
+                branching=min(budget, 32) if method == "ddtree" else 1,
+                attention=args.attention,
+                tp=tp,
+            )
+            gen = Generator(tparams, None if method == "ar" else dparams, plan, tcfg.eos_token_ids)
+            gen.sampling = sampling
+            results = gen.run_batch(prompts)
+            runs.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    "outputs": [r.output_ids for r in results],
+                    "acceptance": [r.acceptance_lengths for r in results],
+                    "compile_seconds": round(gen.compile_seconds, 2),
+                    "generate_seconds": round(gen.generate_seconds, 3),
+                }
+            )
+            print(f"tp {tp} {method} {budget}: {gen.generate_seconds:.2f} s", flush=True)
+    return runs
+
+
+def compare(reference: list[dict], runs: list[dict]) -> list[dict]:
+    """Per configuration: identical tokens and acceptance, and where the first difference is."""
+    rows = []
+    for ref, run in zip(reference, runs, strict=True):
+        same = ref["outputs"] == run["outputs"]
+        first = None
+        if not same:
+            i = next(i for i, (a, b) in enumerate(zip(ref["outputs"], run["outputs"], strict=True)) if a != b)
+            a, b = ref["outputs"][i], run["outputs"][i]
+            first = {
+                "row": i,
+                "token": next(
+                    (j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+                ),
+            }
+        acc = [x for row in run["acceptance"] for x in row]
+        rows.append(
+            {
+                "method": run["method"],
+                "budget": run["budget"],
+                "identical_tokens": same,
+                "identical_acceptance": ref["acceptance"] == run["acceptance"],
+                "first_difference": first,
+                "mean_acceptance": float(np.mean(acc)) if acc else None,
+                "output_tokens": sum(len(o) for o in run["outputs"]),
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", default="1,2", help="comma list; the first is the reference (1)")
+    ap.add_argument("--models", default="pair,shape", help="pair (bundled), shape (random, --shape)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--methods", default="ar,dflash,ddtree")
+    ap.add_argument("--budgets", default="15,63")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--attention", default="reference", choices=["reference", "pallas"])
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="> 0: sampled (seed 0, top-k 20, top-p 0.9)"
+    )
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    if args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    dtype = jnp.dtype(args.dtype)
+    tps = [int(t) for t in args.tp.split(",")]
+    sampling = dict(GREEDY)
+    if args.temperature:
+        sampling |= {"temperature": args.temperature, "top_k": 20, "top_p": 0.9, "seed": 0}
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "devices": [d.device_kind for d in jax.devices()],
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv,
+        "models": {},
+    }
+    for name in args.models.split(","):
+        reference = None
+        report["models"][name] = {}
+        for tp in tps:
+            start = time.perf_counter()
+            if name == "pair":
+                model = bundled_pair(tp, dtype, args.num_prompts)
+            else:
+                model = random_model(args.shape, args.draft_layers, tp, dtype, args.num_prompts)
+            runs = run_all(model, tp, args, sampling)
+            del model
+            reference = reference or runs
+            report["models"][name][f"tp{tp}"] = {
+                "seconds": round(time.perf_counter() - start, 1),
+                "vs_tp1": compare(reference, runs),
+            }
+            args.out.write_text(json.dumps(report, indent=1) + "\n")  # after each, in case of a cut
+    failed = [
+        (name, tp, r["method"], r["budget"])
+        for name, by_tp in report["models"].items()
+        for tp, rec in by_tp.items()
+        for r in rec["vs_tp1"]
+        if not (r["identical_tokens"] and r["identical_acceptance"])
+    ]
+    print("identical everywhere" if not failed else f"DIFFERENT: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
