@@ -269,10 +269,20 @@ def step_weight_bytes(params, cfg: TargetConfig) -> int:
 
 
 def bench_one(
-    params, dparams, plan: Plan, context: int, rounds: int, ceiling_gbs: float, stages: bool, sampling=None
+    params,
+    dparams,
+    plan: Plan,
+    context: int,
+    rounds: int,
+    ceiling_gbs: float,
+    stages: bool,
+    sampling=None,
+    batch: int | None = None,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
-    (a sync per stage) and each alone in a device loop."""
+    (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the plan
+    runs more (`engine.rows_to_run`); the floor counts only their K/V."""
+    batch = batch or plan.batch_size
     dparams = None if plan.method == "ar" else dparams
     stop = jnp.full((8,), -1, jnp.int32)
     if plan.tp * plan.dp > 1:
@@ -308,7 +318,7 @@ def bench_one(
     kv_bytes = (  # one device's: its rows, its K/V heads (one when fewer heads than devices)
         2
         * plan.target.num_layers
-        * (plan.batch_size // plan.dp)
+        * -(-batch // plan.dp)
         * context
         * max(dims.num_kv_heads // plan.tp, 1)
         * dims.head_dim
@@ -319,7 +329,8 @@ def bench_one(
         "method": plan.method,
         "budget": plan.budget,
         "tree_size": plan.tree_size,
-        "batch": plan.batch_size,
+        "batch": batch,
+        "rows": plan.batch_size,
         "context": context,
         "attention": plan.attention,
         "tp": plan.tp,
@@ -413,9 +424,12 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         sampling = parse_sampling(sampling_arg)
         branching = min(budget, 32) if method == "ddtree" else 1
         draft = None if method == "ar" else dcfg
-        plan = Plan(cfg, draft, method, batch, context, 64, budget, branching, attention, tp=args.tp)
+        run_rows = engine.rows_to_run(method, batch)  # as ddtree-generate runs it
+        plan = Plan(cfg, draft, method, run_rows, context, 64, budget, branching, attention, tp=args.tp)
         try:
-            row = bench_one(params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling)
+            row = bench_one(
+                params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling, batch
+            )
         except Exception as e:  # keep the other configurations
             row = {
                 "method": method,

@@ -132,7 +132,7 @@ def make_generator(args: argparse.Namespace):
     from ddtree_jax import drafter, target
     from ddtree_jax.attention import default_implementation
     from ddtree_jax.config import load_draft_config, load_target_config
-    from ddtree_jax.engine import Plan
+    from ddtree_jax.engine import Plan, rows_to_run
     from ddtree_jax.generation import Generator
     from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
     from ddtree_jax.text import TextCodec
@@ -161,7 +161,7 @@ def make_generator(args: argparse.Namespace):
         target=cfg,
         draft=dcfg,
         method=args.method,
-        batch_size=-(-args.batch_size // args.dp) * args.dp,  # padded with inactive rows
+        batch_size=rows_to_run(args.method, rows_per_device) * args.dp,  # padded with inactive rows
         prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=budget,
@@ -196,7 +196,7 @@ def summarize(results, gen, wall: float) -> str:
     lines = [
         f"method: {plan.method}"
         + (f"   budget: {plan.budget}   branching: {plan.branching}" if plan.method == "ddtree" else "")
-        + f"   batch size: {plan.batch_size}   attention: {plan.attention}",
+        + f"   rows per program: {plan.batch_size}   attention: {plan.attention}",
         f"prompts: {len(results)}   output tokens: {tokens}   "
         f"generation: {gen.generate_seconds:.2f} s ({tokens / max(gen.generate_seconds, 1e-9):.1f} tok/s)   "
         f"compile: {gen.compile_seconds:.2f} s   wall: {wall:.2f} s",

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Drafter variants for the bundled target, trained side by side on one GPU (issue 7). Each variant
 # copies the bundled pair to /tmp/v-NAME and retrains its draft/ with the flags given in $VARIANTS
-# ("NAME:flags;NAME:flags", flags with commas as spaces' stand-ins are not needed: use plain spaces).
-# Drafts, training logs and JSON come back as $OUT/variants.tgz.
+# ("NAME:flags;NAME:flags").
+# Drafts, training logs and JSON come back as $OUT/variants.tgz ($OUT/variants-$TAG.tgz with $TAG set,
+# for two invocations side by side).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.3}
-W=/tmp/variants
+NAME=variants${TAG:+-$TAG}
+W=/tmp/$NAME
 mkdir -p $W
 pids=()
 IFS=';' read -ra specs <<< "$VARIANTS"
@@ -25,4 +27,4 @@ for spec in "${specs[@]}"; do
   [ -d /tmp/v-$name/draft ] && cp -r /tmp/v-$name/draft $W/draft-$name
 done
 date -u
-tar czf "$OUT/variants.tgz" -C /tmp variants
+tar czf "$OUT/$NAME.tgz" -C /tmp $NAME

@@ -37,7 +37,7 @@ def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
             "--max-new-tokens",
             "24",
             "--batch-size",
-            "2",
+            "1" if method == "ar" else "2",  # ar at one row runs as two (engine.rows_to_run)
         ]
         if method == "ddtree":
             argv += ["--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp"), "--budget", "15"]
@@ -230,3 +230,21 @@ def test_default_budget_follows_batch_size():
     args = build_parser().parse_args([*base, "--batch-size", "1", "--budget", "5"])
     check_args(args)
     assert make_generator(args).plan_template.budget == 5
+
+
+def test_one_ar_row_runs_as_two():
+    """ar at one row per device compiles a two-row program (the faster matmul path); others do not."""
+    from ddtree_jax.cli import build_parser, check_args, make_generator
+
+    base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
+    base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl"]
+    for extra, rows in (
+        (["--method", "ar", "--batch-size", "1"], 2),
+        (["--method", "ar", "--batch-size", "3"], 3),
+        (["--method", "ar", "--batch-size", "2", "--dp", "2"], 4),
+        (["--method", "ddtree", "--batch-size", "1"], 1),
+        (["--method", "dflash", "--batch-size", "1"], 1),
+    ):
+        args = build_parser().parse_args([*base, *extra])
+        check_args(args)
+        assert make_generator(args).plan_template.batch_size == rows, extra
