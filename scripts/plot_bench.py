@@ -7,8 +7,12 @@ per batch size is written to default_budgets.json, the input to `cli.DEFAULT_BUD
 7 from batch 16 on, where a batch-32 sweep has only budget 15).
 
     python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
-        --context-bench results/h200/bench_qwen3_8b_b1.json results/h200/bench_ar_kernel.json \\
+        results/h200/sweep/ar_rows.json --stage-bench results/h200/sweep/stages.json \\
+        --context-bench results/h200/bench_ar_kernel.json results/h200/sweep/contexts.json \\
         --acceptance results/default-pair-eval-greedy.json --out results/h200/plots
+
+(later files win where two give the same configuration: ar_rows.json holds the one-row ar step run as
+two rows, as `ddtree-generate` now runs it.)
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def main() -> None:
     ap.add_argument("--bench", type=Path, nargs="+", required=True, help="budget and batch sweeps")
     ap.add_argument(
         "--context-bench", type=Path, nargs="*", default=[], help="context sweeps (default: --bench)"
+    )
+    ap.add_argument(
+        "--stage-bench", type=Path, nargs="*", default=[], help="runs with --stages (default: --bench)"
     )
     ap.add_argument("--acceptance", type=Path, help="eval_default_pair.py JSON with ddtree at the budgets")
     ap.add_argument("--context", type=int, default=1024, help="context of the budget plots")
@@ -99,17 +106,19 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.out / "context.png", dpi=120)
 
-    staged = [r for r in rows if r.get("stages_ms")]
+    staged = [r for r in (load_rows(args.stage_bench) if args.stage_bench else rows) if r.get("stages_ms")]
     if staged:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(7, 4))
         labels = [f"{r['method']} {r['budget']} B={r['batch']}" for r in staged]
         bottom = [0.0] * len(staged)
-        for stage in staged[0]["stages_ms"]:
-            values = [r["stages_ms"].get(stage, 0.0) for r in staged]
+        for stage in ("draft", "tree_build", "verify", "walk_commit_rest"):
+            # each stage alone in a device loop; walk + commit is the rest of the round (clipped at 0)
+            values = [max(r["device_stages_ms"].get(stage, 0.0), 0.0) for r in staged]
             ax.bar(labels, values, bottom=bottom, label=stage)
             bottom = [a + v for a, v in zip(bottom, values, strict=True)]
-        ax.scatter(labels, [r["round_ms"] for r in staged], color="black", zorder=3, label="device loop")
-        ax.set(ylabel="ms", title="Host-stepped stages vs device-loop round")
+        hosted = [r["host_stepped_round_ms"] for r in staged]
+        ax.scatter(labels, hosted, color="black", marker="x", zorder=3, label="host-stepped round")
+        ax.set(ylabel="ms", title="Stages, each in a device loop (bars: device-loop round)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.out / "stages.png", dpi=120)

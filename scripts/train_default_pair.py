@@ -2,12 +2,13 @@
 drafter. Stages: tokenizer, target, eval, draft, prompts (default: all, in that order; run in the
 order --stages gives; each stage reads the earlier stages' files from --out).
 
-The bundled pair (results/default-pair.md; about four minutes on one H200):
+The bundled pair (results/default-pair.md; about five minutes on one H200):
 
     python scripts/train_default_pair.py --layers 6 --ff 1024 --draft-layers 2 --batch 64 \\
         --target-steps 2000 --warmup 100 --log-every 100 --stages tokenizer,target,eval,prompts
-    python scripts/train_default_pair.py --draft-layers 2 --draft-batch 32 --draft-steps 12000 --warmup 100 \\
-        --selfgen-sequences 8192 --selfgen-fraction 0.5 --stages draft
+    python scripts/train_default_pair.py --draft-layers 2 --draft-target-layers 1,3,5 --draft-batch 64 \\
+        --draft-steps 12000 --warmup 100 --selfgen-sequences 24576 --selfgen-batch 1024 \\
+        --selfgen-fraction 0.5 --stages draft
 
 The corpus is the `.py` files of the interpreter running this script (its version is logged), split
 by file (a hash of the relative path) into train and held-out sets. The target keeps its best step

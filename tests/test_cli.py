@@ -223,7 +223,7 @@ def test_default_budget_follows_batch_size():
 
     base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
     base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl"]
-    for batch, budget in ((1, 31), (3, 31), (4, 15), (15, 15), (16, 7), (64, 7)):
+    for batch, budget in ((1, 15), (3, 15), (4, 15), (15, 15), (16, 7), (64, 7)):
         args = build_parser().parse_args([*base, "--batch-size", str(batch)])
         check_args(args)
         assert make_generator(args).plan_template.budget == budget, batch
