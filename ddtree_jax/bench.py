@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import collectives, drafter, engine, layers, target
+from ddtree_jax import drafter, engine, layers, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache
@@ -84,11 +84,15 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None) -> DecodeState:
+def synthetic_state(
+    plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None, active: int | None = None
+) -> DecodeState:
     """A batch mid-generation: random K/V committed up to `context` in both caches, placed on the
-    plan's mesh (K/V heads split over "model", rows over "data")."""
+    plan's mesh (K/V heads split over "model", rows over "data"). Rows from `active` on (default: none)
+    are padding, as `ddtree-generate` pads: done, with one cached token."""
     key = jax.random.key(seed)
     b, s = plan.batch_size, plan.capacity
+    padding = jnp.arange(b) >= (b if active is None else active)
 
     def cache(layers, dims):
         heads = max(dims.num_kv_heads, plan.tp)  # one head per device when fewer heads than devices
@@ -98,7 +102,7 @@ def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict |
         return KVCache(
             [make(keys[i]) for i in range(layers)],
             [make(keys[layers + i]) for i in range(layers)],
-            jnp.full((b,), context, jnp.int32),
+            jnp.where(padding, 1, context).astype(jnp.int32),  # a buffer per cache: both are donated
         )
 
     t = plan.target
@@ -108,7 +112,7 @@ def synthetic_state(plan: Plan, context: int, seed: int, dtype, sampling: dict |
         bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
         output=jnp.zeros((b, plan.max_new_tokens + plan.path_slots), jnp.int32),
         num_output=jnp.zeros((b,), jnp.int32),
-        done=jnp.zeros((b,), bool),
+        done=padding,
         stopped=jnp.zeros((b,), bool),
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
@@ -253,7 +257,7 @@ def parse_sampling(text: str) -> dict | None:
 
 
 def weight_bytes(params) -> int:
-    """Bytes of all parameters (all devices' together)."""
+    """Bytes of all parameters at their global (placed) shapes, each counted once."""
     return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
@@ -287,14 +291,14 @@ def bench_one(
     stop = jnp.full((8,), -1, jnp.int32)
     if plan.tp * plan.dp > 1:
         stop = jax.device_put(stop, NamedSharding(make_mesh(plan.tp, plan.dp), ALL))
-    state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
+    state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling, batch)
     start = time.perf_counter()
     compiled = round_program(plan, rounds).lower(params, dparams, state, stop).compile()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(3):
         state = None  # free the last state first: at 32k tokens one state can fill half the memory
-        state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling)
+        state = synthetic_state(plan, context, 0, params["embed"].dtype, sampling, batch)
         jax.block_until_ready(state)
         start = time.perf_counter()
         jax.block_until_ready(compiled(params, dparams, state, stop))
@@ -303,14 +307,14 @@ def bench_one(
 
     stepper = engine.HostStepper(plan)
     state = None
-    state = synthetic_state(plan, context, 1, params["embed"].dtype, sampling) if stages else None
+    state = synthetic_state(plan, context, 1, params["embed"].dtype, sampling, batch) if stages else None
     for _ in range(rounds + 2 if stages else 0):  # round 1 compiles (kept apart), round 2 warms up
         state = stepper.round(params, dparams, state, stop)
     stage_ms = {k: 1e3 * statistics.median(v[1:]) for k, v in stepper.times.items()}
     device_ms = {}
     if stages:
         state = None
-        state = synthetic_state(plan, context, 2, params["embed"].dtype, sampling)
+        state = synthetic_state(plan, context, 2, params["embed"].dtype, sampling, batch)
         device_ms = device_stage_ms(params, dparams, state, plan, rounds)
         device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
 
@@ -375,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.drop_layer_all_reduce and args.tp == 1:
+        p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
 
     cfg = SHAPES[args.shape]
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
@@ -383,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16, place=place)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16, place=place)
+    psum = layers.psum
     if args.drop_layer_all_reduce:
         layers.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
     try:
         return _sweep(args, cfg, dcfg, params, dparams)
     finally:
-        layers.psum = collectives.psum
+        layers.psum = psum
 
 
 def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:

@@ -189,15 +189,17 @@ def check_lengths(prompts, max_positions: int, max_new_tokens: int) -> None:
             )
 
 
-def summarize(results, gen, wall: float) -> str:
-    """The end-of-run summary."""
+def summarize(results, gen, wall: float, batch_size: int) -> str:
+    """The end-of-run summary (`batch_size`: the prompts per batch asked for)."""
     tokens = sum(len(r.output_ids) for r in results)
     accepted = [a for r in results for a in r.acceptance_lengths]
     plan = gen.plan_template
     lines = [
         f"method: {plan.method}"
         + (f"   budget: {plan.budget}   branching: {plan.branching}" if plan.method == "ddtree" else "")
-        + f"   rows per program: {plan.batch_size}   attention: {plan.attention}",
+        + f"   batch size: {batch_size}"
+        + (f" (run as {plan.batch_size} rows)" if plan.batch_size != batch_size else "")
+        + f"   attention: {plan.attention}",
         f"prompts: {len(results)}   output tokens: {tokens}   "
         f"generation: {gen.generate_seconds:.2f} s ({tokens / max(gen.generate_seconds, 1e-9):.1f} tok/s)   "
         f"compile: {gen.compile_seconds:.2f} s   wall: {wall:.2f} s",
@@ -241,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    print(summarize(results, gen, time.perf_counter() - start))
+    print(summarize(results, gen, time.perf_counter() - start, args.batch_size))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ per batch size is written to default_budgets.json, the input to `cli.DEFAULT_BUD
 
     python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
         results/h200/sweep/ar_rows.json --stage-bench results/h200/sweep/stages.json \\
-        --context-bench results/h200/bench_ar_kernel.json results/h200/sweep/contexts.json \\
+        --context-bench results/h200/sweep/budgets.json results/h200/bench_ar_kernel.json \\
+        results/h200/sweep/contexts.json \\
         --acceptance results/default-pair-eval-greedy.json --out results/h200/plots
 
 (later files win where two give the same configuration: ar_rows.json holds the one-row ar step run as
@@ -113,10 +114,10 @@ def main() -> None:
         bottom = [0.0] * len(staged)
         for stage in ("draft", "tree_build", "verify", "walk_commit_rest"):
             # each stage alone in a device loop; walk + commit is the rest of the round (clipped at 0)
-            values = [max(r["device_stages_ms"].get(stage, 0.0), 0.0) for r in staged]
+            values = [max(r.get("device_stages_ms", {}).get(stage, 0.0), 0.0) for r in staged]
             ax.bar(labels, values, bottom=bottom, label=stage)
             bottom = [a + v for a, v in zip(bottom, values, strict=True)]
-        hosted = [r["host_stepped_round_ms"] for r in staged]
+        hosted = [r.get("host_stepped_round_ms", sum(r["stages_ms"].values())) for r in staged]
         ax.scatter(labels, hosted, color="black", marker="x", zorder=3, label="host-stepped round")
         ax.set(ylabel="ms", title="Stages, each in a device loop (bars: device-loop round)")
         ax.legend()

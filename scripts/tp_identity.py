@@ -148,6 +148,8 @@ def main() -> int:
         jax.config.update("jax_default_matmul_precision", "highest")
     dtype = jnp.dtype(args.dtype)
     tps = [int(t) for t in args.tp.split(",")]
+    if tps[0] != 1:
+        ap.error(f"--tp {args.tp}: the first entry is the reference and must be 1")
     sampling = dict(GREEDY)
     if args.temperature:
         sampling |= {"temperature": args.temperature, "top_k": 20, "top_p": 0.9, "seed": 0}

@@ -70,6 +70,53 @@ def test_bench_tiny_on_a_tensor_parallel_mesh(tmp_path):
         assert r["device_stages_ms"]["verify"] > 0
 
 
+def test_padding_rows_are_inactive_as_generation_pads():
+    """A one-row ar plan runs two rows; the bench's second row is padding: done, one cached token."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ddtree_jax import bench, engine
+    from ddtree_jax.engine import Plan
+
+    cfg = bench.SHAPES["tiny"]
+    plan = Plan(cfg, None, "ar", engine.rows_to_run("ar", 1), 32, 64)
+    state = bench.synthetic_state(plan, 32, 0, jnp.float32, active=1)
+    np.testing.assert_array_equal(state.cache.lengths, [32, 1])
+    np.testing.assert_array_equal(state.done, [False, True])
+    full = bench.synthetic_state(plan, 32, 0, jnp.float32)
+    np.testing.assert_array_equal(full.cache.lengths, [32, 32])
+    assert not full.done.any()
+
+
+def test_dropped_all_reduce_is_restored(tmp_path):
+    """--drop-layer-all-reduce (timing only) patches the layers' all-reduce for its run alone, and is
+    refused without a mesh."""
+    import pytest
+
+    from ddtree_jax import collectives, layers
+
+    out = tmp_path / "bench.json"
+    argv = [
+        "--shape",
+        "tiny",
+        "--draft-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--methods",
+        "ar",
+        "--contexts",
+        "32",
+    ]
+    argv += ["--batches", "2", "--rounds", "2", "--ceiling-bytes", "1048576", "--out", str(out)]
+    assert main([*argv, "--tp", "2", "--drop-layer-all-reduce"]) == 0
+    assert layers.psum is collectives.psum
+    row = json.loads(out.read_text())["rows"][0]
+    assert "error" not in row and row["tp"] == 2
+    with pytest.raises(SystemExit):
+        main([*argv, "--drop-layer-all-reduce"])
+
+
 def test_stage_loops_keep_every_pass_inside_the_loop():
     """The device-loop stage timers: XLA hoists nothing of a pass but constants and settings (no
     matmul, sort, top-k, and nothing computed from positions or seeds) out of the timed loop."""

@@ -50,6 +50,7 @@ def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
             assert sum(r["acceptance_lengths"]) + 1 == 24 and len(r["acceptance_lengths"]) == r["rounds"]
     summary = capsys.readouterr().out
     assert "prompts: 5" in summary and "mean acceptance length" in summary
+    assert "batch size: 1 (run as 2 rows)" in summary and "batch size: 2   attention" in summary
 
 
 def test_text_prompts_use_tokenizer_and_chat_template(tmp_path):
