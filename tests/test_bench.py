@@ -4,34 +4,14 @@ import json
 
 from ddtree_jax.bench import main
 
+TINY = ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32", "--rounds", "2"]
+TINY += ["--ceiling-bytes", "1048576"]
+
 
 def test_bench_tiny_writes_every_configuration(tmp_path):
     out = tmp_path / "bench.json"
-    argv = [
-        "--shape",
-        "tiny",
-        "--draft-layers",
-        "1",
-        "--block-size",
-        "4",
-        "--methods",
-        "ar,ddtree",
-        "--budgets",
-        "3",
-        "--contexts",
-        "32",
-        "--batches",
-        "2",
-        "--rounds",
-        "2",
-        "--stages",
-        "--sampling",
-        "greedy,0.7:5:0.9",
-        "--ceiling-bytes",
-        "1048576",
-        "--out",
-        str(out),
-    ]
+    argv = [*TINY, "--methods", "ar,ddtree", "--budgets", "3", "--batches", "2", "--stages"]
+    argv += ["--sampling", "greedy,0.7:5:0.9", "--out", str(out)]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     rows = data["rows"]
@@ -54,9 +34,19 @@ def test_bench_tiny_writes_every_configuration(tmp_path):
 def test_bench_tiny_on_a_tensor_parallel_mesh(tmp_path):
     """--tp 4 over fake devices (2 K/V heads: one per device, repeated): every method and stage runs."""
     out = tmp_path / "bench.json"
-    argv = ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--methods", "ar,dflash,ddtree"]
-    argv += ["--budgets", "3", "--contexts", "32", "--batches", "1", "--rounds", "2", "--stages", "--tp", "4"]
-    assert main([*argv, "--ceiling-bytes", "1048576", "--out", str(out)]) == 0
+    argv = [
+        *TINY,
+        "--methods",
+        "ar,dflash,ddtree",
+        "--budgets",
+        "3",
+        "--batches",
+        "1",
+        "--stages",
+        "--tp",
+        "4",
+    ]
+    assert main([*argv, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["tp"] == 4
     assert [(r["method"], r["batch"], r["rows"]) for r in data["rows"]] == [
@@ -96,19 +86,7 @@ def test_dropped_all_reduce_is_restored(tmp_path):
     from ddtree_jax import collectives, layers
 
     out = tmp_path / "bench.json"
-    argv = [
-        "--shape",
-        "tiny",
-        "--draft-layers",
-        "1",
-        "--block-size",
-        "4",
-        "--methods",
-        "ar",
-        "--contexts",
-        "32",
-    ]
-    argv += ["--batches", "2", "--rounds", "2", "--ceiling-bytes", "1048576", "--out", str(out)]
+    argv = [*TINY, "--methods", "ar", "--batches", "2", "--out", str(out)]
     assert main([*argv, "--tp", "2", "--drop-layer-all-reduce"]) == 0
     assert layers.psum is collectives.psum
     row = json.loads(out.read_text())["rows"][0]
