@@ -2,8 +2,10 @@
 # Drafter variants for the bundled target, trained side by side on one GPU (issue 7). Each variant
 # copies the bundled pair to /tmp/v-NAME and retrains its draft/ with the flags given in $VARIANTS
 # ("NAME:flags;NAME:flags").
-# Drafts, training logs and JSON come back as $OUT/variants.tgz ($OUT/variants-$TAG.tgz with $TAG set,
-# for two invocations side by side).
+# Each variant comes back as one uncompressed tar, $OUT/variants-NAME.tar ($OUT/variants-$TAG-NAME.tar
+# with $TAG set, for invocations side by side, e.g. one per GPU with CUDA_VISIBLE_DEVICES), holding
+# draft/, train-NAME.log and training-NAME.json(l): one file a variant, as the device tool returns at most 8 files
+# of 16 MiB each.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.3}
 NAME=variants${TAG:+-$TAG}
@@ -24,7 +26,7 @@ for p in "${pids[@]}"; do wait $p; echo "rc $?"; done
 for spec in "${specs[@]}"; do
   name=${spec%%:*}
   tail -n 2 $W/train-$name.log
-  [ -d /tmp/v-$name/draft ] && cp -r /tmp/v-$name/draft $W/draft-$name
+  # shellcheck disable=SC2046
+  tar cf "$OUT/$NAME-$name.tar" -C $W $(cd $W && ls -d *-$name.*) $([ -d /tmp/v-$name/draft ] && echo -C /tmp/v-$name draft)
 done
 date -u
-tar czf "$OUT/$NAME.tgz" -C /tmp $NAME
