@@ -88,6 +88,11 @@ def main() -> None:
                 "method": method,
                 "budget": budget,
                 "mean_acceptance": float(np.mean(accepted)) if accepted else None,
+                # per prompt, in prompt order: how much of the mean is the prompts' spread
+                "prompt_acceptance": [
+                    round(float(np.mean(r.acceptance_lengths)), 3) if r.acceptance_lengths else None
+                    for r in results
+                ],
                 "rounds": len(accepted),
                 "output_tokens": tokens,
                 "generate_seconds": round(gen.generate_seconds, 3),
