@@ -3,17 +3,20 @@ time vs context, the stage breakdown. Needs matplotlib (not a dependency of the 
 
 Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree round(N, B), with the
 acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
-per batch size is written to default_budgets.json, the input to `cli.DEFAULT_BUDGETS` (which keeps
-7 from batch 16 on, where a batch-32 sweep has only budget 15).
+per batch size is written to default_budgets.json, the input to `cli.DEFAULT_BUDGETS`.
 
     python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
-        results/h200/sweep/ar_rows.json --stage-bench results/h200/sweep/stages.json \\
+        results/h200/sweep/small_budgets.json results/h200/sweep/batch32_budget7.json \\
+        results/h200/sweep/ar_rows.json results/h200/sweep/ar_rows_inactive.json \\
+        --stage-bench results/h200/sweep/stages.json \\
         --context-bench results/h200/sweep/budgets.json results/h200/bench_ar_kernel.json \\
         results/h200/sweep/contexts.json \\
         --acceptance results/default-pair-eval-greedy.json --out results/h200/plots
 
-(later files win where two give the same configuration: ar_rows.json holds the one-row ar step run as
-two rows, as `ddtree-generate` now runs it.)
+(later files win where two give the same configuration: small_budgets.json re-measures ar and budget
+7 at batch 16 beside budgets 3 and 5, batch32_budget7.json ar at batch 32; ar_rows.json and
+ar_rows_inactive.json hold the one-row ar step run as two rows, as `ddtree-generate` runs it, the
+second with its padding row inactive as generation pads.)
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+
+TICKS = [3, 7, 15, 31, 63, 127, 255]  # the budgets of the sweeps (5 also swept at batch 16)
 
 
 def load_rows(paths: list[Path]) -> list[dict]:
@@ -73,7 +78,7 @@ def main() -> None:
         budgets = sorted(by_batch[b])
         axes[0].plot(budgets, [by_batch[b][n] / ar[b] for n in budgets], "o-", label=f"batch {b}")
     axes[0].set(xscale="log", xlabel="budget N", ylabel="ddtree round / ar step", title="Cost of a round")
-    axes[0].set_xticks([7, 15, 31, 63, 127, 255], ["7", "15", "31", "63", "127", "255"])
+    axes[0].set_xticks(TICKS, [str(n) for n in TICKS])
     axes[0].legend()
     if args.acceptance:
         acc, choice = acceptance_curve(args.acceptance), {}
@@ -87,7 +92,7 @@ def main() -> None:
         (args.out / "default_budgets.json").write_text(json.dumps(choice, indent=1) + "\n")
         axes[1].axhline(1.0, color="grey", lw=0.8)
         axes[1].set(xscale="log", xlabel="budget N", ylabel="tokens/s over ar", title="Projected speed-up")
-        axes[1].set_xticks([7, 15, 31, 63, 127, 255], ["7", "15", "31", "63", "127", "255"])
+        axes[1].set_xticks(TICKS, [str(n) for n in TICKS])
         axes[1].legend()
     fig.tight_layout()
     fig.savefig(args.out / "budget.png", dpi=120)
