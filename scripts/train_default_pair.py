@@ -307,14 +307,20 @@ def stage_draft(args, streams, out, summary, log_path):
 
 
 def stage_prompts(args, corpus, out, summary):
-    """Held-out code starts: the first --prompt-lines lines of held-out files, chosen by hash."""
-    files = [(rel, text) for rel, text in corpus["heldout"] if text.count("\n") >= 2 * args.prompt_lines]
+    """Held-out code: --prompt-lines lines from the start of held-out files chosen by hash (and, with
+    --prompt-stride S, from every S-th line after it while as many lines again follow)."""
+    n = args.prompt_lines
+    files = [(rel, text) for rel, text in corpus["heldout"] if text.count("\n") >= 2 * n]
     files.sort(key=lambda f: hashlib.sha256(f[0].encode()).hexdigest())
     lines = []
     for rel, text in files[: args.num_prompts]:
-        prompt = "".join(text.splitlines(keepends=True)[: args.prompt_lines])
-        lines.append(json.dumps({"id": rel, "prompt": prompt}))
-    (out / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+        rows = text.splitlines(keepends=True)
+        starts = range(0, len(rows) - 2 * n + 1, args.prompt_stride) if args.prompt_stride else [0]
+        for start in starts:
+            prompt_id = rel if start == 0 else f"{rel}:{start + 1}"
+            lines.append(json.dumps({"id": prompt_id, "prompt": "".join(rows[start : start + n])}))
+    path = args.prompts_out or out / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
     summary["prompts"] = len(lines)
 
 
@@ -369,6 +375,10 @@ def main() -> None:
     )
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prompt-lines", type=int, default=24)
+    ap.add_argument(
+        "--prompt-stride", type=int, default=0, help="a prompt every N lines of each file (0: its start only)"
+    )
+    ap.add_argument("--prompts-out", type=Path, default=None, help="default: --out/prompts.jsonl")
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
