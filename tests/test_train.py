@@ -1,7 +1,12 @@
 """Training module: the losses go down, the drafter's training forward equals its inference path,
 and HF checkpoints written from our parameters load back exactly."""
 
+import argparse
 import dataclasses
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +115,37 @@ def test_eval_loss_averages_every_window_whatever_the_batch():
         np.testing.assert_allclose(got, np.mean(per_window), rtol=1e-5)
     with pytest.raises(ValueError, match="no window"):
         train.eval_target_loss(params, tcfg, stream[:8], 8, 4)
+
+
+def test_held_out_prompts_from_file_starts_and_strides(tmp_path):
+    """scripts/train_default_pair.py's prompts stage: file starts in hash order, and with a stride a
+    prompt every S lines while as many lines again follow, each the file's own lines."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "train_default_pair.py"
+    spec = importlib.util.spec_from_file_location("train_default_pair", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    files = {f"pkg/m{i}.py": "".join(f"line {i}.{j}\n" for j in range(n)) for i, n in enumerate([9, 20, 3])}
+    corpus = {"heldout": list(files.items())}
+    args = argparse.Namespace(prompt_lines=4, num_prompts=5, prompt_stride=0, prompts_out=None)
+
+    def prompts():
+        script.stage_prompts(args, corpus, tmp_path, {})
+        out = args.prompts_out or tmp_path / "prompts.jsonl"
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    long_enough = sorted(
+        (r for r, t in files.items() if t.count("\n") >= 8),
+        key=lambda r: hashlib.sha256(r.encode()).hexdigest(),
+    )
+    assert [p["id"] for p in prompts()] == long_enough  # m2 (3 lines) is too short
+    args.prompt_stride, args.prompts_out = 5, tmp_path / "strided.jsonl"
+    got = {p["id"]: p["prompt"] for p in prompts()}
+    m0, m1 = (files[f"pkg/m{i}.py"].splitlines(keepends=True) for i in (0, 1))
+    # m0 (9 lines): line 1 only (a second start at line 6 leaves 4 < 8 lines); m1 (20): lines 1, 6, 11
+    expected = {
+        "pkg/m0.py": "".join(m0[0:4]),
+        "pkg/m1.py": "".join(m1[0:4]),
+        "pkg/m1.py:6": "".join(m1[5:9]),
+        "pkg/m1.py:11": "".join(m1[10:14]),
+    }
+    assert got == expected
