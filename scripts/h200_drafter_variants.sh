@@ -4,8 +4,8 @@
 # ("NAME:flags;NAME:flags").
 # Each variant comes back as one uncompressed tar, $OUT/variants-NAME.tar ($OUT/variants-$TAG-NAME.tar
 # with $TAG set, for invocations side by side, e.g. one per GPU with CUDA_VISIBLE_DEVICES), holding
-# draft/, train-NAME.log and training-NAME.json(l): one file a variant, as the device tool returns at most 8 files
-# of 16 MiB each.
+# draft/, train-NAME.log and training-NAME.json(l): one file a variant, as the device tool returns
+# at most 8 files of 16 MiB each.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.3}
 NAME=variants${TAG:+-$TAG}

@@ -373,7 +373,12 @@ def main() -> None:
         default=32768,
         help="held-out tokens after the eval slice, scored at each logged target step; the best is saved",
     )
-    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument(
+        "--num-prompts",
+        type=int,
+        default=16,
+        help="held-out files the prompts come from (one from each by default)",
+    )
     ap.add_argument("--prompt-lines", type=int, default=24)
     ap.add_argument(
         "--prompt-stride", type=int, default=0, help="a prompt every N lines of each file (0: its start only)"
