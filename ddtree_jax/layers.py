@@ -103,15 +103,20 @@ def decoder_layer(
     rope: tuple[jax.Array, jax.Array],
     attend: Attend,
     model_axis: Axis = None,
+    dropout: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One pre-norm decoder layer; returns the new hidden state and this layer's in-flight K/V."""
+    """One pre-norm decoder layer; returns the new hidden state and this layer's in-flight K/V.
+
+    `dropout` (training only) applies to each branch's output before it joins the residual stream.
+    """
     b, t, _ = x.shape
+    branch = dropout or (lambda y: y)
     with jax.named_scope("attention"):
         h = rms_norm(x, p["attn_norm"], dims.rms_norm_eps)
         q = project_q(p, h, dims, rope)
         k, v = project_kv(p, h, dims, rope)
         out = attend(q, k, v).reshape(b, t, -1)
-        x = x + psum(out @ p["o_proj"], model_axis)
+        x = x + branch(psum(out @ p["o_proj"], model_axis))
     with jax.named_scope("mlp"):
-        x = x + mlp(p, rms_norm(x, p["mlp_norm"], dims.rms_norm_eps), model_axis)
+        x = x + branch(mlp(p, rms_norm(x, p["mlp_norm"], dims.rms_norm_eps), model_axis))
     return x, (k, v)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -67,20 +68,24 @@ def forward(
     feature_layers: tuple[int, ...] = (),
     attention: str = "reference",
     model_axis: Axis = None,
+    dropout: Callable[[jax.Array], jax.Array] | None = None,
 ) -> ForwardOutput:
     """Run T new tokens [B, T] at `positions` over `cache` (None: prefill) under `mask` [B, T, T].
 
     The cache is only read: the new tokens' K/V come back in `kv` for the caller to commit.
     `features` concatenates the outputs of decoder layers `feature_layers` (what DFlash conditions on).
     `model_axis`: the mesh axis heads, columns and vocabulary are split over (None: unsplit).
+    `dropout` (training only): applied to the embeddings and to every residual branch.
     """
     x = embed(params, tokens, model_axis)
+    if dropout is not None:
+        x = dropout(x)
     rope = rope_tables(positions, cfg.rope.inv_freq())
     kv, feats = [], {}
     for i, p in enumerate(params["layers"]):
         attend = self_attend(mask) if cache is None else cache_attend(attention, cache, i, mask)
         with jax.named_scope(f"layer{i}"):
-            x, layer_kv = decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
+            x, layer_kv = decoder_layer(p, x, cfg.dims, rope, attend, model_axis, dropout)
         kv.append(layer_kv)
         if i in feature_layers:
             feats[i] = x

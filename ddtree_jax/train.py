@@ -164,12 +164,27 @@ def causal_mask(batch: int, length: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), jnp.bool_)), (batch, length, length))
 
 
-def target_loss(params: Params, cfg: TargetConfig, tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs tokens[:, :-1])."""
+def residual_dropout(key: jax.Array, rate: float, calls: int) -> Callable[[jax.Array], jax.Array]:
+    """Inverted dropout at `rate` with a fresh key for each of up to `calls` calls (one forward)."""
+    keys = iter(jax.random.split(key, calls))
+
+    def drop(x: jax.Array) -> jax.Array:
+        keep = jax.random.bernoulli(next(keys), 1.0 - rate, x.shape)
+        return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype))
+
+    return drop
+
+
+def target_loss(
+    params: Params, cfg: TargetConfig, tokens: jax.Array, key: jax.Array | None = None, dropout: float = 0.0
+) -> jax.Array:
+    """Mean next-token cross-entropy of tokens [B, T + 1] (inputs tokens[:, :-1]); with `dropout` > 0
+    (and a key), inverted dropout on the embeddings and every residual branch."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = target.forward(params, cfg, inputs, positions, causal_mask(b, t), None)
+    drop = residual_dropout(key, dropout, 2 * cfg.num_layers + 1) if dropout > 0 else None
+    out = target.forward(params, cfg, inputs, positions, causal_mask(b, t), None, dropout=drop)
     return cross_entropy(target.logits(params, out.hidden), labels).mean()
 
 
@@ -356,9 +371,11 @@ class Trainer:
         return loss, aux
 
 
-def target_trainer(cfg: TargetConfig, params: Params, oc: OptimConfig) -> Trainer:
-    """A Trainer of the target's next-token loss (aux: nothing)."""
-    return Trainer(lambda p, tokens, key: (target_loss(p, cfg, tokens), ()), params, oc)
+def target_trainer(cfg: TargetConfig, params: Params, oc: OptimConfig, dropout: float = 0.0) -> Trainer:
+    """A Trainer of the target's next-token loss, with residual dropout at `dropout` (aux: nothing)."""
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"target dropout must be in [0, 1), got {dropout}")
+    return Trainer(lambda p, tokens, key: (target_loss(p, cfg, tokens, key, dropout), ()), params, oc)
 
 
 def draft_trainer(

@@ -181,7 +181,7 @@ def stage_target(args, streams, out, summary, log_path):
     params = train.init_params(target.weight_specs(cfg), args.seed, cfg.num_layers)
     summary["target_params"] = train.count_params(params)
     oc = train.OptimConfig(args.target_steps, args.target_lr, args.warmup)
-    trainer = train.target_trainer(cfg, params, oc)
+    trainer = train.target_trainer(cfg, params, oc, args.target_dropout)
     rng = np.random.default_rng(args.seed)
     # Early stopping on a validation slice of the held-out split, after the part `eval` reports on.
     valid = streams["heldout"][args.eval_tokens + 1 :][: args.valid_tokens + 1]
@@ -343,6 +343,9 @@ def main() -> None:
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument(
+        "--target-dropout", type=float, default=0.0, help="target dropout (embeddings, residual branches)"
+    )
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--draft-ff", type=int, default=None)
     ap.add_argument(

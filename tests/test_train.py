@@ -42,6 +42,28 @@ def test_target_step_lowers_loss():
     assert float(train.target_loss(trainer.params, tcfg, batch)) < before
 
 
+def test_residual_dropout_drops_at_its_rate_and_keeps_the_mean():
+    drop = train.residual_dropout(jax.random.key(0), 0.2, 2)
+    x = jnp.ones((512, 256), jnp.float32)
+    first, second = np.asarray(drop(x)), np.asarray(drop(x))
+    assert set(np.unique(first)) == {0.0, 1.25}
+    assert abs((first == 0).mean() - 0.2) < 0.005 and abs(first.mean() - 1.0) < 0.01
+    assert (first != second).any()  # each call draws its own mask
+
+
+def test_target_dropout_step_lowers_the_plain_loss():
+    tcfg, _ = tiny_pair()
+    params = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
+    batch = tokens_of(0, 2, 17)
+    plain = float(train.target_loss(params, tcfg, batch))
+    noisy = [float(train.target_loss(params, tcfg, batch, jax.random.key(k), 0.3)) for k in (0, 0, 1)]
+    assert noisy[0] == noisy[1] and noisy[0] != noisy[2] and plain not in noisy
+    trainer = train.target_trainer(tcfg, params, train.OptimConfig(steps=10, lr=1e-2, warmup=1), 0.1)
+    for k in range(3):
+        trainer.step(batch, jax.random.key(k))
+    assert float(train.target_loss(trainer.params, tcfg, batch)) < plain
+
+
 def test_draft_step_lowers_loss():
     tcfg, dcfg = tiny_pair()
     tparams = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
