@@ -292,6 +292,24 @@ def sample_anchors(key: jax.Array, batch: int, length: int, num_anchors: int, bl
     return jnp.sort(idx, axis=-1).astype(jnp.int32) + 1
 
 
+def label_mask(
+    tokens: jax.Array, greedy: jax.Array, anchors: jax.Array, block_size: int, greedy_anchors: bool
+) -> jax.Array:
+    """[B, N, K-1] bool: slot j of anchor a keeps its label greedy[a + j - 1] iff the target's greedy
+    path from a reproduces tokens[a + 1 .. a + j - 1] (then the label is what the target would say at
+    inference, where the committed tokens are its own); with `greedy_anchors`, also iff tokens[a] is
+    the target's greedy choice (as the bonus token is at inference). tokens, greedy [B, L]."""
+    b, n = anchors.shape
+    match = tokens[:, 1:] == greedy[:, :-1]  # [B, L-1]: position p's greedy choice is token p + 1
+    match = jnp.pad(match, ((0, 0), (0, 1)))
+    where = anchors[:, :, None] + jnp.arange(block_size - 1, dtype=jnp.int32)[None, None, :]  # a + j - 1
+    m = jnp.take_along_axis(match, where.reshape(b, -1), axis=1).reshape(where.shape)
+    keep = jnp.cumprod(jnp.concatenate([jnp.ones_like(m[..., :1]), m[..., :-1]], axis=-1), axis=-1)
+    if greedy_anchors:
+        keep = keep & jnp.take_along_axis(match, anchors - 1, axis=1)[..., None]
+    return keep.astype(jnp.bool_)
+
+
 def draft_loss(
     params: Params,
     dcfg: DraftConfig,
@@ -301,9 +319,12 @@ def draft_loss(
     key: jax.Array,
     num_anchors: int,
     gamma: float | None,
+    consistent: bool = False,
+    greedy_anchors: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Weighted cross-entropy of the drafter against the target's greedy choices, and the top-1
-    agreement per slot [K-1]. tokens [B, L]; labels of slot j of anchor a: greedy[a + j - 1]."""
+    agreement per slot [K-1]. tokens [B, L]; labels of slot j of anchor a: greedy[a + j - 1], all of
+    them, or (`consistent`) only those `label_mask` keeps."""
     b, length = tokens.shape
     k = dcfg.block_size
     features, greedy = target_teacher(target_params, tcfg, dcfg, tokens)
@@ -311,8 +332,13 @@ def draft_loss(
     logits = draft_train_logits(params, dcfg, target_params, features, tokens, anchors)
     where = anchors[:, :, None] + jnp.arange(k - 1, dtype=jnp.int32)[None, None, :]  # [B, N, K-1]
     labels = jnp.take_along_axis(greedy, where.reshape(b, -1), axis=1).reshape(where.shape)
-    loss = (cross_entropy(logits, labels) * slot_weights(k, gamma)).mean()
-    agree = (jnp.argmax(logits, -1) == labels).astype(jnp.float32).mean(axis=(0, 1))
+    keep = jnp.ones(labels.shape, jnp.float32)
+    if consistent or greedy_anchors:
+        keep = label_mask(tokens, greedy, anchors, k, greedy_anchors).astype(jnp.float32)
+    weighted = cross_entropy(logits, labels) * slot_weights(k, gamma) * keep
+    loss = weighted.sum() / jnp.maximum(keep.sum(), 1.0)
+    hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * keep
+    agree = hits.sum(axis=(0, 1)) / jnp.maximum(keep.sum(axis=(0, 1)), 1.0)
     return loss, agree
 
 
@@ -386,11 +412,15 @@ def draft_trainer(
     oc: OptimConfig,
     num_anchors: int,
     gamma: float | None,
+    consistent: bool = False,
+    greedy_anchors: bool = False,
 ) -> Trainer:
     """A Trainer of the drafter against the frozen target (aux: per-slot top-1 agreement)."""
 
     def loss_fn(p, tokens, key):
-        return draft_loss(p, dcfg, target_params, tcfg, tokens, key, num_anchors, gamma)
+        return draft_loss(
+            p, dcfg, target_params, tcfg, tokens, key, num_anchors, gamma, consistent, greedy_anchors
+        )
 
     return Trainer(loss_fn, params, oc)
 

@@ -6,7 +6,7 @@
 # EVAL=1 then measures each variant's greedy acceptance, dflash and ddtree at budget 32, on the
 # bundled prompts and on results/heldout-prompts-96.jsonl over 64 and 128 new tokens
 # (eval-NAME-{16,96}-{64,128}.json; EVAL_FLAGS are added to each, EVAL_WALL caps each in seconds).
-# Each variant comes back as one uncompressed tar of its logs, evaluations and checkpoints, split in
+# Each variant comes back as one uncompressed tar of its logs, evaluations and new checkpoints, split in
 # 15 MiB parts $OUT/variants[-$TAG]-NAME.tar.part-NN (cat them to rejoin): the device tool returns at
 # most 8 files of 16 MiB each. Set TAG for invocations side by side, e.g. one per CUDA_VISIBLE_DEVICES.
 set -u
@@ -38,8 +38,9 @@ variant() {  # NAME FLAGS
     --stages $STAGES --warmup 100 --log-every 500 $2 > $W/train-$1.log 2>&1
   echo "$1: training rc $?; $(tail -n 1 $W/train-$1.log)"
   if [ "${EVAL:-0}" = 1 ] && [ -f $dir/draft/model.safetensors ]; then evaluate $1 $dir; fi
-  # shellcheck disable=SC2046
-  tar cf - -C $W $(cd $W && ls -d *-$1.* *-$1-*.json 2>/dev/null) -C $dir $(cd $dir && ls -d target draft 2>/dev/null) \
+  local new=draft; [[ ,$STAGES, == *,target,* ]] && new="target draft"
+  # shellcheck disable=SC2046,SC2086
+  tar cf - -C $W $(cd $W && ls -d *-$1.* *-$1-*.json 2>/dev/null) -C $dir $(cd $dir && ls -d $new 2>/dev/null) \
     | split -b 15m -d - "$OUT/$NAME-$1.tar.part-"
 }
 

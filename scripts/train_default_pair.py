@@ -275,7 +275,9 @@ def stage_draft(args, streams, out, summary, log_path):
     summary["draft_params"] = train.count_params(params)
     oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup)
     gamma = args.gamma if args.gamma > 0 else None
-    trainer = train.draft_trainer(dcfg, params, tparams, tcfg, oc, args.anchors, gamma)
+    trainer = train.draft_trainer(
+        dcfg, params, tparams, tcfg, oc, args.anchors, gamma, args.consistent_labels, args.greedy_anchors
+    )
     rng = np.random.default_rng(args.seed + 1)
     own = self_generated(args, tcfg, tparams, streams["train"], log_path) if args.selfgen_sequences else None
     num_own = 0 if own is None else round(args.draft_batch * args.selfgen_fraction)
@@ -368,6 +370,16 @@ def main() -> None:
     ap.add_argument("--selfgen-prompt", type=int, default=32, help="tokens of each continuation's window")
     ap.add_argument("--selfgen-batch", type=int, default=256)
     ap.add_argument("--selfgen-fraction", type=float, default=0.5, help="share of each drafter batch")
+    ap.add_argument(
+        "--consistent-labels",
+        action="store_true",
+        help="train a slot only where the target's greedy path from the anchor reproduces the text before it",
+    )
+    ap.add_argument(
+        "--greedy-anchors",
+        action="store_true",
+        help="train only anchors whose token is the target's greedy choice",
+    )
     ap.add_argument("--gamma", type=float, default=7.0, help="slot-weight decay (DFlash); <= 0: uniform")
     ap.add_argument("--eval-tokens", type=int, default=65536)
     ap.add_argument(

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ddtree_jax import drafter, target, train
 from ddtree_jax.checkpoint import save_hf
@@ -79,6 +80,56 @@ def test_draft_step_lowers_loss():
     for _ in range(3):
         trainer.step(batch, key)
     assert loss(trainer.params) < before
+
+
+@pytest.mark.parametrize("greedy_anchors", [False, True])
+def test_label_mask_keeps_labels_the_greedy_path_reaches(greedy_anchors):
+    rng = np.random.default_rng(5)
+    b, length, k = 3, 40, 6
+    greedy = rng.integers(0, 4, (b, length))
+    # text that follows the greedy choice most of the time, so long kept runs occur
+    tokens = np.where(
+        rng.random((b, length)) < 0.7, np.roll(greedy, 1, axis=1), rng.integers(0, 4, (b, length))
+    )
+    anchors = np.sort(
+        np.stack([rng.choice(np.arange(1, length - k + 2), 5, replace=False) for _ in range(b)])
+    )
+    got = np.asarray(
+        train.label_mask(jnp.asarray(tokens), jnp.asarray(greedy), jnp.asarray(anchors), k, greedy_anchors)
+    )
+    want = np.zeros_like(got)
+    for row in range(b):
+        for n, a in enumerate(anchors[row]):
+            for j in range(1, k):  # slot j: label greedy[a + j - 1]
+                path = all(tokens[row, a + i] == greedy[row, a + i - 1] for i in range(1, j))
+                bonus = tokens[row, a] == greedy[row, a - 1] or not greedy_anchors
+                want[row, n, j - 1] = path and bonus
+    np.testing.assert_array_equal(got, want)
+    assert 0 < want.mean() < 1
+
+
+def test_draft_step_with_consistent_labels_lowers_loss():
+    tcfg, dcfg = tiny_pair()
+    tparams = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
+    params = train.init_params(drafter.weight_specs(dcfg), 1, dcfg.num_layers)
+    oc = train.OptimConfig(steps=10, lr=1e-2, warmup=1)
+    trainer = train.draft_trainer(
+        dcfg, params, tparams, tcfg, oc, 3, 4.0, consistent=True, greedy_anchors=True
+    )
+    # the target's own greedy continuation: every label is kept, so the loss equals the plain one
+    own = tokens_of(1, 2, 16)
+    for _ in range(16):  # causal: after i passes the first i + 1 tokens are the greedy path's
+        own = jnp.concatenate([own[:, :1], train.target_teacher(tparams, tcfg, dcfg, own)[1][:, :-1]], axis=1)
+    key = jax.random.key(3)
+
+    def loss(p, consistent):
+        return float(train.draft_loss(p, dcfg, tparams, tcfg, own, key, 3, 4.0, consistent, consistent)[0])
+
+    assert loss(trainer.params, True) == pytest.approx(loss(trainer.params, False), rel=1e-6)
+    before = loss(trainer.params, True)
+    for _ in range(3):
+        trainer.step(own, key)
+    assert loss(trainer.params, True) < before
 
 
 def test_draft_training_forward_equals_inference():
