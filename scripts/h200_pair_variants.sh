@@ -5,7 +5,8 @@
 # naming target (e.g. target,eval,draft) on the bundled tokenizer alone, so target/ is new as well.
 # EVAL=1 then measures each variant's greedy acceptance, dflash and ddtree at budget 32, on the
 # bundled prompts and on results/heldout-prompts-96.jsonl over 64 and 128 new tokens
-# (eval-NAME-{16,96}-{64,128}.json; EVAL_FLAGS are added to each, EVAL_WALL caps each in seconds).
+# (eval-NAME-{16,96}-{64,128}.json; EVAL_SETS picks some, e.g. "96-64 96-128"; EVAL_FLAGS are added to
+# each, EVAL_WALL caps each in seconds).
 # Each variant comes back as one uncompressed tar of its logs, evaluations and new checkpoints, split in
 # 15 MiB parts $OUT/variants[-$TAG]-NAME.tar.part-NN (cat them to rejoin): the device tool returns at
 # most 8 files of 16 MiB each. Set TAG for invocations side by side, e.g. one per CUDA_VISIBLE_DEVICES.
@@ -21,6 +22,7 @@ evaluate() {  # NAME DIR: acceptance on both prompt sets at both lengths
   local p96=results/heldout-prompts-96.jsonl spec
   for spec in "16-64:" "16-128:--max-new-tokens 128" "96-64:--prompts $p96" \
     "96-128:--prompts $p96 --max-new-tokens 128"; do
+    [[ " ${EVAL_SETS:-16-64 16-128 96-64 96-128} " == *" ${spec%%:*} "* ]] || continue
     # shellcheck disable=SC2086
     timeout ${EVAL_WALL:-60} python3 scripts/eval_default_pair.py --target $2/target --draft $2/draft \
       --methods dflash,ddtree --budgets 32 ${spec#*:} ${EVAL_FLAGS:-} --out $W/eval-$1-${spec%%:*}.json \
