@@ -1,0 +1,59 @@
+"""Time the tree build (`tree.build_tree`: beams, selection, ancestor mask) alone, jitted, per batch
+size and budget, on random sorted drafter log-probs.
+
+python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --out tree.json
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
+
+from ddtree_jax.tree import build_tree  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="1:63,16:7,16:15,1:255", help="batch:budget pairs")
+    ap.add_argument("--depth", type=int, default=15, help="drafter depths D (block size - 1)")
+    ap.add_argument("--top-k", type=int, default=32, help="candidates per depth")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    rows = []
+    for case in args.cases.split(","):
+        batch, budget = map(int, case.split(":"))
+        rng = np.random.default_rng(0)
+        logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.top_k)), axis=-1)
+        tok = np.broadcast_to(np.arange(args.top_k, dtype=np.int32), logp.shape)
+        inputs = (jnp.zeros((batch,), jnp.int32), jnp.asarray(logp, jnp.float32), jnp.asarray(tok))
+        start = time.perf_counter()
+        build = build_tree.lower(*inputs, budget=budget).compile()
+        compile_s = time.perf_counter() - start
+        jax.block_until_ready(build(*inputs))
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            jax.block_until_ready(build(*inputs))
+            times.append(time.perf_counter() - start)
+        row = {"batch": batch, "budget": budget, "compile_s": round(compile_s, 2)}
+        row["median_us"] = round(1e6 * statistics.median(times), 1)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    machine = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "host": platform.node()}
+    args.out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": machine, "rows": rows}, indent=1)
+    )
+
+
+if __name__ == "__main__":
+    main()
