@@ -166,10 +166,12 @@ def causal_mask(batch: int, length: int) -> jax.Array:
 
 def residual_dropout(key: jax.Array, rate: float, calls: int) -> Callable[[jax.Array], jax.Array]:
     """Inverted dropout at `rate` with a fresh key for each of up to `calls` calls (one forward)."""
-    keys = iter(jax.random.split(key, calls))
+    keys = list(jax.random.split(key, calls))
 
     def drop(x: jax.Array) -> jax.Array:
-        keep = jax.random.bernoulli(next(keys), 1.0 - rate, x.shape)
+        if not keys:
+            raise ValueError(f"residual_dropout: more than the {calls} calls it was made for")
+        keep = jax.random.bernoulli(keys.pop(0), 1.0 - rate, x.shape)
         return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype))
 
     return drop
@@ -293,18 +295,28 @@ def sample_anchors(key: jax.Array, batch: int, length: int, num_anchors: int, bl
 
 
 def label_mask(
-    tokens: jax.Array, greedy: jax.Array, anchors: jax.Array, block_size: int, greedy_anchors: bool
+    tokens: jax.Array,
+    greedy: jax.Array,
+    anchors: jax.Array,
+    block_size: int,
+    consistent: bool,
+    greedy_anchors: bool,
 ) -> jax.Array:
-    """[B, N, K-1] bool: slot j of anchor a keeps its label greedy[a + j - 1] iff the target's greedy
-    path from a reproduces tokens[a + 1 .. a + j - 1] (then the label is what the target would say at
-    inference, where the committed tokens are its own); with `greedy_anchors`, also iff tokens[a] is
-    the target's greedy choice (as the bonus token is at inference). tokens, greedy [B, L]."""
+    """[B, N, K-1] bool: which slots keep their label (slot j of anchor a: greedy[a + j - 1]).
+
+    `consistent`: only if the target's greedy path from a reproduces tokens[a + 1 .. a + j - 1] (then
+    the label is what the target would say at inference, where the committed tokens are its own).
+    `greedy_anchors`: only if tokens[a] is the target's greedy choice (as the bonus is at inference).
+    tokens, greedy [B, L]; anchors [B, N].
+    """
     b, n = anchors.shape
     match = tokens[:, 1:] == greedy[:, :-1]  # [B, L-1]: position p's greedy choice is token p + 1
     match = jnp.pad(match, ((0, 0), (0, 1)))
     where = anchors[:, :, None] + jnp.arange(block_size - 1, dtype=jnp.int32)[None, None, :]  # a + j - 1
-    m = jnp.take_along_axis(match, where.reshape(b, -1), axis=1).reshape(where.shape)
-    keep = jnp.cumprod(jnp.concatenate([jnp.ones_like(m[..., :1]), m[..., :-1]], axis=-1), axis=-1)
+    keep = jnp.ones(where.shape, jnp.bool_)
+    if consistent:
+        m = jnp.take_along_axis(match, where.reshape(b, -1), axis=1).reshape(where.shape)
+        keep = jnp.cumprod(jnp.concatenate([jnp.ones_like(m[..., :1]), m[..., :-1]], axis=-1), axis=-1)
     if greedy_anchors:
         keep = keep & jnp.take_along_axis(match, anchors - 1, axis=1)[..., None]
     return keep.astype(jnp.bool_)
@@ -324,7 +336,8 @@ def draft_loss(
 ) -> tuple[jax.Array, jax.Array]:
     """Weighted cross-entropy of the drafter against the target's greedy choices, and the top-1
     agreement per slot [K-1]. tokens [B, L]; labels of slot j of anchor a: greedy[a + j - 1], all of
-    them, or (`consistent`) only those `label_mask` keeps."""
+    them, or with `consistent` / `greedy_anchors` those `label_mask` keeps: the loss is then the sum
+    over kept labels over their count (deep slots, kept less often, weigh less)."""
     b, length = tokens.shape
     k = dcfg.block_size
     features, greedy = target_teacher(target_params, tcfg, dcfg, tokens)
@@ -334,7 +347,7 @@ def draft_loss(
     labels = jnp.take_along_axis(greedy, where.reshape(b, -1), axis=1).reshape(where.shape)
     keep = jnp.ones(labels.shape, jnp.float32)
     if consistent or greedy_anchors:
-        keep = label_mask(tokens, greedy, anchors, k, greedy_anchors).astype(jnp.float32)
+        keep = label_mask(tokens, greedy, anchors, k, consistent, greedy_anchors).astype(jnp.float32)
     weighted = cross_entropy(logits, labels) * slot_weights(k, gamma) * keep
     loss = weighted.sum() / jnp.maximum(keep.sum(), 1.0)
     hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * keep

@@ -378,7 +378,7 @@ def main() -> None:
     ap.add_argument(
         "--greedy-anchors",
         action="store_true",
-        help="train only anchors whose token is the target's greedy choice",
+        help="train only anchors whose token is the target's greedy choice (as the bonus is at inference)",
     )
     ap.add_argument("--gamma", type=float, default=7.0, help="slot-weight decay (DFlash); <= 0: uniform")
     ap.add_argument("--eval-tokens", type=int, default=65536)

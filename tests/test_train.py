@@ -59,10 +59,17 @@ def test_target_dropout_step_lowers_the_plain_loss():
     plain = float(train.target_loss(params, tcfg, batch))
     noisy = [float(train.target_loss(params, tcfg, batch, jax.random.key(k), 0.3)) for k in (0, 0, 1)]
     assert noisy[0] == noisy[1] and noisy[0] != noisy[2] and plain not in noisy
-    trainer = train.target_trainer(tcfg, params, train.OptimConfig(steps=10, lr=1e-2, warmup=1), 0.1)
+    oc = train.OptimConfig(steps=10, lr=1e-2, warmup=1)
+    trainer, plain_trainer = (
+        train.target_trainer(tcfg, params, oc, 0.1),
+        train.target_trainer(tcfg, params, oc),
+    )
     for k in range(3):
         trainer.step(batch, jax.random.key(k))
+        plain_trainer.step(batch, jax.random.key(k))
     assert float(train.target_loss(trainer.params, tcfg, batch)) < plain
+    # the trainer applies the dropout: its steps differ from the plain trainer's
+    assert not np.allclose(np.asarray(trainer.params["norm"]), np.asarray(plain_trainer.params["norm"]))
 
 
 def test_draft_step_lowers_loss():
@@ -82,8 +89,8 @@ def test_draft_step_lowers_loss():
     assert loss(trainer.params) < before
 
 
-@pytest.mark.parametrize("greedy_anchors", [False, True])
-def test_label_mask_keeps_labels_the_greedy_path_reaches(greedy_anchors):
+@pytest.mark.parametrize("consistent, greedy_anchors", [(True, False), (False, True), (True, True)])
+def test_label_mask_keeps_labels_the_greedy_path_reaches(consistent, greedy_anchors):
     rng = np.random.default_rng(5)
     b, length, k = 3, 40, 6
     greedy = rng.integers(0, 4, (b, length))
@@ -94,14 +101,15 @@ def test_label_mask_keeps_labels_the_greedy_path_reaches(greedy_anchors):
     anchors = np.sort(
         np.stack([rng.choice(np.arange(1, length - k + 2), 5, replace=False) for _ in range(b)])
     )
-    got = np.asarray(
-        train.label_mask(jnp.asarray(tokens), jnp.asarray(greedy), jnp.asarray(anchors), k, greedy_anchors)
-    )
+    args = (jnp.asarray(tokens), jnp.asarray(greedy), jnp.asarray(anchors), k, consistent, greedy_anchors)
+    got = np.asarray(train.label_mask(*args))
     want = np.zeros_like(got)
     for row in range(b):
         for n, a in enumerate(anchors[row]):
             for j in range(1, k):  # slot j: label greedy[a + j - 1]
-                path = all(tokens[row, a + i] == greedy[row, a + i - 1] for i in range(1, j))
+                path = (
+                    all(tokens[row, a + i] == greedy[row, a + i - 1] for i in range(1, j)) or not consistent
+                )
                 bonus = tokens[row, a] == greedy[row, a - 1] or not greedy_anchors
                 want[row, n, j - 1] = path and bonus
     np.testing.assert_array_equal(got, want)
@@ -126,6 +134,26 @@ def test_draft_step_with_consistent_labels_lowers_loss():
         return float(train.draft_loss(p, dcfg, tparams, tcfg, own, key, 3, 4.0, consistent, consistent)[0])
 
     assert loss(trainer.params, True) == pytest.approx(loss(trainer.params, False), rel=1e-6)
+    # on other text some labels go: the loss and agreement are means over the kept ones only
+    text = tokens_of(2, 2, 16)
+    got_loss, got_agree = train.draft_loss(
+        trainer.params, dcfg, tparams, tcfg, text, key, 3, 4.0, True, False
+    )
+    features, greedy = train.target_teacher(tparams, tcfg, dcfg, text)
+    anchors = train.sample_anchors(key, 2, 16, 3, dcfg.block_size)
+    logits = np.asarray(train.draft_train_logits(trainer.params, dcfg, tparams, features, text, anchors))
+    keep = np.asarray(train.label_mask(text, greedy, anchors, dcfg.block_size, True, False))
+    assert 0 < keep.mean() < 1
+    where = np.asarray(anchors)[:, :, None] + np.arange(dcfg.block_size - 1)
+    labels = np.take_along_axis(np.asarray(greedy), where.reshape(2, -1), 1).reshape(where.shape)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+    w = np.asarray(train.slot_weights(dcfg.block_size, 4.0))
+    assert float(got_loss) == pytest.approx((ce * w * keep).sum() / keep.sum(), rel=1e-5)
+    hits = (logits.argmax(-1) == labels) & keep
+    want_agree = hits.sum((0, 1)) / np.maximum(keep.sum((0, 1)), 1)
+    np.testing.assert_allclose(np.asarray(got_agree), want_agree, rtol=1e-6)
     before = loss(trainer.params, True)
     for _ in range(3):
         trainer.step(own, key)
