@@ -16,7 +16,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +73,11 @@ def read_ceiling_gbs(nbytes: int) -> float:
     """Read bandwidth of a large bf16 `jnp.sum`, GB/s (the floor's denominator)."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    return nbytes / _median_seconds(lambda: f(x), 10) / 1e9
+    return nbytes / median_seconds(lambda: f(x), 10) / 1e9
 
 
-def _median_seconds(fn, reps: int) -> float:
+def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """Median wall time of `reps` synced calls of fn() after one warm-up call, in seconds."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(reps):
@@ -239,7 +242,7 @@ def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int
     programs = stage_programs(plan, rounds)
     args = {"verify": (params, state, t), "draft": (params, dparams, state), "tree_build": (state, logp, tok)}
     return {
-        name: 1e3 * _median_seconds(lambda p=p, a=args[name]: p(*a), 3) / rounds
+        name: 1e3 * median_seconds(lambda p=p, a=args[name]: p(*a), 3) / rounds
         for name, p in programs.items()
     }
 

@@ -5,9 +5,7 @@ python scripts/bench_topk.py --out topk.json
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -15,18 +13,13 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench import median_seconds  # noqa: E402
 from ddtree_jax.collectives import chunked_top_k  # noqa: E402
 
 
 def median_us(fn, x, reps: int = 50) -> float:
     """Median time of fn(x) over `reps` calls, each synced (so a dispatch is included), in microseconds."""
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+    return 1e6 * median_seconds(lambda: fn(x), reps)
 
 
 def main() -> None:

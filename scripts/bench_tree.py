@@ -7,7 +7,6 @@ python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --out tree.json
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench import median_seconds  # noqa: E402
 from ddtree_jax.tree import build_tree  # noqa: E402
 
 
@@ -39,14 +39,8 @@ def main() -> None:
         start = time.perf_counter()
         build = build_tree.lower(*inputs, budget=budget).compile()
         compile_s = time.perf_counter() - start
-        jax.block_until_ready(build(*inputs))
-        times = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            jax.block_until_ready(build(*inputs))
-            times.append(time.perf_counter() - start)
         row = {"batch": batch, "budget": budget, "compile_s": round(compile_s, 2)}
-        row["median_us"] = round(1e6 * statistics.median(times), 1)
+        row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
     machine = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "host": platform.node()}
