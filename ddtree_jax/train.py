@@ -345,9 +345,7 @@ def draft_loss(
     logits = draft_train_logits(params, dcfg, target_params, features, tokens, anchors)
     where = anchors[:, :, None] + jnp.arange(k - 1, dtype=jnp.int32)[None, None, :]  # [B, N, K-1]
     labels = jnp.take_along_axis(greedy, where.reshape(b, -1), axis=1).reshape(where.shape)
-    keep = jnp.ones(labels.shape, jnp.float32)
-    if consistent or greedy_anchors:
-        keep = label_mask(tokens, greedy, anchors, k, consistent, greedy_anchors).astype(jnp.float32)
+    keep = label_mask(tokens, greedy, anchors, k, consistent, greedy_anchors).astype(jnp.float32)
     weighted = cross_entropy(logits, labels) * slot_weights(k, gamma) * keep
     loss = weighted.sum() / jnp.maximum(keep.sum(), 1.0)
     hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * keep
