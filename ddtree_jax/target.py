@@ -73,7 +73,9 @@ def forward(
     """Run T new tokens [B, T] at `positions` over `cache` (None: prefill) under `mask` [B, T, T].
 
     The cache is only read: the new tokens' K/V come back in `kv` for the caller to commit.
-    `features` concatenates the outputs of decoder layers `feature_layers` (what DFlash conditions on).
+    `features` concatenates HF's `hidden_states[i + 1]` for i in `feature_layers` (what DFlash conditions
+    on): the output of decoder layer i, except for the last layer, whose entry HF records after the
+    final norm (the DDTree reference and z-lab's drafters read it so).
     `model_axis`: the mesh axis heads, columns and vocabulary are split over (None: unsplit).
     `dropout` (training only): applied to the embeddings and to every residual branch.
     """
@@ -87,10 +89,11 @@ def forward(
         with jax.named_scope(f"layer{i}"):
             x, layer_kv = decoder_layer(p, x, cfg.dims, rope, attend, model_axis, dropout)
         kv.append(layer_kv)
-        if i in feature_layers:
-            feats[i] = x
+        feats[i] = x
+    hidden = rms_norm(x, params["norm"], cfg.dims.rms_norm_eps)
+    feats[cfg.num_layers - 1] = hidden  # HF's hidden_states[L] is the final norm's output
     features = jnp.concatenate([feats[i] for i in feature_layers], -1) if feature_layers else None
-    return ForwardOutput(rms_norm(x, params["norm"], cfg.dims.rms_norm_eps), kv, features)
+    return ForwardOutput(hidden, kv, features)
 
 
 def load(directory, dtype: jnp.dtype, sharding) -> tuple[TargetConfig, Params]:

@@ -38,12 +38,13 @@ def test_bfloat16_logits_close_to_hf(name):
 
 @pytest.mark.parametrize("name", ["qwen3_gqa4_tp", "llama_gqa2"])
 def test_feature_layers_are_hf_hidden_states(name):
-    """features = outputs of the chosen decoder layers = HF hidden_states[i + 1]."""
+    """features = HF hidden_states[i + 1] of the chosen layers, the last one included (after the
+    final norm in HF's definition)."""
     cfg, params = load_target(name)
     g = golden(name)
     ids = g["prompt_3"]
     n = len(ids)
-    layers = (0, 2)
+    layers = (0, 2, cfg.num_layers - 1)
     out = target.forward(
         params,
         cfg,
