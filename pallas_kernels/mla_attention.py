@@ -44,7 +44,6 @@ from pallas_kernels.tree_attention import (
     _next_pow2,
     _online_softmax_step,
     _qk,
-    default_splits,
 )
 
 
@@ -191,6 +190,29 @@ def _mla_attention_kernel(
         pltriton.store(l_ref.at[rows], l, mask=row_ok)
 
 
+MAX_SPLITS = 128
+
+
+def default_splits(
+    batch: int,
+    row_tiles: int,
+    cache_len: int,
+    block_k: int,
+    *,
+    num_sms: int = NUM_SMS_H200,
+    min_blocks_per_split: int = 8,
+) -> int:
+    """Cache splits so that about one program runs per SM, each streaming at least a few blocks.
+
+    One program per SM (not two, as in `tree_attention`): a split's float32 partial is 2 kB per
+    row (C = 512), so at T = 1 and S = 32k two programs per SM would write and re-read half as many
+    bytes again as the cache holds.
+    """
+    want = _cdiv(num_sms, batch * row_tiles)
+    cap = max(1, _cdiv(cache_len, block_k * min_blocks_per_split))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
 def resolve_tuning(
     q_shape: tuple[int, ...],
     cache_len: int,
@@ -204,15 +226,18 @@ def resolve_tuning(
 ) -> dict:
     """The tuning `mla_attention` uses for q_latent's shape [B, T, H, C]; None picks the default.
 
-    The float32 accumulator is block_q x C (512 wide), so row tiles stay small: 16 rows with 4
-    warps up to 16 packed rows, 32 rows with 8 warps above (64 accumulator registers per thread
-    either way); 32-row cache blocks of 576 keys, 2 stages (36 kB of bf16 per stage). A first guess
-    from the register and shared-memory budget, to be replaced by the H200 sweep of
-    scripts/bench_mla_attention.py.
+    A first guess from counting, to be replaced by the H200 sweep of scripts/bench_mla_attention.py.
+    Up to 64 packed rows (ar: 8 or 64 heads) the kernel is memory bound: 16-row tiles with 4 warps
+    (the float32 accumulator, 16 x 512, is 64 registers per thread) and cache splits; the row tiles
+    of one split run side by side and share the cache blocks through L2. Above (a tree verify,
+    compute bound: 2 x 1088 FLOPs per row and key) 64-row tiles with 8 warps, since every tile
+    streams the whole cache and block_q sets the FLOPs per byte loaded (about 1.9 x block_q);
+    64 rows is also the M of one Hopper warpgroup MMA. 32-row cache blocks of 576 keys, 2 stages
+    (36 kB of bf16 per stage).
     """
     b, t, h, c = q_shape
     rows = t * h
-    block_q = block_q or min(max(16, _next_pow2(rows)), 32)
+    block_q = block_q or (16 if rows <= 64 else 64)
     block_k = block_k or 32
     num_warps = num_warps or (4 if block_q <= 16 else 8)
     num_stages = num_stages or 2
@@ -221,7 +246,7 @@ def resolve_tuning(
             raise ValueError(f"{name} = {v} must be a power of two >= 16")
     row_tiles = _cdiv(rows, block_q)
     if splits is None:
-        splits = default_splits(b, 1, row_tiles, cache_len, block_k, num_sms=num_sms)
+        splits = default_splits(b, row_tiles, cache_len, block_k, num_sms=num_sms)
     return dict(
         block_q=block_q,
         block_k=block_k,

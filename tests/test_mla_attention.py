@@ -136,13 +136,17 @@ def test_absorbed_form_matches_expanded():
 
 
 def test_default_tuning_for_kimi_k2_shapes():
-    """64 heads at TP1, 8 per device at TP8; splits fill 132 SMs only where B x row tiles cannot."""
+    """64 heads at TP1, 8 per device at TP8: splits give about one program per SM (132) where
+    B x row tiles cannot, at most 128 and at least 8 cache blocks each."""
     tp1_ar = resolve_tuning((1, 1, 64, 512), 32768)
-    assert (tp1_ar["block_q"], tp1_ar["row_tiles"], tp1_ar["splits"]) == (32, 2, 64)
+    assert (tp1_ar["block_q"], tp1_ar["num_warps"], tp1_ar["row_tiles"], tp1_ar["splits"]) == (16, 4, 4, 33)
     tp8_ar = resolve_tuning((1, 1, 8, 512), 32768)
-    assert (tp8_ar["block_q"], tp8_ar["row_tiles"], tp8_ar["num_warps"]) == (16, 1, 4)
-    verify = resolve_tuning((16, 64, 64, 512), 32768)
-    assert (verify["row_tiles"], verify["splits"]) == (128, 1)
+    assert (tp8_ar["row_tiles"], tp8_ar["splits"]) == (1, 128)
+    assert resolve_tuning((1, 1, 8, 512), 1024)["splits"] == 4  # 8 blocks of 32 per split
+    tp8_verify = resolve_tuning((1, 64, 8, 512), 32768)
+    assert (tp8_verify["block_q"], tp8_verify["num_warps"], tp8_verify["row_tiles"]) == (64, 8, 8)
+    assert tp8_verify["splits"] == 17
+    assert resolve_tuning((16, 64, 64, 512), 32768)["splits"] == 1
 
 
 # ---- CUDA lowering on CPU: catches Triton lowering-rule errors before any GPU time. ----
