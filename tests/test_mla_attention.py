@@ -73,6 +73,26 @@ def test_rejects_mismatched_shapes():
         mla_attention(ql, qr, lc, rc, lengths, ln, rn[..., :8], mask, softmax_scale=SCALE, interpret=True)
 
 
+def test_heads_split_over_model_cache_replicated():
+    """Under shard_map on a 2 (data) x 4 (model) mesh, as a TP model calls it: heads split over
+    "model", the latent cache (no head axis) replicated over "model", sequences over "data"."""
+    from jax.sharding import PartitionSpec as P
+
+    args = make_inputs(5, b=2, t=4, h=8, c=64, r=16, s=80, lengths=[80, 23], mask_kind="tree", dtype=F32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    heads, per_seq = P("data", None, "model", None), P("data")
+    specs = (heads, heads, per_seq, per_seq, per_seq, per_seq, per_seq, per_seq)
+    fn = jax.shard_map(
+        lambda *a: mla_attention(*a, softmax_scale=SCALE, interpret=True),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=heads,
+        check_vma=False,
+    )
+    placed = [jax.device_put(a, jax.NamedSharding(mesh, spec)) for a, spec in zip(args, specs, strict=True)]
+    check_close(jax.jit(fn)(*placed), mla_attention_reference(*args, softmax_scale=SCALE), F32)
+
+
 # ---- The absorbed identity against the expanded form, in float64 numpy. ----
 
 
