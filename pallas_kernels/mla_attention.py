@@ -4,8 +4,9 @@ The same decode-time contract as `tree_attention` (cache prefix up to `lengths`,
 tokens under a [B, T, T] mask: ancestor mask for verify, all ones for a drafter block, causal for
 chains, T = 1 for AR), in MLA's absorbed form. Per token the cache holds the normalised latent c
 (C = kv_lora_rank = 512) and the rotated RoPE key k_rope (R = qk_rope_head_dim = 64), shared by all
-heads. The caller absorbs kv_b_proj's key half into the queries (q_latent[h] = W_uk[h]^T q_nope[h])
-and maps the output through its value half (o[h] @ W_uv[h]); here
+heads. With kv_b_proj.weight viewed as [H, N + V, C], W_uk[h] its first N rows and W_uv[h] the
+other V, the caller absorbs the key half into the queries (q_latent[h] = W_uk[h]^T q_nope[h]) and
+maps the output through the value half (W_uv[h] o[h], [V]); here
 
   score(h, i, j) = (q_latent[h, i] . c[j] + q_rope[h, i] . k_rope[j]) * softmax_scale
   o[h, i]        = sum_j softmax_j(score(h, i, j)) c[j]
@@ -18,8 +19,8 @@ mscale changes it (DeepSeek-V3: 192**-0.5 * mscale**2).
 Kernel layout (`mla_attention`): grid (row tiles, B, splits). Every head shares one cache entry, so
 a program packs heads and nodes into rows `node * H + head` (q_latent reshaped to [B, T * H, C]
 for free) and takes a tile of `block_q` of them; it streams its share of the visible cache in
-blocks of `block_k` rows of 576 keys, using the latent part of each block twice: as key (with
-q_latent) and as value. Online softmax in float32, base 2, as in `tree_attention`; the last split
+blocks of `block_k` entries (C + R = 576 values each), using the latent part of each block twice:
+as key (with q_latent) and as value. Online softmax in float32, base 2, as in `tree_attention`; the last split
 also attends to the in-flight tokens under `mask`. Several splits write float32 partials (acc, max,
 sum) that the jnp combine of `tree_attention` merges.
 """
