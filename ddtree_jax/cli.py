@@ -284,8 +284,7 @@ def device_memory() -> int:
 
 
 def check_limits(args: argparse.Namespace, cfg, dcfg) -> None:
-    """Upper bounds of --max-new-tokens, --block-size, --branching and --budget, from the configs
-    and the device's memory, checked before any weight is loaded or program compiled."""
+    """Upper bounds of --max-new-tokens, --block-size, --branching and --budget from the configs."""
     if args.max_new_tokens >= cfg.max_position_embeddings:
         raise DDTreeError(
             f"--max-new-tokens {args.max_new_tokens}: the target's context holds "
@@ -306,8 +305,16 @@ def check_limits(args: argparse.Namespace, cfg, dcfg) -> None:
             f"--budget {budget} exceeds the {lattice} nodes of the drafter's lattice "
             f"({depth} depths of {k} candidates, --branching): no tree that large exists"
         )
+
+
+def check_memory(args: argparse.Namespace, cfg, dcfg) -> None:
+    """An upper bound of --budget from the device's memory: the tree's float32 attention scores."""
+    if args.method != "ddtree":
+        return
     from ddtree_jax.engine import rows_to_run
 
+    budget = resolved_budget(args)
+    depth = (args.block_size or dcfg.block_size) - 1
     rows = rows_to_run(args.method, -(-args.batch_size // args.dp))
     heads = cfg.dims.num_heads // args.tp if cfg.dims.num_heads % args.tp == 0 else cfg.dims.num_heads
     context = 16 + args.max_new_tokens + depth + 1  # the smallest cache a prompt gets
@@ -435,10 +442,11 @@ def run(args: argparse.Namespace) -> None:
     cfg = load_target_config(args.target)
     dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
+    check_limits(args, cfg, dcfg)
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
     check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens)
     start_processes(args)
-    check_limits(args, cfg, dcfg)
+    check_memory(args, cfg, dcfg)
     report = sys.stderr if args.out == STDOUT else sys.stdout
     if not prompts:
         print(f"all {len(done)} prompts are already in {args.out}: nothing to do", file=report)
