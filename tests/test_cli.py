@@ -295,7 +295,8 @@ def test_limits_refused_before_loading(tmp_path, capsys, monkeypatch, flags, nee
         ),
         (b'{"id": 1, "input_ids": [1]}\n{"id": 2, "prompt": "\xff"}\n', "p.jsonl:2: not UTF-8 text"),
         (
-            b'{"id": "a", "input_ids": [1]}\n\n{"id": "b", "input_ids": [1]}\n{"id": "a", "input_ids": [2]}\n',
+            b'{"id": "a", "input_ids": [1]}\n\n{"id": "b", "input_ids": [1]}\n'
+            b'{"id": "a", "input_ids": [2]}\n',
             "p.jsonl:4: duplicate id 'a' (first on line 1)",
         ),
         (b'{"input_ids": [1]}\n{"id": 0, "input_ids": [1]}\n', "p.jsonl:2: duplicate id 0 (first on line 1)"),
