@@ -232,7 +232,13 @@ def _load_cached(
         abstract = assemble(
             specs, lambda s: jax.ShapeDtypeStruct(placement.placed_shape(s), dtype, sharding=placement(s))
         )
-        params = restore_converted(entry / "params", abstract)
+        try:
+            params = restore_converted(entry / "params", abstract)
+        except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DDTreeError(
+                f"--params-cache: cannot restore {entry} ({first}); delete it to rebuild"
+            ) from None
         _note(f"params cache: restored {directory} from {entry} ({time.perf_counter() - start:.1f} s)")
         return params
     params = _load_safetensors(directory, specs, dtype, placement)

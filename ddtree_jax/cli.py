@@ -242,7 +242,11 @@ def start_processes(args: argparse.Namespace) -> None:
         return
     import jax
 
-    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except Exception as e:  # noqa: BLE001 (jax raises RuntimeError or XlaRuntimeError, with long texts)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DDTreeError(f"--coordinator {args.coordinator}: cannot join the processes ({first})") from None
 
 
 def resolved_budget(args: argparse.Namespace) -> int:
@@ -492,6 +496,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SIGNAL + e.signum
     except OSError as e:  # an unreadable file the checks above did not foresee: one line, no traceback
         print(f"ddtree-generate: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_ERROR
+    except RuntimeError as e:
+        if type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+            raise  # a bug: keep its traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"ddtree-generate: error: the device failed ({first}); finished lines are kept", file=sys.stderr
+        )
         return EXIT_ERROR
     return 0
 

@@ -98,3 +98,13 @@ def test_cli_params_cache(tmp_path, capsys):
     assert main([*base, "--out", str(tmp_path / "b.jsonl")]) == 0
     assert capsys.readouterr().err.count("params cache: restored") == 2
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+
+
+def test_damaged_entry_refused(tmp_path):
+    """An entry whose orbax files are gone: a one-line refusal naming it, not orbax's traceback."""
+    load(FIXTURES / "qwen3_gqa1", cache=tmp_path)
+    (entry,) = tmp_path.iterdir()
+    shutil.rmtree(entry / "params")
+    (entry / "params").mkdir()
+    with pytest.raises(DDTreeError, match=f"cannot restore {entry} .*delete it to rebuild"):
+        load(FIXTURES / "qwen3_gqa1", cache=tmp_path)
