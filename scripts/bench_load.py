@@ -32,11 +32,12 @@ from ddtree_jax.weights import random_params  # noqa: E402
 
 
 def evict(directory: Path) -> None:
-    """Drop every file under `directory` from the page cache (clean pages only)."""
+    """Drop every file under `directory` from the page cache (written back first: only clean pages go)."""
     for path in directory.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
+                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
