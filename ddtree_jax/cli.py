@@ -391,12 +391,12 @@ def make_generator(args: argparse.Namespace):
     )
 
 
-def check_lengths(prompts, max_positions: int, max_new_tokens: int) -> None:
+def check_lengths(prompts, max_positions: int, max_new_tokens: int, path: str = "prompts") -> None:
     """Every prompt plus its generation must fit the model's context."""
     for p in prompts:
         if len(p.input_ids) + max_new_tokens > max_positions:
             raise DDTreeError(
-                f"prompt {p.id!r} (line {p.line}): {len(p.input_ids)} tokens + --max-new-tokens "
+                f"{path}:{p.line}: prompt {p.id!r}: {len(p.input_ids)} tokens + --max-new-tokens "
                 f"{max_new_tokens} exceed the model's context of {max_positions}"
             )
 
@@ -448,7 +448,7 @@ def run(args: argparse.Namespace) -> None:
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     check_limits(args, cfg, dcfg)
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
-    check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens)
+    check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)
     start_processes(args)
     check_memory(args, cfg, dcfg)
     report = sys.stderr if args.out == STDOUT else sys.stdout

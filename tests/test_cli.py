@@ -148,7 +148,7 @@ def test_bad_checkpoint(tmp_path, capsys, how, needle):
         ('{"id": 1, "input_ids": []}\n', "p.jsonl:1: empty prompt"),
         ('{"id": 1, "input_ids": [1, 999]}\n', "p.jsonl:1: token ids [999] outside the vocabulary"),
         ('{"id": 1, "prompt": "hi"}\n', "p.jsonl:1: 'prompt' needs a tokenizer.json"),
-        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "prompt 7 (line 1): 500 tokens"),
+        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "p.jsonl:1: prompt 7: 500 tokens"),
     ],
 )
 def test_bad_prompts(tmp_path, capsys, line, needle):

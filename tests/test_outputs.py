@@ -124,11 +124,14 @@ def test_out_refused_before_loading(reference, tmp_path, capsys, no_loading, how
     assert local.read_bytes() == prompts.read_bytes()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
-def test_unwritable_directory_refused(reference, tmp_path, capsys, no_loading):
+def test_unwritable_directory_refused(reference, tmp_path, capsys, monkeypatch, no_loading):
+    from ddtree_jax import outfile
+
     prompts, _ = reference
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: let access() answer as for anyone else
+        monkeypatch.setattr(outfile.os, "access", lambda path, mode: Path(path) != locked)
     assert main(argv(prompts, locked / "o.jsonl")) == 1
     assert "is not writable" in capsys.readouterr().err
 
