@@ -427,17 +427,14 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> None:
-    """Generate for every prompt not yet in --out, appending each result as it finishes."""
-    from tqdm import tqdm
-
+def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
+    """Every check that needs no weight: flags, --out, the prompts file, the configs, the limits.
+    Returns the prompts still to generate (tokenised), the output settings and how many are done."""
     from ddtree_jax.config import load_draft_config, load_target_config
     from ddtree_jax.text import TextCodec
 
-    start = time.perf_counter()
     check_args(args)
-    writer_process = is_writer(args)
-    if writer_process:
+    if is_writer(args):
         check_out(args.out, args.prompts, args.resume, args.overwrite)
     records = scan_prompts(args.prompts, args.max_line_bytes)
     settings = output_settings(args)
@@ -445,35 +442,51 @@ def run(args: argparse.Namespace) -> None:
     records = [r for r in records if id_key(r.id) not in done]
     cfg = load_target_config(args.target)
     dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
-    codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     check_limits(args, cfg, dcfg)
+    codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
     check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)
     start_processes(args)
     check_memory(args, cfg, dcfg)
-    report = sys.stderr if args.out == STDOUT else sys.stdout
-    if not prompts:
-        print(f"all {len(done)} prompts are already in {args.out}: nothing to do", file=report)
-        return
-    from ddtree_jax.checkpoint import params_cache
+    return prompts, settings, len(done)
 
-    with params_cache(args.params_cache):
-        gen = make_generator(args)
+
+def generate_all(args: argparse.Namespace, gen, prompts: list, writer: Writer) -> list:
+    """Run the prompts batch by batch; process 0 writes each batch's lines as it finishes."""
+    from tqdm import tqdm
+
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
-    writer = Writer(args.out, settings, append=args.resume)
     results = []
     try:
-        for batch in tqdm(batches, desc="batches", unit="batch", file=sys.stderr, disable=not writer_process):
+        for batch in tqdm(
+            batches, desc="batches", unit="batch", file=sys.stderr, disable=not is_writer(args)
+        ):
             finished = gen.run_batch(batch)
             results += finished
-            if writer_process:
+            if is_writer(args):
                 writer.write([r.to_json() for r in finished])
     except Interrupted as e:
         e.add_note(f"{writer.written} new results written to {args.out}")
         raise
     finally:
         writer.close()
-    if writer_process:
+    return results
+
+
+def run(args: argparse.Namespace) -> None:
+    """Generate for every prompt not yet in --out, appending each result as it finishes."""
+    from ddtree_jax.checkpoint import params_cache
+
+    start = time.perf_counter()
+    prompts, settings, done = prepare(args)
+    report = sys.stderr if args.out == STDOUT else sys.stdout
+    if not prompts:
+        print(f"all {done} prompts are already in {args.out}: nothing to do", file=report)
+        return
+    with params_cache(args.params_cache):
+        gen = make_generator(args)
+    results = generate_all(args, gen, prompts, Writer(args.out, settings, append=args.resume))
+    if is_writer(args):
         print(summarize(results, gen, time.perf_counter() - start, args.batch_size), file=report)
 
 
