@@ -63,7 +63,8 @@ def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
     if path.is_dir():
         raise DDTreeError(f"--out {out}: is a directory")
     target = path.resolve()  # a symlinked --out is written through its link
-    if target == Path(prompts).resolve():
+    same = target.exists() and Path(prompts).exists() and os.path.samefile(target, prompts)
+    if same or target == Path(prompts).resolve():
         raise DDTreeError(f"--out {out}: is the prompts file")
     parent = target.parent
     if not parent.is_dir():

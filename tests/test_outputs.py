@@ -102,6 +102,7 @@ def test_overwrite_replaces(reference, tmp_path):
     "how,needle",
     [
         ("prompts", "is the prompts file"),
+        ("hardlink", "is the prompts file"),
         ("directory", "is a directory"),
         ("no_parent", "does not exist"),
         ("resume_stdout", "--resume needs an --out file"),
@@ -112,8 +113,11 @@ def test_out_refused_before_loading(reference, tmp_path, capsys, no_loading, how
     prompts, _ = reference
     local = tmp_path / "p.jsonl"
     local.write_bytes(prompts.read_bytes())
+    if how == "hardlink":
+        os.link(local, tmp_path / "o.jsonl")
     out, extra = {
         "prompts": (local, []),
+        "hardlink": (tmp_path / "o.jsonl", ["--overwrite"]),
         "directory": (tmp_path, []),
         "no_parent": (tmp_path / "missing" / "o.jsonl", []),
         "resume_stdout": ("-", ["--resume"]),
