@@ -1,15 +1,23 @@
-"""HF safetensors checkpoints (single file or sharded), read tensor by tensor; orbax save/restore."""
+"""HF safetensors checkpoints (single file or sharded) read through `safetensors.safe_open`, one device
+block at a time; orbax save/restore and the `--params-cache` built on it."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 import json
 import struct
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # registers bfloat16 with numpy, which safe_open(framework="numpy") needs
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.sharding import Placement
@@ -29,49 +37,66 @@ _DTYPES = {
 }
 
 
+def _open_error(path: Path, error: SafetensorError) -> DDTreeError:
+    """safe_open's complaint about `path` in this project's words."""
+    why = str(error)
+    if any(s in why for s in ("incomplete metadata", "header too small", "invalid header length")):
+        return DDTreeError(f"{path}: truncated safetensors file ({why})")
+    if "invalid JSON" in why or "invalid UTF-8" in why:
+        return DDTreeError(f"{path}: corrupt safetensors header ({why})")
+    return DDTreeError(f"{path}: not a valid safetensors file ({why})")
+
+
 class SafetensorsFile:
-    """A safetensors file opened lazily: the header is parsed, tensors are memory-mapped on demand."""
+    """One safetensors file opened with `safe_open`: the header is checked, tensors are read on demand."""
 
     def __init__(self, path: Path):
         self.path = path
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise DDTreeError(f"{path}: truncated safetensors file (no header)")
-                (n,) = struct.unpack("<Q", head)
-                if 8 + n > size:
-                    raise DDTreeError(f"{path}: truncated safetensors file (header of {n} bytes)")
-                header = json.loads(f.read(n))
+            self.handle = safe_open(str(path), framework="numpy")
         except FileNotFoundError:
             raise DDTreeError(f"{path}: file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DDTreeError(f"{path}: corrupt safetensors header") from None
-        header.pop("__metadata__", None)
-        self.entries: dict[str, dict] = header
-        self.data_start = 8 + n
-        self.size = size
+        except IsADirectoryError:
+            raise DDTreeError(f"{path}: a directory, not a safetensors file") from None
+        except SafetensorError as e:
+            raise _open_error(path, e) from None
+        self.entries: set[str] = set(self.handle.keys())
+
+    def slice(self, name: str):
+        """The tensor's lazy slice (index it to read a block); unsupported dtypes refused."""
+        view = self.handle.get_slice(name)
+        if view.get_dtype() not in _DTYPES:
+            raise DDTreeError(f"{self.path}: tensor '{name}' has unsupported dtype {view.get_dtype()}")
+        return view
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor as a read-only memory-mapped numpy array."""
-        entry = self.entries[name]
-        dtype = _DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise DDTreeError(f"{self.path}: tensor '{name}' has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
-        if self.data_start + end > self.size:
-            raise DDTreeError(
-                f"{self.path}: truncated: tensor '{name}' needs bytes up to {self.data_start + end}, "
-                f"file has {self.size}"
-            )
-        count = int(np.prod(shape)) if shape else 1
-        if end - begin != count * np.dtype(dtype).itemsize:
-            raise DDTreeError(
-                f"{self.path}: tensor '{name}' byte size does not match its shape {list(shape)}"
-            )
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin, shape=shape)
+        """The whole tensor as a numpy array."""
+        return self.slice(name)[...]
+
+
+class LazyTensor:
+    """A checkpoint tensor in our layout (transposed when the spec says so), read block by block."""
+
+    def __init__(self, view, shape: tuple[int, ...], transpose: bool):
+        self.view, self.shape, self.transpose = view, shape, transpose
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions."""
+        return len(self.shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        """The block `index` (slices in our layout), read from the file alone."""
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (self.ndim - len(index))
+        if not self.transpose:
+            return self.view[index]
+        return self.view[index[::-1]].T
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The whole tensor."""
+        whole = self[(slice(None),) * self.ndim]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 class Checkpoint:
@@ -79,11 +104,14 @@ class Checkpoint:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        if not self.directory.is_dir():
+            what = "does not exist" if not self.directory.exists() else "is not a directory"
+            raise DDTreeError(f"{self.directory}: checkpoint directory {what}")
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
+            except (json.JSONDecodeError, KeyError, TypeError):
                 raise DDTreeError(f"{index}: not a valid safetensors index (no 'weight_map')") from None
             names = sorted(set(weight_map.values()))
         else:
@@ -93,29 +121,45 @@ class Checkpoint:
         self.files = [SafetensorsFile(self.directory / n) for n in names]
         self.where = {k: f for f in self.files for k in f.entries}
 
-    def read(self, spec: WeightSpec) -> np.ndarray:
-        """Read one tensor, check its shape against the config, return it in our layout."""
+    def lazy(self, spec: WeightSpec) -> LazyTensor:
+        """One tensor, its shape checked against the config, in our layout, not read yet."""
         file = self.where.get(spec.hf_name)
         if file is None:
             raise DDTreeError(f"{self.directory}: tensor '{spec.hf_name}' not found in the checkpoint")
-        array = file.read(spec.hf_name)
-        if tuple(array.shape) != spec.hf_shape:
+        view = file.slice(spec.hf_name)
+        shape = tuple(view.get_shape())
+        if shape != spec.hf_shape:
             raise DDTreeError(
-                f"{file.path}: tensor '{spec.hf_name}' has shape {list(array.shape)}, "
+                f"{file.path}: tensor '{spec.hf_name}' has shape {list(shape)}, "
                 f"config.json implies {list(spec.hf_shape)}"
             )
-        return array.T if spec.transpose else array
+        return LazyTensor(view, spec.shape, spec.transpose)
+
+    def read(self, spec: WeightSpec) -> np.ndarray:
+        """Read one tensor, check its shape against the config, return it in our layout."""
+        return np.asarray(self.lazy(spec))
 
 
 def load_params(
     directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
 ) -> Params:
     """Load every spec'd tensor, placed shard by shard: each device's block is read from the
-    memory-mapped checkpoint and converted to `dtype` on its own (no full copy on one device)."""
+    checkpoint on its own and converted to `dtype` (no full copy on one device). Inside
+    `params_cache(DIR)`, through the orbax cache there instead."""
+    cache = _PARAMS_CACHE.get()
+    if cache is not None:
+        return _load_cached(cache, Path(directory), specs, jnp.dtype(dtype), placement)
+    return _load_safetensors(directory, specs, dtype, placement)
+
+
+def _load_safetensors(
+    directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
+) -> Params:
+    """`load_params` from the HF files."""
     ckpt = Checkpoint(directory)
 
     def make(spec: WeightSpec) -> jax.Array:
-        host = ckpt.read(spec)  # memory-mapped
+        host = ckpt.lazy(spec)
 
         def block(index):
             return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
@@ -123,6 +167,96 @@ def load_params(
         return jax.make_array_from_callback(placement.placed_shape(spec), placement(spec), block)
 
     return assemble(specs, make)
+
+
+# -- the params cache --------------------------------------------------------------------------
+
+_PARAMS_CACHE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("params_cache", default=None)
+CACHE_FORMAT = 1  # bump when the converted layout changes: old entries then no longer match
+
+
+@contextlib.contextmanager
+def params_cache(directory: str | Path | None) -> Iterator[None]:
+    """Within this block `load_params` goes through an orbax cache under `directory` (None: off)."""
+    token = _PARAMS_CACHE.set(None if directory is None else Path(directory))
+    try:
+        yield
+    finally:
+        _PARAMS_CACHE.reset(token)
+
+
+def fingerprint(directory: Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement) -> dict:
+    """What a cache entry was made from: the checkpoint's files (config.json hashed; weight files by
+    size and mtime), the dtype and every tensor's name and placed shape (which depends on --tp)."""
+    directory = directory.absolute()
+    files = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" or p.name.endswith(".json"))
+    config = directory / "config.json"
+    return {
+        "format": CACHE_FORMAT,
+        "checkpoint": str(directory),
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None,
+        "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
+        "dtype": jnp.dtype(dtype).name,
+        "tensors": [[spec.hf_name, list(placement.placed_shape(spec))] for spec in specs],
+    }
+
+
+def cache_entry(cache: Path, print_: dict) -> Path:
+    """The entry directory of a fingerprint: its hash, so different inputs never share an entry."""
+    key = hashlib.sha256(json.dumps(print_, sort_keys=True).encode()).hexdigest()[:20]
+    return cache / key
+
+
+def _load_cached(
+    cache: Path, directory: Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
+) -> Params:
+    """Restore from the cache entry of this checkpoint, dtype and layout; convert it first if absent."""
+    if cache.exists() and not cache.is_dir():
+        raise DDTreeError(f"--params-cache {cache}: not a directory")
+    if not directory.is_dir():
+        raise DDTreeError(f"{directory}: checkpoint directory does not exist")
+    print_ = fingerprint(directory, specs, dtype, placement)
+    entry = cache_entry(cache, print_)
+    stamp = entry / "fingerprint.json"
+    start = time.perf_counter()
+    if stamp.exists():
+        try:
+            stored = json.loads(stamp.read_text())
+        except json.JSONDecodeError:
+            stored = None
+        if stored != print_:
+            raise DDTreeError(
+                f"--params-cache: {stamp} does not describe {directory} as it is now "
+                f"(dtype {print_['dtype']}); delete {entry} to rebuild it"
+            )
+        abstract = assemble(
+            specs, lambda s: jax.ShapeDtypeStruct(placement.placed_shape(s), dtype, sharding=placement(s))
+        )
+        try:
+            params = restore_converted(entry / "params", abstract)
+        except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DDTreeError(
+                f"--params-cache: cannot restore {entry} ({first}); delete it to rebuild"
+            ) from None
+        _note(f"params cache: restored {directory} from {entry} ({time.perf_counter() - start:.1f} s)")
+        return params
+    params = _load_safetensors(directory, specs, dtype, placement)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        save_converted(params, entry / "params")
+        if jax.process_index() == 0:
+            stamp.write_text(json.dumps(print_, indent=1, sort_keys=True) + "\n")  # last: entry complete
+    except OSError as e:
+        raise DDTreeError(f"--params-cache {cache}: cannot write the cache ({e.strerror})") from None
+    _note(f"params cache: converted {directory} into {entry} ({time.perf_counter() - start:.1f} s)")
+    return params
+
+
+def _note(message: str) -> None:
+    """A progress line on stderr (process 0 only)."""
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def save_converted(params: Params, directory: str | Path) -> None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
+import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ddtree_jax.errors import DDTreeError
+from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
+from ddtree_jax.prompts import KNOWN_KEYS, MAX_LINE_BYTES, id_key, scan_prompts, tokenize
 
 # The ddtree budget when --budget is not given, by the rows each data-parallel device runs
 # (--batch-size / --dp; the entry of the largest key <= it): the budget with the highest projected
@@ -30,11 +32,47 @@ def default_budget(batch_size: int) -> int:
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 
 
+EXIT_ERROR = 1  # bad flags (argparse's too), input, checkpoint or output path: one line, no output file
+EXIT_SIGNAL = 128  # + the signal's number: 130 after SIGINT, 143 after SIGTERM (finished lines kept)
+
+EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KEYS)}):
+  {{"id": ..., "prompt": "text"}}, {{"id": ..., "messages": [{{"role": ..., "content": ...}}]}} or
+  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed override the flags.
+  Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
+
+output: one JSON line per prompt, in input order, flushed as each prompt finishes; the settings that
+  decide its contents go to OUT.settings.json, which --resume checks.
+
+exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output path; one line on stderr);
+  {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on)."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help lines end with the flag's default unless they already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not quiet and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors exit with EXIT_ERROR, like every other error."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ddtree-generate",
         description="Batched generation with autoregressive, DFlash or DDTree decoding.",
+        epilog=EPILOG,
+        formatter_class=_Formatter,
     )
     p.add_argument("--target", help="HF target directory (Qwen3 or Llama 3); default: the bundled code model")
     p.add_argument(
@@ -44,13 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         help="JSONL: {id, prompt | messages | input_ids}; default with no --target: bundled code starts",
     )
-    p.add_argument("--out", required=True, help="JSONL output, one line per prompt, input order")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="JSONL output, one line per prompt, input order; '-' for standard output (the summary then "
+        "goes to stderr). An existing file needs --resume or --overwrite",
+    )
+    p.add_argument("--resume", action="store_true", help="skip the ids already in --out, append the rest")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument(
         "--method", choices=["ar", "dflash", "ddtree"], help="default: ddtree with --draft, else ar"
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt at most")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="compute dtype (float32 also sets the highest matmul precision)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompts that set none")
     p.add_argument("--no-chat-template", action="store_true", help="encode 'prompt' text as is")
     p.add_argument(
@@ -60,11 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{n} from batch {b}" for b, n in DEFAULT_BUDGETS.items())
         + ")",
     )
-    p.add_argument("--block-size", type=int, help="draft block size (<= the drafter's; depth = block - 1)")
+    p.add_argument(
+        "--block-size", type=int, help="draft block size (<= the drafter's, the default; depth = block - 1)"
+    )
     p.add_argument(
         "--branching", type=int, help="ddtree: drafter candidates per depth (default min(budget, 32))"
     )
-    p.add_argument("--draft-window", type=int, help="drafter attends to the last N context tokens only")
+    p.add_argument(
+        "--draft-window", type=int, help="drafter attends to the last N context tokens only (default: all)"
+    )
     p.add_argument(
         "--attention",
         choices=["auto", "reference", "pallas"],
@@ -80,6 +134,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dp", type=int, default=1, help="data-parallel devices: the batch split (padded to a multiple)"
+    )
+    p.add_argument(
+        "--params-cache",
+        metavar="DIR",
+        help="convert the checkpoints once into orbax checkpoints under DIR (keyed by the checkpoint's "
+        "files, --dtype and the layout) and restore them from there afterwards (default: off)",
+    )
+    p.add_argument(
+        "--max-line-bytes",
+        type=int,
+        default=MAX_LINE_BYTES,
+        help="refuse a prompts line longer than this before decoding it",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="several processes (one per host): process 0's address for jax.distributed "
+        "(default: one process)",
+    )
+    p.add_argument("--num-processes", type=int, help="several processes: how many (with --coordinator)")
+    p.add_argument(
+        "--process-id", type=int, help="several processes: this one's index; process 0 writes --out"
     )
     return p
 
@@ -106,10 +182,24 @@ def use_bundled_pair(args: argparse.Namespace) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject flag combinations before any model is loaded."""
+    if args.method == "ar" and args.draft is not None:
+        raise DDTreeError("--draft applies to --method dflash and ddtree; --method ar uses no drafter")
     use_bundled_pair(args)
-    _positive(args, "max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp")
+    _positive(
+        args,
+        "max_new_tokens",
+        "batch_size",
+        "budget",
+        "branching",
+        "draft_window",
+        "tp",
+        "dp",
+        "max_line_bytes",
+    )
     if args.method is None:
         args.method = "ddtree" if args.draft else "ar"
+    if args.method == "ar":
+        args.draft = None  # the bundled pair's drafter is not used
     if args.method != "ar" and not args.draft:
         raise DDTreeError(f"--method {args.method} needs --draft DIR")
     if args.method != "ddtree" and (args.budget or args.branching):
@@ -121,6 +211,128 @@ def check_args(args: argparse.Namespace) -> None:
             raise DDTreeError(f"--{name.replace('_', '-')} {why}")
     if args.block_size is not None and args.block_size < 2:
         raise DDTreeError("--block-size must be >= 2")
+    check_processes(args)
+
+
+def check_processes(args: argparse.Namespace) -> None:
+    """--coordinator, --num-processes and --process-id come together, with a valid process id."""
+    given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if not any(given):
+        return
+    if not all(given):
+        raise DDTreeError("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        raise DDTreeError(
+            f"--process-id {args.process_id} must be in [0, --num-processes {args.num_processes})"
+        )
+    if args.resume and args.num_processes > 1:
+        raise DDTreeError("--resume runs in one process only (the others cannot read --out)")
+    if ":" not in args.coordinator:
+        raise DDTreeError(f"--coordinator {args.coordinator}: expected HOST:PORT")
+
+
+def is_writer(args: argparse.Namespace) -> bool:
+    """Whether this process writes --out and the summary (process 0, or the only process)."""
+    return not args.process_id
+
+
+def start_processes(args: argparse.Namespace) -> None:
+    """Join the other processes through jax.distributed (before JAX touches any device)."""
+    if args.num_processes is None:
+        return
+    import jax
+
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except Exception as e:  # noqa: BLE001 (jax raises RuntimeError or XlaRuntimeError, with long texts)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DDTreeError(f"--coordinator {args.coordinator}: cannot join the processes ({first})") from None
+
+
+def resolved_budget(args: argparse.Namespace) -> int:
+    """The ddtree budget this run uses (0 for ar and dflash)."""
+    if args.method != "ddtree":
+        return 0
+    return args.budget or default_budget(-(-args.batch_size // args.dp))
+
+
+def output_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings an output line depends on (`outfile.SETTINGS`), as this run resolves them."""
+    budget = resolved_budget(args)
+    return {
+        "target": str(Path(args.target).resolve()),
+        "draft": str(Path(args.draft).resolve()) if args.draft else None,
+        "method": args.method,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "no_chat_template": args.no_chat_template,
+        "budget": budget,
+        "branching": (args.branching or min(budget, 32)) if args.method == "ddtree" else None,
+        "block_size": args.block_size,
+        "draft_window": args.draft_window,
+    }
+
+
+def device_memory() -> int:
+    """Bytes of one device's memory (the host's RAM for CPU devices, which report none)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_limits(args: argparse.Namespace, cfg, dcfg) -> None:
+    """Upper bounds of --max-new-tokens, --block-size, --branching and --budget from the configs."""
+    if args.max_new_tokens >= cfg.max_position_embeddings:
+        raise DDTreeError(
+            f"--max-new-tokens {args.max_new_tokens}: the target's context holds "
+            f"{cfg.max_position_embeddings} positions, prompt included"
+        )
+    if dcfg is not None and args.block_size is not None and args.block_size > dcfg.block_size:
+        raise DDTreeError(f"--block-size {args.block_size} exceeds the drafter's {dcfg.block_size}")
+    if args.method != "ddtree":
+        return
+    if args.branching is not None and args.branching > cfg.vocab_size:
+        raise DDTreeError(f"--branching {args.branching} exceeds the vocabulary ({cfg.vocab_size} tokens)")
+    budget = resolved_budget(args)
+    k = min(args.branching or min(budget, 32), cfg.vocab_size)
+    depth = (args.block_size or dcfg.block_size) - 1
+    lattice = sum(k**d for d in range(1, depth + 1))
+    if budget > lattice:
+        raise DDTreeError(
+            f"--budget {budget} exceeds the {lattice} nodes of the drafter's lattice "
+            f"({depth} depths of {k} candidates, --branching): no tree that large exists"
+        )
+
+
+def check_memory(args: argparse.Namespace, cfg, dcfg) -> None:
+    """An upper bound of --budget from the device's memory: the tree's float32 attention scores."""
+    if args.method != "ddtree":
+        return
+    from ddtree_jax.engine import rows_to_run
+
+    budget = resolved_budget(args)
+    depth = (args.block_size or dcfg.block_size) - 1
+    rows = rows_to_run(args.method, -(-args.batch_size // args.dp))
+    heads = cfg.dims.num_heads // args.tp if cfg.dims.num_heads % args.tp == 0 else cfg.dims.num_heads
+    context = 16 + args.max_new_tokens + depth + 1  # the smallest cache a prompt gets
+    per_pair = rows * heads * 4  # float32 attention scores per (tree token, key) pair
+    memory = device_memory()
+    tree = budget + 1
+    need = per_pair * tree * (tree + context)
+    if need > memory // 2:
+        fits = int((-context + math.sqrt(context**2 + 4 * (memory // 2) / per_pair)) / 2) - 1
+        raise DDTreeError(
+            f"--budget {budget}: verifying {tree} tree tokens takes float32 attention scores of {rows} rows "
+            f"x {heads} heads x {tree} x {tree + context} positions = {need / 1e9:.1f} GB per device, more "
+            f"than half of its {memory / 1e9:.1f} GB; at most --budget {max(fits, 0)} fits"
+        )
 
 
 def make_generator(args: argparse.Namespace):
@@ -179,12 +391,12 @@ def make_generator(args: argparse.Namespace):
     )
 
 
-def check_lengths(prompts, max_positions: int, max_new_tokens: int) -> None:
+def check_lengths(prompts, max_positions: int, max_new_tokens: int, path: str = "prompts") -> None:
     """Every prompt plus its generation must fit the model's context."""
     for p in prompts:
         if len(p.input_ids) + max_new_tokens > max_positions:
             raise DDTreeError(
-                f"prompt {p.id!r} (line {p.line}): {len(p.input_ids)} tokens + --max-new-tokens "
+                f"{path}:{p.line}: prompt {p.id!r}: {len(p.input_ids)} tokens + --max-new-tokens "
                 f"{max_new_tokens} exceed the model's context of {max_positions}"
             )
 
@@ -215,45 +427,97 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> None:
-    """Generate for every prompt and write the output file atomically."""
+def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
+    """Every check that needs no weight: flags, --out, the prompts file, the configs, the limits.
+    Returns the prompts still to generate (tokenised), the output settings and how many are done."""
+    from ddtree_jax.config import load_draft_config, load_target_config
+    from ddtree_jax.text import TextCodec
+
+    check_args(args)
+    if is_writer(args):
+        check_out(args.out, args.prompts, args.resume, args.overwrite)
+    records = scan_prompts(args.prompts, args.max_line_bytes)
+    settings = output_settings(args)
+    done = finished_ids(args.out, settings) if args.resume else set()
+    records = [r for r in records if id_key(r.id) not in done]
+    cfg = load_target_config(args.target)
+    dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
+    check_limits(args, cfg, dcfg)
+    codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
+    prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
+    check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)
+    start_processes(args)
+    check_memory(args, cfg, dcfg)
+    return prompts, settings, len(done)
+
+
+def generate_all(args: argparse.Namespace, gen, prompts: list, writer: Writer) -> list:
+    """Run the prompts batch by batch; process 0 writes each batch's lines as it finishes."""
     from tqdm import tqdm
 
-    from ddtree_jax.prompts import read_prompts
-
-    start = time.perf_counter()
-    check_args(args)
-    out_path = Path(args.out)
-    if not out_path.parent.exists():
-        raise DDTreeError(f"{out_path.parent}: output directory does not exist")
-    gen = make_generator(args)
-    cfg = gen.plan_template.target
-    prompts = read_prompts(args.prompts, gen.codec, not args.no_chat_template, cfg.vocab_size)
-    check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens)
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
     results = []
     try:
-        with os.fdopen(fd, "w") as f:
-            for batch in tqdm(batches, desc="batches", unit="batch", file=sys.stderr):
-                for result in gen.run_batch(batch):
-                    results.append(result)
-                    f.write(json.dumps(result.to_json()) + "\n")
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        for batch in tqdm(
+            batches, desc="batches", unit="batch", file=sys.stderr, disable=not is_writer(args)
+        ):
+            finished = gen.run_batch(batch)
+            results += finished
+            if is_writer(args):
+                writer.write([r.to_json() for r in finished])
+    except Interrupted as e:
+        e.add_note(f"{writer.written} new results written to {args.out}")
         raise
-    print(summarize(results, gen, time.perf_counter() - start, args.batch_size))
+    finally:
+        writer.close()
+    return results
+
+
+def run(args: argparse.Namespace) -> None:
+    """Generate for every prompt not yet in --out, appending each result as it finishes."""
+    from ddtree_jax.checkpoint import params_cache
+
+    start = time.perf_counter()
+    prompts, settings, done = prepare(args)
+    report = sys.stderr if args.out == STDOUT else sys.stdout
+    if not prompts:
+        print(f"all {done} prompts are already in {args.out}: nothing to do", file=report)
+        return
+    with params_cache(args.params_cache):
+        gen = make_generator(args)
+    results = generate_all(args, gen, prompts, Writer(args.out, settings, append=args.resume))
+    if is_writer(args):
+        print(summarize(results, gen, time.perf_counter() - start, args.batch_size), file=report)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point; returns the exit status (see EPILOG)."""
     try:
-        run(args)
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    try:
+        with interruptible():
+            run(args)
     except DDTreeError as e:
         print(f"ddtree-generate: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
+    except Interrupted as e:
+        kept = "; ".join(getattr(e, "__notes__", []))
+        where = f" ({kept}; --resume continues)" if kept else ""
+        print(f"ddtree-generate: interrupted by {e}{where}", file=sys.stderr)
+        return EXIT_SIGNAL + e.signum
+    except OSError as e:  # an unreadable file the checks above did not foresee: one line, no traceback
+        print(f"ddtree-generate: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_ERROR
+    except RuntimeError as e:
+        if type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+            raise  # a bug: keep its traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"ddtree-generate: error: the device failed ({first}); finished lines are kept", file=sys.stderr
+        )
+        return EXIT_ERROR
     return 0
 
 

@@ -120,7 +120,7 @@ class Generator:
             program.times.clear()
         else:
             state = program(self.params, self.draft_params, *args)
-        state = jax.device_get(_outputs(state))
+        state = _fetch(_outputs(state))
         self.generate_seconds += time.perf_counter() - start
         return [self._result(prompt, state, i) for i, prompt in enumerate(batch)]
 
@@ -135,6 +135,15 @@ class Generator:
             acceptance_lengths=state["acceptance"][i, :rounds].tolist(),
             text=self.codec.decode(ids) if self.codec is not None else None,
         )
+
+
+def _fetch(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """The outputs on the host; with several processes, each gathers every process's rows."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _outputs(state: DecodeState) -> dict[str, jax.Array]:

@@ -1,6 +1,8 @@
 """The prompts file: one JSON object per line, with `prompt`, `messages` or `input_ids`.
 
 Optional per-prompt `temperature`, `top_k`, `top_p` and `seed` override the command-line defaults.
+Reading has two stages: `scan_prompts` checks everything that needs no model (line size, UTF-8,
+JSON, keys, ids, settings) before any weight is loaded; `tokenize` then encodes the prompts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from ddtree_jax.sampling import GREEDY as SAMPLING_OPTIONS
 from ddtree_jax.sampling import check as check_sampling
 from ddtree_jax.text import TextCodec
 
+PROMPT_KINDS = ("prompt", "messages", "input_ids")
+KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS)
+# A line longer than this is refused before it is decoded or tokenised: 8 MiB of text is millions of
+# tokens, far past any supported context (tokenising 50 MB took 58 s and 8 GB before it was refused).
+MAX_LINE_BYTES = 8 << 20
+
 
 @dataclasses.dataclass
 class Prompt:
@@ -26,70 +34,146 @@ class Prompt:
     options: dict[str, Any]
 
 
-def read_prompts(
-    path: str | Path, codec: TextCodec | None, chat_template: bool, vocab_size: int
-) -> list[Prompt]:
-    """Parse and tokenize every line; errors name the file and line."""
-    path = Path(path)
+@dataclasses.dataclass
+class Record:
+    """One checked line of the prompts file, not tokenised yet."""
+
+    id: Any
+    line: int
+    kind: str  # "prompt" | "messages" | "input_ids"
+    value: Any
+    options: dict[str, Any]
+
+
+def id_key(value: Any) -> str:
+    """A canonical form of an id for comparisons (1 and "1" differ)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def _lines(path: Path, max_line_bytes: int):
+    """(line number, bytes) of every line, each refused past `max_line_bytes` before it is read whole."""
     try:
-        lines = path.read_text().splitlines()
+        with open(path, "rb") as f:
+            n = 0
+            while raw := f.readline(max_line_bytes + 2):
+                n += 1
+                body = raw.rstrip(b"\r\n")
+                if len(body) > max_line_bytes:
+                    raise DDTreeError(
+                        f"{path}:{n}: line longer than {max_line_bytes} bytes (--max-line-bytes; "
+                        "no supported context holds a prompt that long)"
+                    )
+                yield n, body
     except FileNotFoundError:
         raise DDTreeError(f"{path}: file not found") from None
-    except UnicodeDecodeError:
-        raise DDTreeError(f"{path}: not UTF-8 text") from None
-    prompts = []
-    for n, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
+    except IsADirectoryError:
+        raise DDTreeError(f"{path}: a directory, not a prompts file") from None
+    except PermissionError:
+        raise DDTreeError(f"{path}: permission denied") from None
+
+
+def scan_prompts(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[Record]:
+    """Check every line for what needs no model; errors name the file and line."""
+    path = Path(path)
+    records: list[Record] = []
+    seen: dict[str, int] = {}
+    for n, raw in _lines(path, max_line_bytes):
         where = f"{path}:{n}"
         try:
-            record = json.loads(raw)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DDTreeError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DDTreeError(f"{where}: not valid JSON ({e.msg})") from None
+            raise DDTreeError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict):
             raise DDTreeError(f"{where}: expected a JSON object")
-        ids = _input_ids(record, where, codec, chat_template)
-        if not ids:
-            raise DDTreeError(f"{where}: empty prompt")
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise DDTreeError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-        options = {k: v for k, v in record.items() if k not in ("id", "prompt", "messages", "input_ids")}
-        for name in SAMPLING_OPTIONS:
-            if name in options and (why := check_sampling(name, options[name])) is not None:
+        unknown = [k for k in record if k not in KNOWN_KEYS]
+        if unknown:
+            raise DDTreeError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(KNOWN_KEYS)})")
+        id_ = record.get("id", len(records))
+        if not isinstance(id_, str | int) or isinstance(id_, bool):
+            raise DDTreeError(f"{where}: 'id' must be a string or an integer, got {id_!r}")
+        if (first := seen.get(id_key(id_))) is not None:
+            raise DDTreeError(f"{where}: duplicate id {id_!r} (first on line {first})")
+        seen[id_key(id_)] = n
+        kind, value = _prompt_field(record, where)
+        options = {k: record[k] for k in SAMPLING_OPTIONS if k in record}
+        for name, option in options.items():
+            if (why := check_sampling(name, option)) is not None:
                 raise DDTreeError(f"{where}: '{name}' {why}")
-        prompts.append(Prompt(record.get("id", len(prompts)), n, ids, options))
-    if not prompts:
+        records.append(Record(id_, n, kind, value, options))
+    if not records:
         raise DDTreeError(f"{path}: no prompts")
-    return prompts
+    return records
 
 
-def _input_ids(record: dict, where: str, codec: TextCodec | None, chat_template: bool) -> list[int]:
-    kinds = [k for k in ("prompt", "messages", "input_ids") if k in record]
+def _prompt_field(record: dict, where: str) -> tuple[str, Any]:
+    """The line's one prompt field, its type checked."""
+    kinds = [k for k in PROMPT_KINDS if k in record]
     if len(kinds) != 1:
         raise DDTreeError(f"{where}: needs exactly one of 'prompt', 'messages', 'input_ids'")
     kind, value = kinds[0], record[kinds[0]]
     if value == "" or value == []:
         raise DDTreeError(f"{where}: empty prompt")
-    if kind == "input_ids":
-        if not isinstance(value, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in value
-        ):
-            raise DDTreeError(f"{where}: 'input_ids' must be a list of integers")
-        return value
-    if codec is None:
-        raise DDTreeError(f"{where}: '{kind}' needs a tokenizer.json in the target directory")
-    if kind == "messages":
-        if not isinstance(value, list) or not all(
+    if kind == "input_ids" and not (
+        isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        raise DDTreeError(f"{where}: 'input_ids' must be a list of integers")
+    if kind == "messages" and not (
+        isinstance(value, list)
+        and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value
-        ):
-            raise DDTreeError(f"{where}: 'messages' must be a list of {{role, content}} strings")
-        if not chat_template:
-            return codec.encode("".join(m["content"] for m in value))
-        return codec.encode(codec.render_chat(value), add_special_tokens=False)
-    if not isinstance(value, str):
+        )
+    ):
+        raise DDTreeError(f"{where}: 'messages' must be a list of {{role, content}} strings")
+    if kind == "prompt" and not isinstance(value, str):
         raise DDTreeError(f"{where}: 'prompt' must be a string")
+    return kind, value
+
+
+def tokenize(
+    records: list[Record], path: str | Path, codec: TextCodec | None, chat_template: bool, vocab_size: int
+) -> list[Prompt]:
+    """Token ids of every scanned record; errors name the file and line."""
+    prompts = []
+    for r in records:
+        where = f"{path}:{r.line}"
+        try:
+            ids = _input_ids(r, where, codec, chat_template)
+        except DDTreeError as e:
+            message = str(e)
+            raise DDTreeError(message if message.startswith(where) else f"{where}: {message}") from None
+        if not ids:
+            raise DDTreeError(f"{where}: empty prompt")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise DDTreeError(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        prompts.append(Prompt(r.id, r.line, ids, dict(r.options)))
+    return prompts
+
+
+def read_prompts(
+    path: str | Path, codec: TextCodec | None, chat_template: bool, vocab_size: int
+) -> list[Prompt]:
+    """Parse and tokenize every line; errors name the file and line."""
+    return tokenize(scan_prompts(path), path, codec, chat_template, vocab_size)
+
+
+def _input_ids(r: Record, where: str, codec: TextCodec | None, chat_template: bool) -> list[int]:
+    if r.kind == "input_ids":
+        return r.value
+    if codec is None:
+        raise DDTreeError(f"{where}: '{r.kind}' needs a tokenizer.json in the target directory")
+    if r.kind == "messages":
+        if not chat_template:
+            return codec.encode("".join(m["content"] for m in r.value))
+        return codec.encode(codec.render_chat(r.value), add_special_tokens=False)
     if chat_template and codec.template is not None:
-        return codec.encode(codec.render_chat([{"role": "user", "content": value}]), add_special_tokens=False)
-    return codec.encode(value)
+        chat = codec.render_chat([{"role": "user", "content": r.value}])
+        return codec.encode(chat, add_special_tokens=False)
+    return codec.encode(r.value)

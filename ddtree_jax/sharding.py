@@ -16,7 +16,8 @@ Per-device work runs inside `jax.shard_map` (engine.py) on local shapes, with ex
 sampling. Everything else (norms, the drafter's fc) is replicated.
 
 Beyond one host: call `jax.distributed.initialize()` first in every process (one process per host,
-each seeing its local GPUs); `jax.devices()` then lists the devices of all hosts, and `make_mesh`,
+each seeing its local GPUs; `ddtree-generate --coordinator --num-processes --process-id` does, and
+tests/test_multiprocess.py runs it); `jax.devices()` then lists the devices of all hosts, and `make_mesh`,
 the placement and the shard_mapped programs below apply unchanged (keep "model" within a host, where
 the all-reduces are fast: devices are ordered host by host, so a tp that divides the per-host count
 does that). The loader's callbacks only read the shards of addressable devices.

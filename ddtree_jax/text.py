@@ -54,12 +54,15 @@ class TextCodec:
         """The chat template applied to `messages`, with the generation prompt appended."""
         if self.template is None:
             raise DDTreeError("the target has no chat template; use --no-chat-template or 'input_ids'")
-        return self.template.render(
-            messages=messages,
-            add_generation_prompt=True,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return self.template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:
+            raise DDTreeError(f"the chat template refused the messages ({e})") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`."""

@@ -77,6 +77,7 @@ def test_text_prompts_use_tokenizer_and_chat_template(tmp_path):
             "float32",
             "--max-new-tokens",
             "8",
+            "--overwrite",
             *flags,
         ]
         assert main(argv) == 0
@@ -147,7 +148,7 @@ def test_bad_checkpoint(tmp_path, capsys, how, needle):
         ('{"id": 1, "input_ids": []}\n', "p.jsonl:1: empty prompt"),
         ('{"id": 1, "input_ids": [1, 999]}\n', "p.jsonl:1: token ids [999] outside the vocabulary"),
         ('{"id": 1, "prompt": "hi"}\n', "p.jsonl:1: 'prompt' needs a tokenizer.json"),
-        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "prompt 7 (line 1): 500 tokens"),
+        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "p.jsonl:1: prompt 7: 500 tokens"),
     ],
 )
 def test_bad_prompts(tmp_path, capsys, line, needle):
@@ -246,6 +247,141 @@ def test_one_ar_row_runs_as_two():
         (["--method", "ddtree", "--batch-size", "1"], 1),
         (["--method", "dflash", "--batch-size", "1"], 1),
     ):
-        args = build_parser().parse_args([*base, *extra])
+        ar = extra[1] == "ar"  # --method ar refuses --draft
+        args = build_parser().parse_args([*(base[:2] + base[4:] if ar else base), *extra])
         check_args(args)
         assert make_generator(args).plan_template.batch_size == rows, extra
+
+
+# -- input edges: refused before any model load, one line naming file and line, exit 1 -----------
+
+PAIR = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--budget", "100000"], "GB per device, more than half of its"),
+        (
+            ["--block-size", "2", "--branching", "4", "--budget", "5"],
+            "exceeds the 4 nodes of the drafter's lattice",
+        ),
+        (["--branching", "300"], "--branching 300 exceeds the vocabulary (256 tokens)"),
+        (["--block-size", "64"], "--block-size 64 exceeds the drafter's 8"),
+        (["--max-new-tokens", "512"], "the target's context holds 512 positions"),
+        (["--method", "ar"], "--draft applies to --method dflash and ddtree"),
+        (["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together"),
+    ],
+)
+def test_limits_refused_before_loading(tmp_path, capsys, monkeypatch, flags, needle):
+    """Upper bounds come from the configs and the device memory; no weight is read."""
+    from ddtree_jax import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights loaded"))
+    write_prompts(tmp_path / "p.jsonl", [{"id": 0, "input_ids": [1, 2]}])
+    argv = [*PAIR, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl"), *flags]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (
+            b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [1]\n',
+            "p.jsonl:2: not valid JSON (Expecting ',' delimiter at column 27)",
+        ),
+        (b'{"id": 1, "input_ids": [1]}\n{"id": 2, "prompt": "\xff"}\n', "p.jsonl:2: not UTF-8 text"),
+        (
+            b'{"id": "a", "input_ids": [1]}\n\n{"id": "b", "input_ids": [1]}\n'
+            b'{"id": "a", "input_ids": [2]}\n',
+            "p.jsonl:4: duplicate id 'a' (first on line 1)",
+        ),
+        (b'{"input_ids": [1]}\n{"id": 0, "input_ids": [1]}\n', "p.jsonl:2: duplicate id 0 (first on line 1)"),
+        (
+            b'{"id": 1, "input_ids": [1], "temprature": 0.5}\n',
+            "p.jsonl:1: unknown key 'temprature' (known keys: "
+            "id, prompt, messages, input_ids, temperature, top_k, top_p, seed)",
+        ),
+        (b'{"id": 1, "input_ids": [1], "max_new_tokens": 5}\n', "p.jsonl:1: unknown key 'max_new_tokens'"),
+        (
+            b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [' + b"1, " * 40 + b"1]}\n",
+            "p.jsonl:2: line longer than 64 bytes (--max-line-bytes",
+        ),
+        (b'{"id": [1], "input_ids": [1]}\n', "p.jsonl:1: 'id' must be a string or an integer"),
+    ],
+)
+def test_prompt_lines_refused_before_loading(tmp_path, capsys, monkeypatch, content, needle):
+    """Prompt file errors name the file and line, and come before any weight is read."""
+    from ddtree_jax import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights loaded"))
+    (tmp_path / "p.jsonl").write_bytes(content)
+    argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(tmp_path / "p.jsonl")]
+    assert main([*argv, "--out", str(tmp_path / "o.jsonl"), "--max-line-bytes", "64"]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_missing_chat_template_names_the_line(tmp_path, capsys):
+    target = tmp_path / "t"
+    shutil.copytree(FIXTURES / "qwen3_gqa2_tied", target)
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (target / "tokenizer_config.json").write_text(json.dumps(cfg))
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [{"id": 0, "prompt": "hi"}, {"id": 1, "messages": [{"role": "user", "content": "hi"}]}],
+    )
+    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 1
+    assert "p.jsonl:2: the target has no chat template" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--out"], "argument --out: expected one argument"),
+        (["--out", "o.jsonl", "--budget", "x"], "argument --budget: invalid int value: 'x'"),
+        (["--out", "o.jsonl", "--tempreature", "1"], "unrecognized arguments: --tempreature"),
+        ([], "the following arguments are required: --out"),
+    ],
+)
+def test_usage_errors_exit_1(capsys, argv, needle):
+    """argparse's errors exit with 1, like every other error (the README's promise)."""
+    assert main(argv) == 1
+    assert needle in capsys.readouterr().err
+
+
+def test_help_shows_defaults_keys_and_exit_codes(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for needle in (
+        "(default: 128)",
+        "(default: 8)",
+        "(default: bfloat16)",
+        "(default: 0.0)",
+        "(default: 8388608)",
+        "keys: id, prompt, messages, input_ids, temperature, top_k, top_p, seed",
+        "130 after SIGINT, 143 after SIGTERM",
+    ):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize("which", ["prompts_dir", "target_file", "target_missing"])
+def test_wrong_kinds_of_path(tmp_path, capsys, which):
+    """A directory for --prompts or a file for --target: one line, exit 1, no traceback."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": 0, "input_ids": [1]}])
+    target = FIXTURES / "qwen3_gqa1"
+    if which == "prompts_dir":
+        prompts = tmp_path
+    elif which == "target_file":
+        target = prompts
+    else:
+        target = tmp_path / "nowhere"
+    assert main(["--target", str(target), "--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("ddtree-generate: error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
+    )

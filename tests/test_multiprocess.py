@@ -1,0 +1,55 @@
+"""Two processes of four CPU devices each, joined by jax.distributed, generate what one process of
+eight devices generates (the README's multi-host recipe, on one machine)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import FIXTURES, golden_prompts
+
+from ddtree_jax.cli import main
+
+ROOT = Path(__file__).parent.parent
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    short = [p for p in golden_prompts("qwen3_gqa4_tp") if len(p) <= 16]  # one length bucket: one compile
+    lines = [json.dumps({"id": i, "input_ids": p}) for i, p in enumerate(short)]
+    prompts.write_text("\n".join(lines) + "\n")
+    base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
+    base += ["--prompts", str(prompts), "--dtype", "float32", "--max-new-tokens", "12", "--budget", "7"]
+    base += ["--batch-size", "4", "--tp", "4", "--dp", "2"]
+    assert main([*base, "--out", str(tmp_path / "one.jsonl")]) == 0  # this process: 8 devices
+
+    port = free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddtree_jax.cli", *base, "--out", str(tmp_path / "two.jsonl")]
+            + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    assert f"prompts: {len(short)}" in outputs[0][0] and "prompts:" not in outputs[1][0]  # process 0 reports
+    one = (tmp_path / "one.jsonl").read_text().splitlines()
+    two = (tmp_path / "two.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in two] == [json.loads(x) for x in one]

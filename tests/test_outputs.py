@@ -1,0 +1,211 @@
+"""`ddtree-generate --out`: checked before any work, written line by line, resumable, interruptible."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, golden_prompts
+
+from ddtree_jax.cli import main
+
+TARGET = FIXTURES / "qwen3_gqa1"
+ROOT = Path(__file__).parent.parent
+
+
+def write_prompts(path: Path, n: int = 5) -> Path:
+    """`n` prompts of the fixture (all in one length bucket), ids p0, p1, ..."""
+    prompts = [p for p in golden_prompts("qwen3_gqa1") if len(p) <= 16]
+    lines = [json.dumps({"id": f"p{i}", "input_ids": prompts[i % len(prompts)]}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def argv(prompts: Path, out, *extra: str) -> list[str]:
+    """A small float32 ar run of the fixture target."""
+    return [
+        "--target",
+        str(TARGET),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        *extra,
+    ]
+
+
+def rows(path: Path) -> list[dict]:
+    """The output file's lines, each parsed."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """An uninterrupted run over 5 prompts: (prompts file, its output lines)."""
+    d = tmp_path_factory.mktemp("reference")
+    prompts = write_prompts(d / "p.jsonl")
+    assert main(argv(prompts, d / "out.jsonl")) == 0
+    return prompts, rows(d / "out.jsonl")
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if any weight is read (the refusals below come first)."""
+    from ddtree_jax import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_params", lambda *a: pytest.fail("weights loaded"))
+
+
+def test_output_file_mode_and_settings(reference, tmp_path):
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    old = os.umask(0o022)
+    try:
+        assert main(argv(prompts, out)) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert rows(out) == expected
+    settings = json.loads((tmp_path / "o.jsonl.settings.json").read_text())
+    assert settings["method"] == "ar" and settings["max_new_tokens"] == 6 and settings["dtype"] == "float32"
+
+
+def test_refuses_existing_out_without_overwrite(reference, tmp_path, capsys, no_loading):
+    prompts, _ = reference
+    out = tmp_path / "o.jsonl"
+    out.write_text("precious\n")
+    assert main(argv(prompts, out)) == 1
+    assert "exists; --resume continues it, --overwrite replaces it" in capsys.readouterr().err
+    assert out.read_text() == "precious\n"
+
+
+def test_overwrite_replaces(reference, tmp_path):
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    out.write_text("old\n" * 50)
+    assert main(argv(prompts, out, "--overwrite")) == 0
+    assert rows(out) == expected
+
+
+@pytest.mark.parametrize(
+    "how,needle",
+    [
+        ("prompts", "is the prompts file"),
+        ("hardlink", "is the prompts file"),
+        ("directory", "is a directory"),
+        ("no_parent", "does not exist"),
+        ("resume_stdout", "--resume needs an --out file"),
+        ("both", "--resume and --overwrite exclude each other"),
+    ],
+)
+def test_out_refused_before_loading(reference, tmp_path, capsys, no_loading, how, needle):
+    prompts, _ = reference
+    local = tmp_path / "p.jsonl"
+    local.write_bytes(prompts.read_bytes())
+    if how == "hardlink":
+        os.link(local, tmp_path / "o.jsonl")
+    out, extra = {
+        "prompts": (local, []),
+        "hardlink": (tmp_path / "o.jsonl", ["--overwrite"]),
+        "directory": (tmp_path, []),
+        "no_parent": (tmp_path / "missing" / "o.jsonl", []),
+        "resume_stdout": ("-", ["--resume"]),
+        "both": (tmp_path / "o.jsonl", ["--resume", "--overwrite"]),
+    }[how]
+    assert main(argv(local, out, *extra)) == 1
+    assert needle in capsys.readouterr().err
+    assert local.read_bytes() == prompts.read_bytes()
+
+
+def test_unwritable_directory_refused(reference, tmp_path, capsys, monkeypatch, no_loading):
+    from ddtree_jax import outfile
+
+    prompts, _ = reference
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: let access() answer as for anyone else
+        monkeypatch.setattr(outfile.os, "access", lambda path, mode: Path(path) != locked)
+    assert main(argv(prompts, locked / "o.jsonl")) == 1
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_stdout(reference, capsys):
+    prompts, expected = reference
+    assert main(argv(prompts, "-")) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line) for line in captured.out.splitlines()] == expected
+    assert "prompts: 5" in captured.err and not Path("-").exists()
+
+
+def test_symlink_written_through(reference, tmp_path):
+    prompts, expected = reference
+    real = tmp_path / "real.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    assert main(argv(prompts, link)) == 0
+    assert link.is_symlink() and rows(real) == expected
+
+
+def test_resume_appends_the_rest(reference, tmp_path, capsys):
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    assert main(argv(prompts, out)) == 0
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + lines[2][:10])  # two lines kept, the third cut short
+    assert main(argv(prompts, out, "--resume")) == 0
+    assert rows(out) == expected
+    assert "dropped an unfinished last line" in capsys.readouterr().err
+    assert main(argv(prompts, out, "--resume")) == 0
+    assert "nothing to do" in capsys.readouterr().out and rows(out) == expected
+
+
+def test_resume_refuses_other_settings(reference, tmp_path, capsys):
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps(expected[0]) + "\n")
+    assert main(argv(prompts, out, "--resume")) == 1
+    assert "o.jsonl.settings.json is missing" in capsys.readouterr().err
+    assert main(argv(prompts, out, "--overwrite")) == 0
+    assert main(argv(prompts, out, "--resume", "--max-new-tokens", "7", "--temperature", "0.5")) == 1
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 6 (now 7), --temperature 0.0 (now 0.5)" in err
+    # batch size and mesh do not change outputs: resuming with others is allowed
+    assert main(argv(prompts, out, "--resume", "--batch-size", "3")) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_then_resume(tmp_path, sig):
+    """A run sent SIGINT/SIGTERM once its first line is out keeps every finished line, exits
+    128 + signal with one line, and --resume completes it to the uninterrupted run's output."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "o.jsonl"
+    cmd = [sys.executable, "-m", "ddtree_jax.cli", *argv(prompts, out, "--batch-size", "1")]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists() and out.read_text().count("\n") >= 1:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + sig, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"ddtree-generate: interrupted by {sig.name} (") and "--resume continues" in last
+    assert "Traceback" not in err
+    partial = rows(out)  # every line whole
+    assert 1 <= len(partial) < 40
+    assert main(argv(prompts, out, "--resume")) == 0
+    assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
+    assert rows(out) == rows(tmp_path / "whole.jsonl")
