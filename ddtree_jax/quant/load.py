@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from ddtree_jax.checkpoint import Checkpoint
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.quant import formats
 from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, fp8_host, int4_host
@@ -27,6 +28,17 @@ from ddtree_jax.weights import WeightSpec
 
 Read = Callable[[str], np.ndarray]
 Fields = dict[str, np.ndarray]
+
+
+def reader(ckpt: Checkpoint) -> Read:
+    """name -> memory-mapped tensor of an HF checkpoint, with a clear error for a missing name."""
+
+    def read(name: str) -> np.ndarray:
+        if name not in ckpt.where:
+            raise DDTreeError(f"{ckpt.directory}: tensor '{name}' not found in the checkpoint")
+        return ckpt.where[name].read(name)
+
+    return read
 
 
 def _check_shape(name: str, array: np.ndarray, want: tuple[int, ...]) -> None:
