@@ -1,6 +1,8 @@
 """Quantized matmuls on the GPU: INT4 (compressed-tensors words, and jnp.int4) and FP8 block-scaled
-against bf16, for the Kimi-K2 routed experts (384 x [7168 -> 2048], top-8) and a dense projection
-([7168 -> 18432], Kimi-K2's dense MLP), at 1, 16, 64 and 512 tokens.
+against bf16, through XLA (`ddtree_jax.quant.arrays`) and through the Pallas grouped kernel
+(`pallas_kernels.quant_matmul`, method "pallas"), for the Kimi-K2 routed experts (384 x [7168 ->
+2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's dense MLP), at 1, 16, 64 and 512
+tokens.
 
 python scripts/bench_quant.py --out bench_quant.json [--hlo-dir hlo/] [--small]
 
@@ -13,6 +15,7 @@ the dequantisation into the matmul's operand).
 """
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.quant import arrays  # noqa: E402
+from pallas_kernels.quant_matmul import grouped_matmul  # noqa: E402
 
 FORMATS = ("bf16", "int4", "int4-s4", "fp8")
 ENTRY_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+([a-z][a-z0-9\-_.]*)\(")
@@ -104,6 +108,12 @@ def run_case(row: dict, fn, args, per_expert_bytes: float, elements: int, hlo_di
     return row
 
 
+def dense_pallas(x: jax.Array, w: arrays.Weight, interpret: bool = False) -> jax.Array:
+    """x [T, in] @ W [in, out] through the grouped kernel with one expert."""
+    sizes = jnp.array([x.shape[0]], jnp.int32)
+    return grouped_matmul(x, arrays.with_expert_axis(w), sizes, interpret=interpret)
+
+
 def cases(args, shapes, weights, per_expert):
     """(row, fn, call args, weight elements) in the order they run: token counts outer, formats inner."""
     hidden, width, experts, top_k, dense_out = shapes
@@ -114,15 +124,22 @@ def cases(args, shapes, weights, per_expert):
         for fmt in FORMATS:
             w_exp, w_dense = weights[fmt]
             methods = {"sorted": arrays.sorted_matmul}
+            if fmt != "int4-s4":
+                kernel = functools.partial(grouped_matmul, interpret=args.small)
+                methods["pallas"] = functools.partial(arrays.sorted_matmul, grouped=kernel)
             if t <= args.gather_max_tokens:
                 methods["gather"] = arrays.gather_matmul
             for method, fn in methods.items():
                 row = {"kind": "experts", "format": fmt, "method": method, "tokens": t, "rows": t * top_k}
                 row |= {"distinct_experts": distinct, "per_expert_bytes": per_expert[fmt]}
                 yield row, fn, (x, w_exp, jnp.asarray(ids)), hidden * width
-            row = {"kind": "dense", "format": fmt, "method": "matmul", "tokens": t, "rows": t}
-            row["per_expert_bytes"] = arrays.stored_bytes(w_dense)
-            yield row, arrays.matmul, (x[:t], w_dense), hidden * dense_out
+            dense = {"matmul": arrays.matmul}
+            if fmt != "int4-s4":
+                dense["pallas"] = functools.partial(dense_pallas, interpret=args.small)
+            for method, fn in dense.items():
+                row = {"kind": "dense", "format": fmt, "method": method, "tokens": t, "rows": t}
+                row["per_expert_bytes"] = arrays.stored_bytes(w_dense)
+                yield row, fn, (x[:t], w_dense), hidden * dense_out
 
 
 def main() -> None:
@@ -136,7 +153,7 @@ def main() -> None:
         "--gather-max-tokens", type=int, default=64, help="the gather variant up to this many tokens"
     )
     ap.add_argument(
-        "--deadline-s", type=float, default=210, help="skip the cases left after this many seconds"
+        "--deadline-s", type=float, default=200, help="skip the cases left after this many seconds"
     )
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
     args = ap.parse_args()

@@ -170,11 +170,12 @@ def gather_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
     return jnp.einsum("pi,pio->po", _pad_in(x, pad), full)[..., :n_out]
 
 
-def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
-    """Row p times its own expert via a sort by expert, `ragged_matmul` and the inverse permutation."""
+def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_matmul) -> jax.Array:
+    """Row p times its own expert via a sort by expert, a grouped matmul (`ragged_matmul` or one of
+    its signature, e.g. pallas_kernels.quant_matmul.grouped_matmul) and the inverse permutation."""
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=num_experts(w))
-    y = ragged_matmul(x[order], w, sizes)
+    y = grouped(x[order], w, sizes)
     return y[jnp.argsort(order)]
 
 
@@ -184,6 +185,11 @@ def expert_matmul(x: jax.Array, w: Weight, expert: jax.Array, gather_rows: int =
     if x.shape[0] <= gather_rows:
         return gather_matmul(x, w, expert)
     return sorted_matmul(x, w, expert)
+
+
+def with_expert_axis(w: Weight) -> Weight:
+    """A dense weight [in, out] as one expert [1, in, out]."""
+    return jax.tree.map(lambda a: a[None], w)
 
 
 def num_experts(w: Weight) -> int:
