@@ -287,3 +287,35 @@ def test_abstract_matches_placed():
     assert jax.tree.map(lambda a: (a.shape, a.dtype), placed) == jax.tree.map(
         lambda a: (a.shape, a.dtype), ab
     )
+
+
+def test_matmul_on_local_shards_under_shard_map():
+    """Megatron use: fp8 columns split (no collective), int4 rows split (psum of partial products)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh(2)
+    x = np.random.default_rng(7).standard_normal((3, 128)).astype(np.float32)
+    name = "model.layers.0.self_attn.kv_b_proj.weight"  # [in 128, out 256], out split
+    w = device_weight(FP8, name, tp=2, axes=(None, "heads"))
+    specs = jax.tree.map(lambda a: a.sharding.spec, w)
+    cols = jax.shard_map(arrays.matmul, mesh=mesh, in_specs=(P(), specs), out_specs=P(None, "model"))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(cols)(x, w)), np.asarray(arrays.matmul(x, device_weight(FP8, name)))
+    )
+
+    name = EXPERT.format(1, "down")  # [in 64, out 256], in split: 2 groups of 32
+    w4 = device_weight(INT4, name, tp=2, axes=("ff", None))
+    specs4 = jax.tree.map(lambda a: a.sharding.spec, w4)
+
+    def rows(x, w):
+        return jax.lax.psum(arrays.matmul(x, w), "model")
+
+    fn = jax.shard_map(rows, mesh=mesh, in_specs=(P(None, "model"), specs4), out_specs=P())
+    x4 = x[:, :64]
+    _close(jax.jit(fn)(x4, w4), np.asarray(arrays.matmul(x4, device_weight(INT4, name))))
+
+
+def test_a_padded_fp8_dim_does_not_split():
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # out 160: 1.25 blocks
+    with pytest.raises(DDTreeError, match="not a whole number of fp8 blocks"):
+        device_weight(FP8, name, tp=2, axes=(None, "heads"))

@@ -133,16 +133,20 @@ def dequantize(w: Weight, dtype: jnp.dtype) -> jax.Array:
     return w.astype(dtype)
 
 
-def _operand(w: Weight, dtype: jnp.dtype) -> tuple[jax.Array, int, int]:
-    """(the dequantised weight as the dot reads it [..., in_pad, out_pad], in_pad - in, out)."""
+def _operand(w: Weight, dtype: jnp.dtype) -> tuple[jax.Array, int]:
+    """(the dequantised weight as the dot reads it [..., in_pad, out_pad], the logical out).
+
+    Under `shard_map` the arrays are local while `Fp8Weight.shape` stays global: a split dim is never
+    padded (load.check_placeable), so slicing to the global size is a no-op there."""
     if isinstance(w, Fp8Weight):
-        full = _fp8_padded(w, dtype)
-        return full, full.shape[-2] - w.shape[0], w.shape[1]
-    return dequantize(w, dtype), 0, w.shape[-1]
+        return _fp8_padded(w, dtype), w.shape[1]
+    full = dequantize(w, dtype)
+    return full, full.shape[-1]
 
 
-def _pad_in(x: jax.Array, pad: int) -> jax.Array:
-    """x [..., in] -> [..., in + pad] with zeros (fp8 weights padded to whole blocks)."""
+def _pad_in(x: jax.Array, rows: int) -> jax.Array:
+    """x [..., in] -> [..., rows] with zeros (fp8 weights are padded to whole blocks)."""
+    pad = rows - x.shape[-1]
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
@@ -151,23 +155,23 @@ def _pad_in(x: jax.Array, pad: int) -> jax.Array:
 
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
     """x [..., in] @ W [in, out] -> [..., out] in x's dtype."""
-    full, pad, n_out = _operand(w, x.dtype)
-    return (_pad_in(x, pad) @ full)[..., :n_out]
+    full, n_out = _operand(w, x.dtype)
+    return (_pad_in(x, full.shape[-2]) @ full)[..., :n_out]
 
 
 def ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     """Rows sorted by expert: x [M, in], W [E, in, out], group_sizes [E] (rows per expert, summing to
     at most M; rows past the sum give zeros) -> [M, out] through `jax.lax.ragged_dot`."""
-    full, pad, n_out = _operand(w, x.dtype)
-    return jax.lax.ragged_dot(_pad_in(x, pad), full, group_sizes.astype(jnp.int32))[..., :n_out]
+    full, n_out = _operand(w, x.dtype)
+    return jax.lax.ragged_dot(_pad_in(x, full.shape[-2]), full, group_sizes.astype(jnp.int32))[..., :n_out]
 
 
 def gather_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
     """Row p times its own expert: x [P, in], W [E, in, out], expert [P] -> [P, out]. Gathers the
     stored (quantized) bytes of P experts: for small P, where the union of experts is small."""
     chosen = jax.tree.map(lambda a: a[expert], w)
-    full, pad, n_out = _operand(chosen, x.dtype)
-    return jnp.einsum("pi,pio->po", _pad_in(x, pad), full)[..., :n_out]
+    full, n_out = _operand(chosen, x.dtype)
+    return jnp.einsum("pi,pio->po", _pad_in(x, full.shape[-2]), full)[..., :n_out]
 
 
 def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_matmul) -> jax.Array:

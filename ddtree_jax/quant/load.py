@@ -121,6 +121,13 @@ def check_placeable(spec: WeightSpec, form: Form, placement: Placement) -> None:
         return
     if "kv_heads" in spec.axes and placement.placed_shape(spec) != spec.shape:
         raise DDTreeError(f"{spec.hf_name}: quantized K/V heads cannot be repeated over --tp {placement.tp}")
+    if isinstance(form, Fp8Block):
+        for n, axis, size in zip(spec.shape[-2:], spec.axes[-2:], form.block[::-1], strict=True):
+            if placement.tp > 1 and axis in SPLIT_AXES and n % size:
+                raise DDTreeError(
+                    f"{spec.hf_name}: its '{axis}' dim ({n}) is not a whole number of fp8 blocks of {size}: "
+                    f"it cannot split over --tp {placement.tp}"
+                )
     for fspec in field_specs(spec, form).values():
         for n, axis in zip(fspec.shape, fspec.axes, strict=True):
             if placement.tp > 1 and axis in SPLIT_AXES and n % placement.tp:
