@@ -183,12 +183,14 @@ def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_mat
     return y[jnp.argsort(order)]
 
 
-def expert_matmul(x: jax.Array, w: Weight, expert: jax.Array, gather_rows: int = 8) -> jax.Array:
+def expert_matmul(
+    x: jax.Array, w: Weight, expert: jax.Array, gather_rows: int = 8, grouped=ragged_matmul
+) -> jax.Array:
     """Row p times its own expert, x [P, in], expert [P] -> [P, out]: gathered experts when P <=
-    gather_rows (a static choice: P is a shape), sorted grouped matmul otherwise."""
+    gather_rows (a static choice: P is a shape), sorted rows through `grouped` otherwise."""
     if x.shape[0] <= gather_rows:
         return gather_matmul(x, w, expert)
-    return sorted_matmul(x, w, expert)
+    return sorted_matmul(x, w, expert, grouped)
 
 
 def with_expert_axis(w: Weight) -> Weight:
