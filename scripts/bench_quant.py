@@ -129,11 +129,13 @@ def cases(args, shapes, weights, per_expert):
                 methods["pallas"] = functools.partial(arrays.sorted_matmul, grouped=kernel)
             if t <= args.gather_max_tokens:
                 methods["gather"] = arrays.gather_matmul
+            if t == 1:
+                methods["gather_reduce"] = arrays.reduce_matmul
             for method, fn in methods.items():
                 row = {"kind": "experts", "format": fmt, "method": method, "tokens": t, "rows": t * top_k}
                 row |= {"distinct_experts": distinct, "per_expert_bytes": per_expert[fmt]}
                 yield row, fn, (x, w_exp, jnp.asarray(ids)), hidden * width
-            dense = {"matmul": arrays.matmul}
+            dense = {"matmul": arrays.matmul} | ({"reduce": arrays.reduce_matmul} if t == 1 else {})
             if fmt != "int4-s4":
                 dense["pallas"] = functools.partial(dense_pallas, interpret=args.small)
             for method, fn in dense.items():

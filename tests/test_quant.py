@@ -197,6 +197,11 @@ def _close(got, want):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+def _close_dot(got, want):
+    """XLA may turn reduce_matmul's multiply-and-sum into a dot at its default (reduced) precision."""
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=5e-3 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("directory", [FP8, INT4], ids=["fp8", "int4"])
 def test_dense_matmul_equals_x_at_dequantised(directory):
     rng = np.random.default_rng(1)
@@ -205,6 +210,7 @@ def test_dense_matmul_equals_x_at_dequantised(directory):
         for rows in (1, 5):
             x = rng.standard_normal((rows, want.shape[1])).astype(np.float32)
             _close(jax.jit(arrays.matmul)(x, w), x @ want.T)
+            _close_dot(jax.jit(arrays.reduce_matmul)(x, w), x @ want.T)
         if isinstance(w, arrays.Int4Weight):
             _close(jax.jit(arrays.matmul)(x, arrays.as_int4(w)), x @ want.T)
 
@@ -220,6 +226,7 @@ def test_expert_matmul_every_branch(directory, proj):
         want = np.einsum("pi,pio->po", x, ref[expert])
         for fn in (arrays.expert_matmul, arrays.gather_matmul, arrays.sorted_matmul):
             _close(jax.jit(fn)(x, w, expert), want)
+        _close_dot(jax.jit(arrays.reduce_matmul)(x, w, expert), want)
 
 
 def test_ragged_matmul_groups_and_trailing_rows():

@@ -174,6 +174,16 @@ def gather_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
     return jnp.einsum("pi,pio->po", _pad_in(x, full.shape[-2]), full)[..., :n_out]
 
 
+def reduce_matmul(x: jax.Array, w: Weight, expert: jax.Array | None = None) -> jax.Array:
+    """x [P, in] times W [in, out] (or its own expert of W [E, in, out] when `expert` [P] is given) as a
+    float32 multiply and sum over `in`: one elementwise-plus-reduction that XLA can fuse with the gather
+    and the dequantisation, reading the stored bytes once. Meant for a few rows (decode)."""
+    chosen = w if expert is None else jax.tree.map(lambda a: a[expert], w)
+    full, n_out = _operand(chosen, jnp.float32)
+    xs = _pad_in(x, full.shape[-2]).astype(jnp.float32)
+    return jnp.sum(xs[:, :, None] * full, axis=-2)[..., :n_out].astype(x.dtype)
+
+
 def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_matmul) -> jax.Array:
     """Row p times its own expert via a sort by expert, a grouped matmul (`ragged_matmul` or one of
     its signature, e.g. pallas_kernels.quant_matmul.grouped_matmul) and the inverse permutation."""
