@@ -13,7 +13,11 @@ per-expert fields with `stack_fields`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -30,12 +34,37 @@ Read = Callable[[str], np.ndarray]
 Fields = dict[str, np.ndarray]
 
 
+@functools.cache
+def _header(path: Path) -> tuple[dict, int]:
+    """(the safetensors header's tensor entries, the byte where the data starts) of one file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def read_e4m3(path: Path, name: str) -> np.ndarray:
+    """A float8 e4m3 tensor memory-mapped from its file: safetensors' numpy reader has no float8 type."""
+    entries, start = _header(path)
+    entry = entries[name]
+    if entry["dtype"] != "F8_E4M3":
+        raise DDTreeError(f"{path}: tensor '{name}' is {entry['dtype']}, not F8_E4M3")
+    begin, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    if end - begin != int(np.prod(shape)) or start + end > path.stat().st_size:
+        raise DDTreeError(f"{path}: tensor '{name}' is truncated or does not match its shape {list(shape)}")
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=start + begin, shape=shape)
+    return raw.view(formats.E4M3)
+
+
 def reader(ckpt: Checkpoint) -> Read:
-    """name -> memory-mapped tensor of an HF checkpoint, with a clear error for a missing name."""
+    """name -> tensor of an HF checkpoint (float8 ones memory-mapped), a clear error for a missing name."""
 
     def read(name: str) -> np.ndarray:
         if name not in ckpt.where:
             raise DDTreeError(f"{ckpt.directory}: tensor '{name}' not found in the checkpoint")
+        path = ckpt.where[name].path
+        if _header(path)[0][name]["dtype"] == "F8_E4M3":
+            return read_e4m3(path, name)
         return ckpt.where[name].read(name)
 
     return read
