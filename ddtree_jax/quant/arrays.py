@@ -74,7 +74,9 @@ def fp8_host(
             f"fp8 scales have shape {list(scale_inv.shape)}, weight {list(weight.shape)} needs {list(want)}"
         )
     pad = [(0, 0)] * (weight.ndim - 2) + [(0, want[-2] * bo - n_out), (0, want[-1] * bi - n_in)]
-    w = np.pad(np.asarray(weight, dtype=E4M3).view(np.uint8), pad).view(E4M3)
+    w = np.asarray(weight, dtype=E4M3)
+    if any(p for _, p in pad):  # copies; whole blocks stay memory-mapped views
+        w = np.pad(w.view(np.uint8), pad).view(E4M3)
     return np.swapaxes(w, -1, -2), np.swapaxes(np.asarray(scale_inv, np.float32), -1, -2)
 
 

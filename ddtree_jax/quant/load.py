@@ -5,9 +5,10 @@ gets the WeightSpec of the weight it replaces with the same logical axes (the sc
 of the weight's dims), so `sharding.Placement` splits the scales with their blocks; a split dim must
 then hold whole blocks on every device, which Placement checks (the dim must divide by tp).
 
-`read` below is any `name -> np.ndarray` (e.g. `Checkpoint.where[name].read(name)`); weights are
-[out, in] in the checkpoint and come back in our [in, out] layout (stacked experts: stack the
-per-expert fields with `stack_fields`).
+`read` below is any `name -> np.ndarray` (`reader(Checkpoint(directory))` reads an HF directory, float8
+included); weights are [out, in] in the checkpoint and come back in our [in, out] layout, as views of
+the memory-mapped file where no padding is needed (stacked experts: stack the per-expert fields with
+`stack_fields`). `place` then reads each device's block of each field.
 """
 
 from __future__ import annotations
