@@ -1,0 +1,193 @@
+"""Grouped matmul over rows sorted by expert that reads the experts' stored bytes (INT4 words, FP8, bf16).
+
+Same contract as its reference `ddtree_jax.quant.arrays.ragged_matmul`: x [P, K] sorted by expert,
+W [E, K, N] (an `Int4Weight` of int32 words, an `Fp8Weight` or a plain array), group_sizes [E]
+-> [P, N] in x's dtype (rows past sum(group_sizes) are zeros).
+
+Kernel layout: a host-free tile schedule cuts every expert's rows into tiles of `block_m` (a tile
+never spans two experts; at most min(E, P) + P // block_m tiles, the rest empty); the grid is
+(tiles, N / block_n, splits of K). A program loads its tile's rows of x once per K step, dequantises
+its [block_k, block_n] slab of the tile's expert in registers (INT4: nibble j of word row r is weight
+row 8r + j, so the slab is 8 dots of the x columns 8r + j against nibble j; scales gathered per row)
+and accumulates in float32. Only the experts that own rows are read, each slab once per tile. Splits
+of K write float32 partials that a jnp sum merges (more programs for one-token decode).
+Expert weights are flattened to 2-D ([E * rows, N]) and read by gathered row indices.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, ragged_matmul
+
+NUM_SMS_H200 = 132
+grouped_matmul_reference = ragged_matmul
+
+
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, ...]:
+    """(expert, first row, end row) int32 [tiles] of every row tile; empty tiles have first == end."""
+    num_experts = group_sizes.shape[0]
+    max_tiles = max(1, min(num_experts, num_rows) + num_rows // block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    tiles = (sizes + block_m - 1) // block_m
+    cum = jnp.cumsum(tiles)
+    offsets = jnp.cumsum(sizes) - sizes
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    owner = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)
+    e = jnp.minimum(owner, num_experts - 1)
+    start = offsets[e] + (t - (cum[e] - tiles[e])) * block_m
+    end = jnp.minimum(start + block_m, offsets[e] + sizes[e])
+    valid = owner < num_experts
+    return e, jnp.where(valid, start, 0), jnp.where(valid, end, 0)
+
+
+def _kernel(
+    e_ref,
+    start_ref,
+    end_ref,
+    x_ref,
+    w_ref,
+    s_ref,
+    o_ref,
+    *,
+    fmt: str,
+    k_rows: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    steps: int,
+    group: tuple[int, int],
+    scale_dtype,
+):
+    """One (tile, column block, K split): acc [block_m, block_n] over `steps` K blocks."""
+    n0 = pl.program_id(1) * block_n
+    k_first = pl.program_id(2) * steps
+    e, start, end = e_ref[...], start_ref[...], end_ref[...]
+    rows = start + jnp.arange(block_m, dtype=jnp.int32)
+    row_ok = rows < end
+    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
+
+    def x_cols(k_index):  # [block_m, len(k_index)]
+        return pltriton.load(x_ref.at[rows[:, None], k_index[None, :]], mask=row_ok[:, None], other=0)
+
+    def step(kb, acc):
+        k0 = kb * block_k
+        if fmt == "int4":
+            r = jnp.arange(block_k // 8, dtype=jnp.int32)
+            words = pltriton.load(w_ref.at[(e * (k_rows // 8) + k0 // 8 + r)[:, None], cols[None, :]])
+            srow = e * (k_rows // group[0]) + (k0 + 8 * r) // group[0]
+            scale = pltriton.load(s_ref.at[srow[:, None], cols[None, :]]).astype(jnp.float32)
+            for j in range(8):
+                nib = ((words >> (4 * j)) & 0xF) - 8
+                w = (nib.astype(jnp.float32) * scale).astype(scale_dtype).astype(x_ref.dtype)
+                acc += jnp.dot(x_cols(k0 + 8 * r + j), w, preferred_element_type=jnp.float32)
+            return acc
+        k = k0 + jnp.arange(block_k, dtype=jnp.int32)
+        w = pltriton.load(w_ref.at[(e * k_rows + k)[:, None], cols[None, :]])
+        if fmt == "fp8":
+            srow = e * (k_rows // group[0]) + k // group[0]
+            scale = pltriton.load(s_ref.at[srow[:, None], (cols // group[1])[None, :]])
+            w = (w.astype(jnp.float32) * scale).astype(x_ref.dtype)
+        return acc + jnp.dot(x_cols(k), w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
+
+    count = jnp.clip(end - start, 0, 1) * steps  # 0 for an empty tile (arithmetic: Triton-safe)
+    acc = lax.fori_loop(k_first, k_first + count, step, jnp.zeros((block_m, block_n), jnp.float32))
+    pltriton.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+def _operands(w: Weight) -> tuple[str, jax.Array, jax.Array, int, int, tuple[int, int], jnp.dtype]:
+    """(format, 2-D weight [E * rows, N], 2-D scales, K rows per expert (padded), N, (group_k, group_n),
+    scale dtype)."""
+    if isinstance(w, Int4Weight):
+        if w.q.dtype != jnp.int32:
+            raise ValueError("the kernel reads int32 words; pass the checkpoint's layout, not as_int4")
+        e, kw, n = w.q.shape
+        return "int4", w.q.reshape(e * kw, n), w.scale.reshape(-1, n), kw * 8, n, (w.group, 1), w.scale.dtype
+    if isinstance(w, Fp8Weight):
+        e, kp, n = w.w.shape
+        return (
+            "fp8",
+            w.w.reshape(e * kp, n),
+            w.scale.reshape(-1, w.scale.shape[-1]),
+            kp,
+            n,
+            w.block,
+            jnp.float32,
+        )
+    e, k, n = w.shape
+    return "plain", w.reshape(e * k, n), jnp.zeros((1, 1), jnp.float32), k, n, (1, 1), jnp.float32
+
+
+def default_splits(programs: int, k_blocks: int, num_sms: int = NUM_SMS_H200, min_steps: int = 4) -> int:
+    """K splits so that about two programs run per SM, each streaming at least `min_steps` K blocks."""
+    want = max(1, -(-2 * num_sms // programs))
+    for s in range(min(want, max(1, k_blocks // min_steps)), 0, -1):
+        if k_blocks % s == 0:
+            return s
+    return 1
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("block_m", "block_n", "block_k", "splits", "num_warps", "num_stages", "interpret"),
+)
+def grouped_matmul(
+    x: jax.Array,
+    w: Weight,
+    group_sizes: jax.Array,
+    *,
+    block_m: int = 16,
+    block_n: int = 128,
+    block_k: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    interpret: bool = False,
+) -> jax.Array:
+    """Pallas (Triton) grouped matmul; the contract of `grouped_matmul_reference` (module docstring)."""
+    fmt, w2, s2, k_rows, n, group, scale_dtype = _operands(w)
+    p, k = x.shape
+    block_k = block_k or (256 if fmt == "int4" else 128)
+    if fmt == "fp8" and (group[0] % block_k and block_k % group[0]):
+        raise ValueError(f"block_k {block_k} and the fp8 block {group[0]} must nest")
+    if k_rows % block_k or n % block_n:
+        raise ValueError(f"K {k_rows} / N {n} must be multiples of block_k {block_k} / block_n {block_n}")
+    x = jnp.pad(x, ((0, 0), (0, k_rows - k))) if k_rows > k else x
+    e, start, end = tile_schedule(group_sizes, p, block_m)
+    k_blocks = k_rows // block_k
+    splits = splits or default_splits(e.shape[0] * (n // block_n), k_blocks)
+    if k_blocks % splits:
+        raise ValueError(f"splits {splits} must divide the {k_blocks} K blocks")
+    kernel = functools.partial(
+        _kernel,
+        fmt=fmt,
+        k_rows=k_rows,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        steps=k_blocks // splits,
+        group=group,
+        scale_dtype=scale_dtype,
+    )
+    tile = pl.BlockSpec((None,), lambda t, j, s: (t,))
+    whole = [pl.BlockSpec(a.shape, lambda t, j, s: (0, 0)) for a in (x, w2, s2)]
+    out_dtype = x.dtype if splits == 1 else jnp.float32
+    out = pl.pallas_call(
+        kernel,
+        grid=(e.shape[0], n // block_n, splits),
+        in_specs=[tile, tile, tile, *whole],
+        out_specs=pl.BlockSpec((None, p, n), lambda t, j, s: (s, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, p, n), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"grouped_matmul_{fmt}",
+    )(e, start, end, x, w2, s2)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    covered = jnp.arange(p) < jnp.sum(group_sizes)
+    return jnp.where(covered[:, None], out, 0)[:, : w.shape[1] if isinstance(w, Fp8Weight) else n]

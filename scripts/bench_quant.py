@@ -1,0 +1,216 @@
+"""Quantized matmuls on the GPU: INT4 (compressed-tensors words, and jnp.int4) and FP8 block-scaled
+against bf16, through XLA (`ddtree_jax.quant.arrays`) and through the Pallas grouped kernel
+(`pallas_kernels.quant_matmul`, method "pallas"), for the Kimi-K2 routed experts (384 x [7168 ->
+2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's dense MLP), at 1, 16, 64 and 512
+tokens.
+
+python scripts/bench_quant.py --out bench_quant.json [--hlo-dir hlo/] [--small]
+
+Per case: the time of one call (`pipelined`: 20 calls queued, one sync, divided by 20; `synced`: the
+median of 10 synced calls, dispatch included); the bytes it must read (experts: the distinct experts its
+tokens chose, in the stored format, scales included; dense: the whole weight) over that time; that
+rate against the read ceiling (a 4 GiB bf16 `jnp.sum` in the same run); and whether the optimized HLO
+writes a float array at least one weight in size outside the dot (`materialised`: XLA did not fuse
+the dequantisation into the matmul's operand).
+"""
+
+import argparse
+import functools
+import json
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
+
+from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
+from ddtree_jax.quant import arrays  # noqa: E402
+from pallas_kernels.quant_matmul import grouped_matmul  # noqa: E402
+
+FORMATS = ("bf16", "int4", "int4-s4", "fp8")
+ENTRY_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+([a-z][a-z0-9\-_.]*)\(")
+FLOAT_SHAPE = re.compile(r"\b(bf16|f16|f32)\[([\d,]*)\]")
+
+
+def make_weight(fmt: str, lead: tuple[int, ...], n_in: int, n_out: int, key: jax.Array) -> arrays.Weight:
+    """A random weight [*lead, in, out] in `fmt`, made on the device."""
+    k1, k2 = jax.random.split(key)
+    if fmt == "bf16":
+        return (0.02 * jax.random.normal(k1, (*lead, n_in, n_out), jnp.float32)).astype(jnp.bfloat16)
+    if fmt.startswith("int4"):
+        words = jax.random.bits(k1, (*lead, n_in // 8, n_out), jnp.uint32).view(jnp.int32)
+        scale = (0.003 * (1 + jax.random.uniform(k2, (*lead, n_in // 32, n_out)))).astype(jnp.bfloat16)
+        w = arrays.Int4Weight(words, scale, 32)
+        return arrays.as_int4(w) if fmt == "int4-s4" else w
+    fp8 = jax.random.normal(k1, (*lead, n_in, n_out), jnp.float32).astype(jnp.float8_e4m3fn)
+    scale = 0.01 * (1 + jax.random.uniform(k2, (*lead, n_in // 128, n_out // 128)))
+    return arrays.Fp8Weight(fp8, scale, (n_in, n_out), (128, 128))
+
+
+def materialised(hlo: str, elements: int) -> int:
+    """The largest float array (elements) the ENTRY computation writes outside fusions' insides, if at
+    least `elements` (one weight); 0 otherwise."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    largest = 0
+    for line in entry.splitlines()[1:]:
+        m = ENTRY_LINE.match(line)
+        if not m or m.group(2) == "parameter":
+            continue
+        for _, dims in FLOAT_SHAPE.findall(m.group(1)):
+            largest = max(largest, int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+    return largest if largest >= elements else 0
+
+
+def in_use() -> int:
+    """Bytes in use on the first device (0 where the backend does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_in_use", 0))
+
+
+def time_us(fn, args, reps: int = 20) -> tuple[float, float]:
+    """(pipelined, synced median) microseconds per call."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    outs = [fn(*args) for _ in range(reps)]
+    jax.block_until_ready(outs)
+    pipelined = (time.perf_counter() - start) / reps
+    return 1e6 * pipelined, 1e6 * median_seconds(lambda: fn(*args), 10)
+
+
+def expert_ids(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
+    """[tokens * top_k] expert ids: top_k distinct experts per token, uniformly at random."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+
+
+def run_case(row: dict, fn, args, per_expert_bytes: float, elements: int, hlo_dir) -> dict:
+    """Time one case, add its figures to `row`."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    hlo = compiled.as_text()
+    if hlo_dir is not None and row["tokens"] == 16:
+        name = f"{row['kind']}_{row['format']}_{row['method']}_t16.hlo.txt"
+        (hlo_dir / name).write_text(hlo)
+    pipelined, synced = time_us(compiled, args)
+    floor = row.get("distinct_experts", 1) * per_expert_bytes
+    row |= {
+        "us_pipelined": round(pipelined, 1),
+        "us_synced": round(synced, 1),
+        "floor_bytes": int(floor),
+        "eff_gbs": round(floor / pipelined / 1e3, 1),
+        "materialised_elements": materialised(hlo, elements),
+    }
+    return row
+
+
+def dense_pallas(x: jax.Array, w: arrays.Weight, interpret: bool = False) -> jax.Array:
+    """x [T, in] @ W [in, out] through the grouped kernel with one expert."""
+    sizes = jnp.array([x.shape[0]], jnp.int32)
+    return grouped_matmul(x, arrays.with_expert_axis(w), sizes, interpret=interpret)
+
+
+def cases(args, shapes, weights, per_expert):
+    """(row, fn, call args, weight elements) in the order they run: token counts outer, formats inner."""
+    hidden, width, experts, top_k, dense_out = shapes
+    for t in (int(s) for s in args.tokens.split(",")):
+        x = jax.random.normal(jax.random.key(t), (t * top_k, hidden), jnp.float32).astype(jnp.bfloat16)
+        ids = expert_ids(t, experts, top_k, seed=t)
+        distinct = int(len(np.unique(ids)))
+        for fmt in FORMATS:
+            w_exp, w_dense = weights[fmt]
+            methods = {"sorted": arrays.sorted_matmul}
+            if fmt != "int4-s4":
+                kernel = functools.partial(grouped_matmul, interpret=args.small)
+                methods["pallas"] = functools.partial(arrays.sorted_matmul, grouped=kernel)
+            if t <= args.gather_max_tokens:
+                methods["gather"] = arrays.gather_matmul
+            if t == 1:
+                methods["gather_reduce"] = arrays.reduce_matmul
+            for method, fn in methods.items():
+                row = {"kind": "experts", "format": fmt, "method": method, "tokens": t, "rows": t * top_k}
+                row |= {"distinct_experts": distinct, "per_expert_bytes": per_expert[fmt]}
+                yield row, fn, (x, w_exp, jnp.asarray(ids)), hidden * width
+            dense = {"matmul": arrays.matmul} | ({"reduce": arrays.reduce_matmul} if t == 1 else {})
+            if fmt != "int4-s4":
+                dense["pallas"] = functools.partial(dense_pallas, interpret=args.small)
+            for method, fn in dense.items():
+                row = {"kind": "dense", "format": fmt, "method": method, "tokens": t, "rows": t}
+                row["per_expert_bytes"] = arrays.stored_bytes(w_dense)
+                yield row, fn, (x[:t], w_dense), hidden * dense_out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--hlo-dir", type=Path, default=None, help="write the optimized HLO of the 16-token cases"
+    )
+    ap.add_argument("--tokens", default="1,16,64,512")
+    ap.add_argument(
+        "--gather-max-tokens", type=int, default=64, help="the gather variant up to this many tokens"
+    )
+    ap.add_argument(
+        "--deadline-s", type=float, default=200, help="skip the cases left after this many seconds"
+    )
+    ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
+    args = ap.parse_args()
+    begin = time.perf_counter()
+    shapes = (256, 128, 16, 4, 384) if args.small else (7168, 2048, 384, 8, 18432)
+    hidden, width, experts, top_k, dense_out = shapes
+    if args.hlo_dir is not None:
+        args.hlo_dir.mkdir(parents=True, exist_ok=True)
+    ceiling = read_ceiling_gbs((1 << 24) if args.small else (4 << 30))
+    weights, measured = {}, {}
+    for fmt in FORMATS:
+        before = in_use()
+        weights[fmt] = (
+            jax.block_until_ready(make_weight(fmt, (experts,), hidden, width, jax.random.key(1))),
+            jax.block_until_ready(make_weight(fmt, (), hidden, dense_out, jax.random.key(2))),
+        )
+        measured[fmt] = in_use() - before
+    per_expert = {fmt: arrays.stored_bytes(w[0]) / experts for fmt, w in weights.items()}
+    meta = {
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "read_ceiling_gbs": round(ceiling, 1),
+        "shapes": {
+            "hidden": hidden,
+            "expert_width": width,
+            "experts": experts,
+            "top_k": top_k,
+            "dense_out": dense_out,
+        },
+        "device_bytes_in_use_delta": measured,
+        "device_bytes": {
+            fmt: {"experts": arrays.stored_bytes(w[0]), "dense": arrays.stored_bytes(w[1])}
+            for fmt, w in weights.items()
+        },
+    }
+    rows = []
+    for row, fn, call, elements in cases(args, shapes, weights, per_expert):
+        if time.perf_counter() - begin > args.deadline_s:
+            rows.append(row | {"error": "skipped: deadline"})
+            continue
+        try:
+            run_case(row, fn, call, row.pop("per_expert_bytes"), elements, args.hlo_dir)
+            row["frac_ceiling"] = round(row["eff_gbs"] / ceiling, 3)
+        except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
+            row |= {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        args.out.write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+        )  # partial results survive
+    meta["seconds"] = round(time.perf_counter() - begin, 1)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Write the quantized fixtures under tests/fixtures/quant/ (CI only reads them).
+
+Run with an interpreter that has torch, transformers and compressed-tensors:
+
+    python scripts/make_quant_fixtures.py [--out tests/fixtures/quant]
+
+One tiny random DeepseekV3ForCausalLM (2 layers, the first dense, 4 routed experts + 1 shared, hidden
+256), saved by transformers, then written in the two published formats:
+  * deepseek_fp8/: every Linear weight of attention and MLPs (experts included) as float8 e4m3 with a
+    float32 `weight_scale_inv` per 128 x 128 block (partial blocks at the edges: q_lora 192,
+    kv_a 160, experts 64 wide), config `quant_method: fp8` as DeepSeek-V3 publishes it; embeddings,
+    norms, router and lm_head stay bf16.
+  * deepseek_int4/: routed experts as compressed-tensors pack-quantized int4 (W4A16, group 32),
+    packed by compressed-tensors' own compressor; the rest bf16, with the ignore list Kimi-K2.5 uses.
+Each directory holds expected.npz: the dequantised weights of a few tensors as the reference code
+computes them (fp8: DeepSeek's `fp8 * scale` in float32; int4: compressed-tensors' own
+`decompress`), the HF logits of the dequantised model for one prompt (float32), and whether HF
+transformers loaded the quantized directory itself (hf_load.json; its weights are then cast to float32
+before the forward: HF keeps decompressed experts in bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+BLOCK = 128
+GROUP = 32
+PROMPT = [3, 17, 42, 99, 5, 64, 7, 120, 33, 1]
+REFERENCE_TENSORS = {
+    "deepseek_fp8": [
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.1.self_attn.q_b_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.down_proj.weight",
+    ],
+    "deepseek_int4": [
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.2.up_proj.weight",
+        "model.layers.1.mlp.experts.3.down_proj.weight",
+    ],
+}
+INT4_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+]
+
+
+def tiny_config() -> DeepseekV3Config:
+    """A tiny DeepseekV3 whose dims make full and partial 128-blocks and whole 32-groups."""
+    return DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=192,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=256,
+        rope_scaling=None,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+
+
+def checkpoint_tensors(seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """The random model's tensors under their checkpoint names (bf16) and its config.json."""
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(tiny_config()).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.06)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tensors = {}
+        for f in sorted(Path(tmp).glob("*.safetensors")):
+            tensors |= load_file(f)
+        config = json.loads((Path(tmp) / "config.json").read_text())
+    return tensors, config
+
+
+def is_linear(name: str) -> bool:
+    """A Linear weight of attention or an MLP (not norms, router, embeddings or lm_head)."""
+    return name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (e4m3 [out, in], float32 scale [ceil(out/128), ceil(in/128)]): amax / 448 per block."""
+    out, inp = w.shape
+    nbo, nbi = -(-out // BLOCK), -(-inp // BLOCK)
+    padded = torch.zeros(nbo * BLOCK, nbi * BLOCK, dtype=torch.float32)
+    padded[:out, :inp] = w.float()
+    blocks = padded.reshape(nbo, BLOCK, nbi, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequant_fp8_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's dequantisation: fp8 value * its block's scale in float32."""
+    s = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: q.shape[0], : q.shape[1]]
+    return q.float() * s
+
+
+def int4_scheme() -> QuantizationScheme:
+    """W4A16 symmetric int4 with one scale per 32 inputs (Kimi-K2.5's experts)."""
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    return QuantizationScheme(targets=["Linear"], weights=args)
+
+
+def quantize_int4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[out, in] -> compressed-tensors' weight_packed / weight_scale / weight_shape (its compressor)."""
+    groups = w.float().reshape(w.shape[0], -1, GROUP)
+    scale = (groups.abs().amax(dim=-1) / 7.0).clamp(min=1e-6).to(torch.bfloat16)
+    state = {"weight": w.to(torch.bfloat16), "weight_scale": scale}
+    return PackedQuantizationCompressor.compress(state, int4_scheme())
+
+
+def dequant_int4_lib(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    """compressed-tensors' own decompression of one packed weight."""
+    return PackedQuantizationCompressor.decompress(dict(fields), int4_scheme())["weight"]
+
+
+def fp8_config() -> dict:
+    """DeepSeek-V3's quantization_config."""
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
+
+
+def int4_config() -> dict:
+    """compressed-tensors' quantization_config as Kimi-K2.5 publishes it (one W4A16 group)."""
+    weights = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": GROUP,
+        "num_bits": 4,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "group",
+        "symmetric": True,
+        "type": "int",
+    }
+    group = {"input_activations": None, "output_activations": None, "targets": ["Linear"], "weights": weights}
+    return {
+        "config_groups": {"group_0": group},
+        "format": "pack-quantized",
+        "ignore": INT4_IGNORE,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }
+
+
+def write_fp8(tensors: dict, config: dict, out: Path) -> dict[str, torch.Tensor]:
+    """The fp8 directory; returns the dequantised weights of every tensor (checkpoint names)."""
+    stored, deq = {}, {}
+    for name, w in tensors.items():
+        if is_linear(name):
+            q, s = quantize_fp8(w)
+            stored[name], stored[name[: -len("weight")] + "weight_scale_inv"] = q, s
+            deq[name] = dequant_fp8_torch(q, s)
+        else:
+            stored[name] = w
+            deq[name] = w.float()
+    save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(
+        json.dumps(config | {"quantization_config": fp8_config()}, indent=2) + "\n"
+    )
+    return deq
+
+
+def write_int4(tensors: dict, config: dict, out: Path) -> dict[str, torch.Tensor]:
+    """The int4 directory (routed experts packed); returns the dequantised weights."""
+    stored, deq = {}, {}
+    for name, w in tensors.items():
+        if ".mlp.experts." in name and is_linear(name):
+            fields = quantize_int4(w)
+            module = name[: -len(".weight")]
+            stored |= {f"{module}.{k}": v.contiguous() for k, v in fields.items()}
+            deq[name] = dequant_int4_lib(fields).float()
+        else:
+            stored[name] = w
+            deq[name] = w.float()
+    save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(
+        json.dumps(config | {"quantization_config": int4_config()}, indent=2) + "\n"
+    )
+    return deq
+
+
+def hf_logits(directory: Path, **kwargs) -> np.ndarray:
+    """float32 logits [T, V] of PROMPT from an HF directory."""
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.float()  # HF keeps decompressed weights in their bf16
+        return model(torch.tensor([PROMPT])).logits[0].float().numpy()
+
+
+def dequantised_logits(deq: dict, config: dict) -> np.ndarray:
+    """HF logits of the model whose weights are the dequantised ones (float32)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file({k: v.contiguous() for k, v in deq.items()}, Path(tmp) / "model.safetensors")
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        return hf_logits(Path(tmp))
+
+
+def hf_quantized_logits(directory: Path, reference: np.ndarray) -> dict:
+    """Whether HF transformers loads the quantized directory itself, and how close its logits are."""
+    try:
+        logits = hf_logits(directory)
+    except Exception as e:  # noqa: BLE001 - recorded in the fixture, not raised
+        return {"hf_loads_quantized": False, "hf_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"hf_loads_quantized": True, "hf_max_abs_diff": float(np.abs(logits - reference).max())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "tests/fixtures/quant"))
+    parser.add_argument("--seed", type=int, default=19)
+    args = parser.parse_args()
+    tensors, config = checkpoint_tensors(args.seed)
+    config.pop("quantization_config", None)
+    for name, write in (("deepseek_fp8", write_fp8), ("deepseek_int4", write_int4)):
+        out = Path(args.out) / name
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        deq = write(tensors, config, out)
+        logits = dequantised_logits(deq, config)
+        info = hf_quantized_logits(out, logits)
+        (out / "hf_load.json").write_text(json.dumps(info, indent=2) + "\n")
+        ref = {f"deq:{k}": deq[k].numpy() for k in REFERENCE_TENSORS[name]}
+        np.savez_compressed(out / "expected.npz", prompt=np.array(PROMPT), logits=logits, **ref)
+        print(name, info, {k: v.shape for k, v in ref.items()})
+
+
+if __name__ == "__main__":
+    main()
