@@ -25,12 +25,13 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, layers, target
+from ddtree_jax import drafter, engine, models, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
-from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.kv_cache import KVCache, bytes_per_token
+from ddtree_jax.models import common
 from ddtree_jax.sampling import GREEDY, SamplingParams
-from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
+from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
 
 
@@ -87,6 +88,11 @@ def median_seconds(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    return jax.random.normal(key, shape, dtype)
+
+
 def synthetic_state(
     plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None, active: int | None = None
 ) -> DecodeState:
@@ -97,21 +103,19 @@ def synthetic_state(
     b, s = plan.batch_size, plan.capacity
     padding = jnp.arange(b) >= (b if active is None else active)
 
-    def cache(layers, dims):
-        heads = max(dims.num_kv_heads, plan.tp)  # one head per device when fewer heads than devices
-        shape = (b, heads, s, dims.head_dim)
-        keys = jax.random.split(key, 2 * layers)
-        make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
-        return KVCache(
-            [make(keys[i]) for i in range(layers)],
-            [make(keys[layers + i]) for i in range(layers)],
-            jnp.where(padding, 1, context).astype(jnp.int32),  # a buffer per cache: both are donated
-        )
+    def cache(shapes) -> KVCache:  # random leaves of the family's entry shapes (global, placed below)
+        leaves, tree = jax.tree.flatten(shapes)
+        keys = jax.random.split(key, len(leaves))
+        made = [_normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+        lengths = jnp.where(padding, 1, context).astype(jnp.int32)  # a buffer per cache: both are donated
+        return KVCache(jax.tree.unflatten(tree, made), lengths)
 
     t = plan.target
     state = DecodeState(
-        cache=cache(t.num_layers, t.dims),
-        draft_cache=None if plan.method == "ar" else cache(plan.draft.num_layers, plan.draft.dims),
+        cache=cache(models.family(t).cache_shapes(t, b, s, plan.tp, dtype)),
+        draft_cache=None
+        if plan.method == "ar"
+        else cache(drafter.cache_shapes(plan.draft, b, s, plan.tp, dtype)),
         bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
         output=jnp.zeros((b, plan.max_new_tokens + plan.path_slots), jnp.int32),
         num_output=jnp.zeros((b,), jnp.int32),
@@ -325,16 +329,10 @@ def bench_one(
         device_ms = device_stage_ms(params, dparams, state, plan, rounds)
         device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
 
-    dims = plan.target.dims
-    kv_bytes = (  # one device's: its rows, its K/V heads (one when fewer heads than devices)
-        2
-        * plan.target.num_layers
-        * -(-batch // plan.dp)
-        * context
-        * max(dims.num_kv_heads // plan.tp, 1)
-        * dims.head_dim
-        * params["embed"].dtype.itemsize
-    )
+    # one device's K/V: its rows, its share of every layer's cache entry
+    t = plan.target
+    shapes = models.family(t).cache_shapes(t, plan.batch_size, plan.capacity, plan.tp, params["embed"].dtype)
+    kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target) + kv_bytes) / (ceiling_gbs * 1e9)
     return {
         "method": plan.method,
@@ -391,18 +389,18 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = SHAPES[args.shape]
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
-    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
-    check_divisible(dcfg.dims, cfg.vocab_size, args.tp, "drafter")
+    models.family(cfg).check_divisible(cfg, args.tp)
+    drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16, place=place)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16, place=place)
-    psum = layers.psum
+    psum = common.psum
     if args.drop_layer_all_reduce:
-        layers.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
+        common.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
     try:
         return _sweep(args, cfg, dcfg, params, dparams)
     finally:
-        layers.psum = psum
+        common.psum = psum
 
 
 def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:

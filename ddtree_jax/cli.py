@@ -130,12 +130,12 @@ def make_generator(args: argparse.Namespace):
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import drafter, target
+    from ddtree_jax import drafter, models, target
     from ddtree_jax.attention import default_implementation
     from ddtree_jax.config import load_draft_config, load_target_config
     from ddtree_jax.engine import Plan, rows_to_run
     from ddtree_jax.generation import Generator
-    from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
+    from ddtree_jax.sharding import make_mesh, param_sharding
     from ddtree_jax.text import TextCodec
 
     if args.dtype == "float32":
@@ -144,9 +144,9 @@ def make_generator(args: argparse.Namespace):
     sharding = param_sharding(make_mesh(args.tp, args.dp))
     # Check that both models split --tp ways before placing any weight.
     cfg = load_target_config(args.target)
-    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
+    models.family(cfg).check_divisible(cfg, args.tp)
     if args.method != "ar":
-        check_divisible(load_draft_config(args.draft, cfg).dims, cfg.vocab_size, args.tp, "drafter")
+        drafter.check_divisible(load_draft_config(args.draft, cfg), args.tp)
     cfg, params = target.load(args.target, dtype, sharding)
     dcfg = draft_params = None
     if args.method != "ar":

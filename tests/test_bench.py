@@ -83,12 +83,13 @@ def test_dropped_all_reduce_is_restored(tmp_path):
     refused without a mesh."""
     import pytest
 
-    from ddtree_jax import collectives, layers
+    from ddtree_jax import collectives
+    from ddtree_jax.models import common
 
     out = tmp_path / "bench.json"
     argv = [*TINY, "--methods", "ar", "--batches", "2", "--out", str(out)]
     assert main([*argv, "--tp", "2", "--drop-layer-all-reduce"]) == 0
-    assert layers.psum is collectives.psum
+    assert common.psum is collectives.psum
     row = json.loads(out.read_text())["rows"][0]
     assert "error" not in row and row["tp"] == 2
     with pytest.raises(SystemExit):
