@@ -3,6 +3,8 @@
   common     RMSNorm, RoPE, SwiGLU, embedding and head, the decoder stack with drafter features
   gqa        grouped-query attention: its cache entry (`KVEntry`), projections, attend functions
   dense      Qwen3ForCausalLM, LlamaForCausalLM
+  moe        routed experts: router, stacked expert weights, dropless dispatches, expert parallelism
+  qwen3_moe  Qwen3MoeForCausalLM
 
 A family module provides `config_from_hf(raw, path, arch, eos, **options)`, `weight_specs(cfg)`,
 `forward(params, cfg, tokens, positions, mask, cache, *, feature_layers, attention, model_axis,
@@ -19,9 +21,9 @@ import importlib
 from types import ModuleType
 
 # HF architecture -> our architecture name (TargetConfig.architecture)
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # our architecture name -> family module
-FAMILIES = {"qwen3": "dense", "llama": "dense"}
+FAMILIES = {"qwen3": "dense", "llama": "dense", "qwen3_moe": "qwen3_moe"}
 
 
 def family_of(architecture: str) -> ModuleType:
