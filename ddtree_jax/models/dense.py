@@ -1,7 +1,8 @@
 """Dense decoder families: Qwen3ForCausalLM and LlamaForCausalLM (GQA attention, SwiGLU MLP).
 
 A family module provides: `config_from_hf`, `weight_specs`, `forward`, `Entry` (its cache entry type),
-`cache_shapes`, `check_divisible` (its mesh rules) and `embed` / `logits` (those of `models.common`).
+`cache_shapes`, `unread_weight_bytes` (for
+the benchmark's floor), `check_divisible` (its mesh rules) and `embed` / `logits` (those of `models.common`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def forward(
 def cache_shapes(cfg: TargetConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
     """Global shapes of the target's cache on a mesh of `tp` model devices."""
     return gqa.cache_shapes(cfg.num_layers, cfg.dims, batch, capacity, tp, dtype)
+
+
+def unread_weight_bytes(
+    params: Params, cfg: TargetConfig, tokens: int, nbytes: Callable[[jax.Array], int]
+) -> float:
+    """Bytes of the weights one device holds that a pass over `tokens` tokens need not read."""
+    return common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes)
 
 
 def check_divisible(cfg: TargetConfig, tp: int, model: str = "target") -> None:

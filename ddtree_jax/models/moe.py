@@ -26,6 +26,7 @@ from ddtree_jax.collectives import Axis
 from ddtree_jax.weights import WeightSpec, stacked_linear
 
 DISPATCHES = ("gather", "sorted", "dense")
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token counts up to this use `gather`, above it `sorted`: a prediction from DESIGN.md's H200 figures
 # (gather 4.8x / 3.3x the distinct-expert floor at 1 / 8 tokens, sort + ragged_dot 16.2x / 2.9x);
 # scripts/bench_moe.py measures the crossover (results/notes.md).
@@ -118,6 +119,14 @@ def _dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
     )
     out = jnp.einsum("nei,eih->neh", act, p["experts_down"])
     return jnp.einsum("neh,ne->nh", out, per_expert)
+
+
+def expected_distinct(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens select when each picks top_k of num_experts uniformly and
+    independently: E (1 - (1 - k/E)^N); exactly k for one token. (Qwen3-30B-A3B shapes on the H200,
+    DESIGN.md: 8 / 51 / 127 / 128 measured at 1 / 8 / 64 / 512 tokens; this gives 8 / 51.6 / 125.9 /
+    128.)"""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def choose_dispatch(num_tokens: int) -> str:

@@ -130,6 +130,19 @@ def cache_shapes(cfg: Qwen3MoeConfig, batch: int, capacity: int, tp: int, dtype:
     return dense.cache_shapes(cfg, batch, capacity, tp, dtype)
 
 
+def unread_weight_bytes(
+    params: Params, cfg: Qwen3MoeConfig, tokens: int, nbytes: Callable[[jax.Array], int]
+) -> float:
+    """The dense part (the embedding table), plus each sparse layer's experts that `tokens` tokens
+    are expected not to select (`moe.expected_distinct`)."""
+    unread = dense.unread_weight_bytes(params, cfg, tokens, nbytes)
+    idle = 1.0 - moe.expected_distinct(cfg.num_experts, cfg.top_k, tokens) / cfg.num_experts
+    for i, p in enumerate(params["layers"]):
+        if cfg.is_sparse(i):
+            unread += idle * sum(nbytes(p[name]) for name in moe.EXPERT_WEIGHTS)
+    return unread
+
+
 def check_divisible(cfg: Qwen3MoeConfig, tp: int, model: str = "target") -> None:
     """The dense rules, plus: experts (ep) or each expert's width (tp) split `tp` ways."""
     dense.check_divisible(cfg, tp, model)
