@@ -10,7 +10,8 @@ returns a partial sum that the layer's all-reduce completes, as for a dense MLP.
 Dispatches (each exact; which is fastest depends on N, see `choose_dispatch`):
   gather  per token and slot, gather the chosen experts' weights and multiply ([N, k] small matmuls):
           reads k expert matrices per token, the least work for one or a few tokens
-  sorted  sort the N x k (token, expert) pairs by expert, then grouped matmuls (`jax.lax.ragged_dot`)
+  sorted  sort the N x k (token, expert) pairs by expert, then grouped matmuls (`jax.lax.ragged_dot`);
+          `sorted_mgpu` the same with JAX's bundled Hopper kernel (Mosaic GPU, H100/H200 only)
   dense   every local expert on every token, weighted by the routing weights (zero where not chosen):
           E / k times the FLOPs of the routed work, but plain batched matmuls
 """
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 from ddtree_jax.collectives import Axis
 from ddtree_jax.weights import WeightSpec, stacked_linear
 
-DISPATCHES = ("gather", "sorted", "dense")
+DISPATCHES = ("gather", "sorted", "dense")  # any backend
+GPU_DISPATCHES = ("sorted_mgpu",)  # Hopper GPUs only
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token counts up to this use `gather`, above it `sorted`: a prediction from DESIGN.md's H200 figures
 # (gather 4.8x / 3.3x the distinct-expert floor at 1 / 8 tokens, sort + ragged_dot 16.2x / 2.9x);
@@ -93,7 +95,23 @@ def _gather(p: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
     return jnp.einsum("nki,nkih->nkh", act, down)
 
 
-def _sorted(p: dict, x: jax.Array, experts: jax.Array, here: jax.Array) -> jax.Array:
+def _mgpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot` by JAX's bundled Hopper kernel (blocks as DESIGN.md measured them best)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(
+        lhs,
+        rhs,
+        group_sizes=sizes,
+        block_m=64,
+        block_n=128,
+        block_k=64,
+        max_concurrent_steps=4,
+        grid_block_n=1,
+    )
+
+
+def _sorted(p: dict, x: jax.Array, experts: jax.Array, here: jax.Array, ragged_dot=jax.lax.ragged_dot):
     """[N, k, H] expert outputs from grouped matmuls over the (token, slot) pairs sorted by expert."""
     n, k = experts.shape
     num_local = p["experts_gate"].shape[0]
@@ -101,10 +119,8 @@ def _sorted(p: dict, x: jax.Array, experts: jax.Array, here: jax.Array) -> jax.A
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     rows = x[order // k]  # [N k, H]
-    act = jax.nn.silu(jax.lax.ragged_dot(rows, p["experts_gate"], sizes)) * jax.lax.ragged_dot(
-        rows, p["experts_up"], sizes
-    )
-    out = jax.lax.ragged_dot(act, p["experts_down"], sizes)
+    act = jax.nn.silu(ragged_dot(rows, p["experts_gate"], sizes)) * ragged_dot(rows, p["experts_up"], sizes)
+    out = ragged_dot(act, p["experts_down"], sizes)
     out = jnp.where((key[order] < num_local)[:, None], out, jnp.zeros((), out.dtype))
     return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
@@ -154,7 +170,9 @@ def experts_ffn(
     dispatch = dispatch or choose_dispatch(x.shape[0])
     if dispatch == "dense":
         out = _dense(p, x, experts, routing.weights, here)
+    elif dispatch == "gather":
+        out = _combine(_gather(p, x, experts), routing.weights, here)
     else:
-        slots = _gather(p, x, experts) if dispatch == "gather" else _sorted(p, x, experts, here)
-        out = _combine(slots, routing.weights, here)
+        ragged = _mgpu_ragged_dot if dispatch == "sorted_mgpu" else jax.lax.ragged_dot
+        out = _combine(_sorted(p, x, experts, here, ragged), routing.weights, here)
     return out.reshape(shape)
