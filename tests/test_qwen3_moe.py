@@ -190,3 +190,26 @@ def test_mesh_rules():
         qwen3_moe.check_divisible(dataclasses.replace(cfg, num_experts=6), 4)
     with pytest.raises(DDTreeError, match="moe_intermediate_size"):
         qwen3_moe.check_divisible(dataclasses.replace(cfg, moe_sharding="tp", moe_intermediate_size=18), 4)
+
+
+def test_cli_moe_sharding(tmp_path):
+    """ddtree-generate --tp 4 --moe-sharding tp with the MoE drafter emits one device's ar tokens."""
+    import json
+
+    from ddtree_jax.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"id": i, "input_ids": p}) + "\n" for i, p in enumerate(golden_prompts(TP)))
+    )
+    common = ["--target", str(FIXTURES / TP), "--prompts", str(prompts), "--dtype", "float32"]
+    common += ["--max-new-tokens", "8", "--batch-size", "4"]
+    assert main([*common, "--out", str(tmp_path / "ar.jsonl"), "--method", "ar"]) == 0
+    tree = ["--draft", str(FIXTURES / DRAFT), "--budget", "5", "--tp", "4", "--moe-sharding", "tp"]
+    assert main([*common, *tree, "--out", str(tmp_path / "tree.jsonl")]) == 0
+    ids = [
+        [json.loads(line)["output_ids"] for line in (tmp_path / f).read_text().splitlines()]
+        for f in ("ar.jsonl", "tree.jsonl")
+    ]
+    assert ids[0] == ids[1]
+    assert ids[0] == [golden(TP)[f"greedy_{i}"].tolist()[:8] for i in range(5)]
