@@ -477,7 +477,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         sampling = parse_sampling(sampling_arg)
         branching = min(budget, 32) if method == "ddtree" else 1
         draft = None if method == "ar" else dcfg
-        run_rows = engine.rows_to_run(method, batch)  # as ddtree-generate runs it
+        run_rows = engine.rows_to_run(method, batch, cfg)  # as ddtree-generate runs it
         plan = Plan(cfg, draft, method, run_rows, context, 64, budget, branching, attention, tp=args.tp)
         try:
             row = bench_one(

@@ -168,7 +168,7 @@ def make_generator(args: argparse.Namespace):
         target=cfg,
         draft=dcfg,
         method=args.method,
-        batch_size=rows_to_run(args.method, rows_per_device) * args.dp,  # padded with inactive rows
+        batch_size=rows_to_run(args.method, rows_per_device, cfg) * args.dp,  # padded with inactive rows
         prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=budget,

@@ -9,10 +9,11 @@
 A family module provides `config_from_hf(raw, path, arch, eos, **options)`, `weight_specs(cfg)`,
 `forward(params, cfg, tokens, positions, mask, cache, *, feature_layers, attention, model_axis,
 dropout)` -> `common.ForwardOutput`, `Entry` (its cache entry type: a pytree whose cached leaves share
-one time axis, `Entry.time_axis`, with `cache_spec()` / `new_spec()` PartitionSpecs), `cache_shapes(cfg,
-batch, capacity, tp, dtype)`, `check_divisible(cfg, tp)`, and `embed` / `logits` (the drafter reads the
-target's through them). The engine, the benchmark, sharding and
-training reach a family only through `family(cfg)`.
+one time axis, `Entry.time_axis`, with `cache_spec()` / `new_spec()` PartitionSpecs),
+`cache_shapes(cfg, batch, capacity, tp, dtype)`, `unread_weight_bytes` (the benchmark's floor),
+`PAD_ONE_ROW_AR` (whether a one-row ar step runs as two rows), `check_divisible(cfg, tp)` (its mesh
+rules), and `embed` / `logits` (the drafter reads the target's through them). The engine, the
+benchmark, sharding and training reach a family only through `family(cfg)`.
 """
 
 from __future__ import annotations

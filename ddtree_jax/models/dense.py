@@ -1,8 +1,7 @@
 """Dense decoder families: Qwen3ForCausalLM and LlamaForCausalLM (GQA attention, SwiGLU MLP).
 
-A family module provides: `config_from_hf`, `weight_specs`, `forward`, `Entry` (its cache entry type),
-`cache_shapes`, `unread_weight_bytes` (for
-the benchmark's floor), `check_divisible` (its mesh rules) and `embed` / `logits` (those of `models.common`).
+A family module provides what models/__init__.py lists; this one serves as the base of the
+others (its layer takes another feed-forward through `ffn`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from ddtree_jax.weights import Params, WeightSpec, linear, norm
 
 Entry = gqa.KVEntry
 embed, logits = common.embed, common.logits  # the target's embedding and head (the drafter's too)
+PAD_ONE_ROW_AR = True  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster (engine.py)
 # ffn(p, h) -> [B, T, H], all-reduced: the feed-forward branch of one layer on its normed input.
 FFN = Callable[[dict, jax.Array], jax.Array]
 
