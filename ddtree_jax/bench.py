@@ -25,12 +25,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, layers, target
+from ddtree_jax import drafter, engine, models, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
-from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.kv_cache import KVCache, bytes_per_token
+from ddtree_jax.models import common
+from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
 from ddtree_jax.sampling import GREEDY, SamplingParams
-from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
+from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
 
 
@@ -52,6 +54,33 @@ SHAPES = {
         131072,
     ),
     "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+    "qwen3-30b-a3b": Qwen3MoeConfig(
+        "qwen3_moe",
+        151936,
+        48,
+        _dims(2048, 6144, 32, 4, 128, True),
+        RopeConfig(1e6, 128),
+        False,
+        40960,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "tiny-moe": Qwen3MoeConfig(
+        "qwen3_moe",
+        512,
+        4,
+        _dims(64, 128, 4, 2, 16, True),
+        RopeConfig(1e4, 16),
+        False,
+        4096,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=(0,),
+    ),
 }
 
 
@@ -66,6 +95,7 @@ def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
         cfg.vocab_size - 1,
         default_target_layer_ids(cfg.num_layers, layers),
         cfg.vocab_size,
+        cfg.architecture,
     )
 
 
@@ -87,6 +117,11 @@ def median_seconds(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    return jax.random.normal(key, shape, dtype)
+
+
 def synthetic_state(
     plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None, active: int | None = None
 ) -> DecodeState:
@@ -97,21 +132,19 @@ def synthetic_state(
     b, s = plan.batch_size, plan.capacity
     padding = jnp.arange(b) >= (b if active is None else active)
 
-    def cache(layers, dims):
-        heads = max(dims.num_kv_heads, plan.tp)  # one head per device when fewer heads than devices
-        shape = (b, heads, s, dims.head_dim)
-        keys = jax.random.split(key, 2 * layers)
-        make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
-        return KVCache(
-            [make(keys[i]) for i in range(layers)],
-            [make(keys[layers + i]) for i in range(layers)],
-            jnp.where(padding, 1, context).astype(jnp.int32),  # a buffer per cache: both are donated
-        )
+    def cache(shapes) -> KVCache:  # random leaves of the family's entry shapes (global, placed below)
+        leaves, tree = jax.tree.flatten(shapes)
+        keys = jax.random.split(key, len(leaves))
+        made = [_normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+        lengths = jnp.where(padding, 1, context).astype(jnp.int32)  # a buffer per cache: both are donated
+        return KVCache(jax.tree.unflatten(tree, made), lengths)
 
     t = plan.target
     state = DecodeState(
-        cache=cache(t.num_layers, t.dims),
-        draft_cache=None if plan.method == "ar" else cache(plan.draft.num_layers, plan.draft.dims),
+        cache=cache(models.family(t).cache_shapes(t, b, s, plan.tp, dtype)),
+        draft_cache=None
+        if plan.method == "ar"
+        else cache(drafter.cache_shapes(plan.draft, b, s, plan.tp, dtype)),
         bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
         output=jnp.zeros((b, plan.max_new_tokens + plan.path_slots), jnp.int32),
         num_output=jnp.zeros((b,), jnp.int32),
@@ -268,11 +301,12 @@ def _device_bytes(x: jax.Array) -> int:
     return x.addressable_shards[0].data.nbytes
 
 
-def step_weight_bytes(params, cfg: TargetConfig) -> int:
-    """Weight bytes a decode step reads on one device: all it holds, less the embedding table when
-    lm_head is separate (the step gathers only its rows from it)."""
+def step_weight_bytes(params, cfg: TargetConfig, tokens: int = 1) -> float:
+    """Weight bytes a pass over `tokens` tokens (per device) must read on one device: all it holds,
+    less what the family says such a pass need not read (the embedding table when lm_head is
+    separate; a MoE target's experts its tokens are not expected to select)."""
     held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
-    return held - (0 if cfg.tie_word_embeddings else _device_bytes(params["embed"]))
+    return held - models.family(cfg).unread_weight_bytes(params, cfg, tokens, _device_bytes)
 
 
 def bench_one(
@@ -325,17 +359,12 @@ def bench_one(
         device_ms = device_stage_ms(params, dparams, state, plan, rounds)
         device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
 
-    dims = plan.target.dims
-    kv_bytes = (  # one device's: its rows, its K/V heads (one when fewer heads than devices)
-        2
-        * plan.target.num_layers
-        * -(-batch // plan.dp)
-        * context
-        * max(dims.num_kv_heads // plan.tp, 1)
-        * dims.head_dim
-        * params["embed"].dtype.itemsize
-    )
-    floor_ms = 1e3 * (step_weight_bytes(params, plan.target) + kv_bytes) / (ceiling_gbs * 1e9)
+    # one device's K/V: its rows, its share of every layer's cache entry
+    t = plan.target
+    shapes = models.family(t).cache_shapes(t, plan.batch_size, plan.capacity, plan.tp, params["embed"].dtype)
+    kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
+    tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
+    floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
     return {
         "method": plan.method,
         "budget": plan.budget,
@@ -351,6 +380,7 @@ def bench_one(
         "host_stepped_round_ms": sum(stage_ms.values()),
         "device_stages_ms": device_ms,
         "target_floor_ms": floor_ms,
+        "floor_tokens": tokens,
         "round_over_floor": round_ms / floor_ms,
         "compile_s": compile_s,
     }
@@ -378,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (the model split over them)")
     p.add_argument(
+        "--moe-sharding",
+        choices=["ep", "tp"],
+        default="ep",
+        help="MoE shapes under --tp: whole experts per device (ep) or columns of every expert (tp)",
+    )
+    p.add_argument(
         "--drop-layer-all-reduce",
         action="store_true",
         help="timing only, outputs are wrong: skip the all-reduce after o_proj and down_proj (its cost "
@@ -390,19 +426,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
 
     cfg = SHAPES[args.shape]
+    if isinstance(cfg, Qwen3MoeConfig):
+        cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
-    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
-    check_divisible(dcfg.dims, cfg.vocab_size, args.tp, "drafter")
+    models.family(cfg).check_divisible(cfg, args.tp)
+    drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16, place=place)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16, place=place)
-    psum = layers.psum
+    psum = common.psum
     if args.drop_layer_all_reduce:
-        layers.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
+        common.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
     try:
         return _sweep(args, cfg, dcfg, params, dparams)
     finally:
-        layers.psum = psum
+        common.psum = psum
 
 
 def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
@@ -418,6 +456,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         "argv": sys.argv,
         "shape": args.shape,
         "tp": args.tp,
+        "moe_sharding": getattr(cfg, "moe_sharding", None),
         "devices": [str(d) for d in jax.devices()[: args.tp]],
         "layer_all_reduce": not args.drop_layer_all_reduce,
         "read_ceiling_gbs": ceiling,
@@ -438,7 +477,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         sampling = parse_sampling(sampling_arg)
         branching = min(budget, 32) if method == "ddtree" else 1
         draft = None if method == "ar" else dcfg
-        run_rows = engine.rows_to_run(method, batch)  # as ddtree-generate runs it
+        run_rows = engine.rows_to_run(method, batch, cfg)  # as ddtree-generate runs it
         plan = Plan(cfg, draft, method, run_rows, context, 64, budget, branching, attention, tp=args.tp)
         try:
             row = bench_one(

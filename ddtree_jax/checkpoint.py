@@ -158,6 +158,27 @@ class Checkpoint:
         return np.asarray(self.lazy(spec))
 
 
+class Stacked:
+    """Several checkpoint tensors (each [*shape], read lazily) seen as one array [n, *shape]: indexing
+    reads only the tensors and blocks it selects."""
+
+    def __init__(self, pieces: list[LazyTensor]):
+        self.pieces = pieces
+        self.shape = (len(pieces), *pieces[0].shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        first, rest = index[0], tuple(index[1:])
+        return np.stack([self.pieces[i][rest] for i in range(len(self.pieces))[first]])
+
+
+def read_stacked(ckpt: Checkpoint, spec: WeightSpec) -> LazyTensor | Stacked:
+    """The spec's tensor in our layout, not read yet; a stacked spec (experts) as a `Stacked` of its
+    pieces."""
+    if not spec.stack:
+        return ckpt.lazy(spec)
+    return Stacked([ckpt.lazy(piece) for piece in spec.pieces()])
+
+
 def load_params(
     directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
 ) -> Params:
@@ -177,7 +198,7 @@ def _load_safetensors(
     ckpt = Checkpoint(directory)
 
     def make(spec: WeightSpec) -> jax.Array:
-        host = ckpt.lazy(spec)
+        host = read_stacked(ckpt, spec)  # read block by block
 
         def block(index):
             return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
@@ -334,6 +355,7 @@ def save_hf(
         for key in spec.path:
             node = node[key]
         array = np.asarray(jax.device_get(node), dtype=np.float32)
-        tensors[spec.hf_name] = (array.T if spec.transpose else array).astype(dtype)
+        for piece, part in zip(spec.pieces(), array if spec.stack else [array], strict=True):
+            tensors[piece.hf_name] = (part.T if spec.transpose else part).astype(dtype)
     write_safetensors(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--process-id", type=int, help="several processes: this one's index; process 0 writes --out"
     )
+    p.add_argument(
+        "--moe-sharding",
+        choices=["ep", "tp"],
+        default="ep",
+        help="MoE targets under --tp: whole experts per device (ep) or columns of every expert (tp)",
+    )
     return p
 
 
@@ -342,12 +348,12 @@ def make_generator(args: argparse.Namespace):
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import drafter, target
+    from ddtree_jax import drafter, models, target
     from ddtree_jax.attention import default_implementation
     from ddtree_jax.config import load_draft_config, load_target_config
     from ddtree_jax.engine import Plan, rows_to_run
     from ddtree_jax.generation import Generator
-    from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
+    from ddtree_jax.sharding import make_mesh, param_sharding
     from ddtree_jax.text import TextCodec
 
     if args.dtype == "float32":
@@ -355,11 +361,11 @@ def make_generator(args: argparse.Namespace):
     dtype = jnp.dtype(args.dtype)
     sharding = param_sharding(make_mesh(args.tp, args.dp))
     # Check that both models split --tp ways before placing any weight.
-    cfg = load_target_config(args.target)
-    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
+    cfg = load_target_config(args.target, moe_sharding=args.moe_sharding)
+    models.family(cfg).check_divisible(cfg, args.tp)
     if args.method != "ar":
-        check_divisible(load_draft_config(args.draft, cfg).dims, cfg.vocab_size, args.tp, "drafter")
-    cfg, params = target.load(args.target, dtype, sharding)
+        drafter.check_divisible(load_draft_config(args.draft, cfg), args.tp)
+    cfg, params = target.load(args.target, dtype, sharding, moe_sharding=args.moe_sharding)
     dcfg = draft_params = None
     if args.method != "ar":
         dcfg, draft_params = drafter.load(args.draft, cfg, dtype, sharding)
@@ -374,7 +380,7 @@ def make_generator(args: argparse.Namespace):
         target=cfg,
         draft=dcfg,
         method=args.method,
-        batch_size=rows_to_run(args.method, rows_per_device) * args.dp,  # padded with inactive rows
+        batch_size=rows_to_run(args.method, rows_per_device, cfg) * args.dp,  # padded with inactive rows
         prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=budget,

@@ -1,4 +1,5 @@
-"""Model configurations from HF `config.json` files: the target (Qwen3, Llama 3) and the DFlash drafter."""
+"""Model configurations from HF `config.json` files: shared fields, the dense target config, the DFlash
+drafter; each family (models/) parses its own target fields with the helpers here."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Any
 import numpy as np
 
 from ddtree_jax.errors import DDTreeError
-
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +58,9 @@ class LayerDims:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A Qwen3ForCausalLM or LlamaForCausalLM target."""
+    """A dense target (Qwen3ForCausalLM, LlamaForCausalLM); other families extend it (models/)."""
 
-    architecture: str  # "qwen3" | "llama"
+    architecture: str  # "qwen3" | "llama" | ...: picks the family (models.FAMILIES)
     vocab_size: int
     num_layers: int
     dims: LayerDims
@@ -82,6 +81,7 @@ class DraftConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     vocab_size: int
+    target_architecture: str = "qwen3"  # the target's family gives the embedding and lm_head
 
     @property
     def depth(self) -> int:
@@ -103,7 +103,8 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _field(raw: dict[str, Any], name: str, path: Path, kind: type = int) -> Any:
+def positive_field(raw: dict[str, Any], name: str, path: Path, kind: type = int) -> Any:
+    """raw[name], which must be a positive integer (an error names the file and field)."""
     if name not in raw:
         raise DDTreeError(f"{path}: missing field '{name}'")
     value = raw[name]
@@ -112,7 +113,8 @@ def _field(raw: dict[str, Any], name: str, path: Path, kind: type = int) -> Any:
     return value
 
 
-def _rope(raw: dict[str, Any], head_dim: int, path: Path) -> RopeConfig:
+def hf_rope(raw: dict[str, Any], head_dim: int, path: Path) -> RopeConfig:
+    """The rotary embedding of an HF config (default or llama3 scaling)."""
     # transformers >= 5 writes `rope_parameters`; older files have `rope_theta` / `rope_scaling`.
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
@@ -131,9 +133,10 @@ def _rope(raw: dict[str, Any], head_dim: int, path: Path) -> RopeConfig:
     return RopeConfig(float(theta), head_dim, llama3)
 
 
-def _dims(raw: dict[str, Any], path: Path, qk_norm: bool) -> LayerDims:
-    hidden = _field(raw, "hidden_size", path)
-    heads = _field(raw, "num_attention_heads", path)
+def hf_dims(raw: dict[str, Any], path: Path, qk_norm: bool) -> LayerDims:
+    """The attention and MLP shape of one layer of an HF config."""
+    hidden = positive_field(raw, "hidden_size", path)
+    heads = positive_field(raw, "num_attention_heads", path)
     kv_heads = raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:
@@ -147,7 +150,7 @@ def _dims(raw: dict[str, Any], path: Path, qk_norm: bool) -> LayerDims:
         raise DDTreeError(f"{path}: hidden_act '{raw['hidden_act']}' is not supported (silu is)")
     return LayerDims(
         hidden_size=hidden,
-        intermediate_size=_field(raw, "intermediate_size", path),
+        intermediate_size=positive_field(raw, "intermediate_size", path),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -162,8 +165,14 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
-def load_target_config(directory: str | Path) -> TargetConfig:
-    """Parse `config.json` (and `generation_config.json` for stop ids) of an HF target directory."""
+def load_target_config(directory: str | Path, **options: Any) -> TargetConfig:
+    """Parse `config.json` (and `generation_config.json` for stop ids) of an HF target directory.
+
+    The family of its `architectures` entry parses the rest (`options`: family settings such as
+    `moe_sharding`; families without them ignore them).
+    """
+    from ddtree_jax.models import ARCHITECTURES, family_of
+
     directory = Path(directory)
     path = directory / "config.json"
     raw = read_json(path)
@@ -171,21 +180,11 @@ def load_target_config(directory: str | Path) -> TargetConfig:
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise DDTreeError(f"{path}: unsupported architecture {archs!r}; supported: {sorted(ARCHITECTURES)}")
-    dims = _dims(raw, path, qk_norm=arch == "qwen3")
     eos = _as_ids(raw.get("eos_token_id"))
     gen_path = directory / "generation_config.json"
     if gen_path.exists():
         eos = _as_ids(read_json(gen_path).get("eos_token_id")) or eos
-    return TargetConfig(
-        architecture=arch,
-        vocab_size=_field(raw, "vocab_size", path),
-        num_layers=_field(raw, "num_hidden_layers", path),
-        dims=dims,
-        rope=_rope(raw, dims.head_dim, path),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=_field(raw, "max_position_embeddings", path),
-        eos_token_ids=eos,
-    )
+    return family_of(arch).config_from_hf(raw, path, arch, eos, **options)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -204,18 +203,19 @@ def load_draft_config(directory: str | Path, target: TargetConfig) -> DraftConfi
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
         raise DDTreeError(f"{path}: missing 'dflash_config.mask_token_id' (not a DFlash drafter?)")
-    dims = _dims(raw, path, qk_norm=True)
-    num_layers = _field(raw, "num_hidden_layers", path)
+    dims = hf_dims(raw, path, qk_norm=True)
+    num_layers = positive_field(raw, "num_hidden_layers", path)
     num_target_layers = int(raw.get("num_target_layers", target.num_layers))
     layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
     cfg = DraftConfig(
         num_layers=num_layers,
         dims=dims,
-        rope=_rope(raw, dims.head_dim, path),
-        block_size=_field(raw, "block_size", path),
+        rope=hf_rope(raw, dims.head_dim, path),
+        block_size=positive_field(raw, "block_size", path),
         mask_token_id=int(dflash["mask_token_id"]),
         target_layer_ids=tuple(int(i) for i in layer_ids),
         vocab_size=target.vocab_size,
+        target_architecture=target.architecture,
     )
     if dims.hidden_size != target.dims.hidden_size:
         raise DDTreeError(

@@ -10,13 +10,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import target
-from ddtree_jax.attention import cache_attend
+from ddtree_jax import models
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import DraftConfig
 from ddtree_jax.kv_cache import KVCache
-from ddtree_jax.layers import decoder_layer, layer_specs, project_kv, rms_norm, rope_tables
+from ddtree_jax.models import gqa
+from ddtree_jax.models.common import rms_norm, rope_tables
+from ddtree_jax.models.dense import decoder_layer, layer_specs
+from ddtree_jax.sharding import check_divisible as check_dims
 from ddtree_jax.weights import Params, WeightSpec, linear, norm
+
+Entry = gqa.KVEntry  # the drafter is a dense Qwen3 stack whatever the target
 
 
 def weight_specs(cfg: DraftConfig) -> list[WeightSpec]:
@@ -34,14 +38,14 @@ def weight_specs(cfg: DraftConfig) -> list[WeightSpec]:
 
 def context_kv(
     params: Params, cfg: DraftConfig, features: jax.Array, positions: jax.Array
-) -> list[tuple[jax.Array, jax.Array]]:
+) -> list[gqa.KVEntry]:
     """Per draft layer, K/V [B, T, Hkv, D] of committed tokens from their target features [B, T, F].
 
     No collective: fc is replicated and each device projects the K/V heads it holds.
     """
     ctx = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.dims.rms_norm_eps)
     rope = rope_tables(positions, cfg.rope.inv_freq())
-    return [project_kv(p, ctx, cfg.dims, rope) for p in params["layers"]]
+    return [gqa.project_kv(p, ctx, cfg.dims, rope) for p in params["layers"]]
 
 
 def draft_logits(
@@ -57,20 +61,32 @@ def draft_logits(
 ) -> jax.Array:
     """float32 logits [B, D, V] for depths 1..D after the bonus [B] at position cache.lengths.
 
-    With the vocabulary split over `model_axis`, this device's slice [B, D, V_local].
+    With the vocabulary split over `model_axis`, this device's slice [B, D, V_local]. The embedding
+    and lm_head are the target's, as its family reads them.
     """
+    family = models.family_of(cfg.target_architecture)
     b, k = bonus.shape[0], cfg.block_size
     block = jnp.full((b, k), cfg.mask_token_id, jnp.int32).at[:, 0].set(bonus)
     positions = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     rope = rope_tables(positions, cfg.rope.inv_freq())
     mask = jnp.ones((b, k, k), jnp.bool_)  # the block is bidirectional
-    x = target.embed(target_params, block, model_axis)
+    x = family.embed(target_params, block, model_axis)
     for i, p in enumerate(params["layers"]):
-        attend = cache_attend(attention, cache, i, mask, window)
+        attend = gqa.layer_attend(attention, cache, i, mask, window)
         with jax.named_scope(f"draft_layer{i}"):
             x, _ = decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
     hidden = rms_norm(x[:, 1:], params["norm"], cfg.dims.rms_norm_eps)
-    return target.logits(target_params, hidden)
+    return family.logits(target_params, hidden)
+
+
+def cache_shapes(cfg: DraftConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
+    """Global shapes of the drafter's context cache on a mesh of `tp` model devices."""
+    return gqa.cache_shapes(cfg.num_layers, cfg.dims, batch, capacity, tp, dtype)
+
+
+def check_divisible(cfg: DraftConfig, tp: int) -> None:
+    """Clear errors when the drafter's heads, MLP columns or vocabulary do not split `tp` ways."""
+    check_dims(cfg.dims, cfg.vocab_size, tp, "drafter")
 
 
 def load(directory, target_cfg, dtype: jnp.dtype, sharding) -> tuple[DraftConfig, Params]:

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import collectives, drafter, target, tree
+from ddtree_jax import collectives, drafter, kv_cache, models, target, tree
 from ddtree_jax.config import DraftConfig, TargetConfig
-from ddtree_jax.kv_cache import KVCache, empty_cache, gather_slots, write
+from ddtree_jax.kv_cache import KVCache, gather_slots
 from ddtree_jax.sampling import SamplingParams, choose, tempered
 from ddtree_jax.sharding import DATA, MODEL, make_mesh, param_sharding
 from ddtree_jax.weights import Params, assemble
@@ -113,11 +113,13 @@ class DecodeState:
     sampling: SamplingParams | None = None  # None: greedy for every row (the greedy-only program)
 
 
-def rows_to_run(method: str, rows: int) -> int:
+def rows_to_run(method: str, rows: int, cfg: TargetConfig | None = None) -> int:
     """Rows per device a program runs for `rows` requested: one ar row runs as two (the second
     inactive), because XLA's one-row matmuls read the weights slower than its two-row ones (H200,
-    Qwen3-8B shapes: 6.2-6.5 ms a step at one row, 5.0 ms at two; results/h200/README.md)."""
-    return 2 if method == "ar" and rows == 1 else rows
+    Qwen3-8B shapes: 6.2-6.5 ms a step at one row, 5.0 ms at two; results/h200/README.md), unless
+    the target's family says a second row costs more (`PAD_ONE_ROW_AR`: a MoE row reads its own experts)."""
+    pad = cfg is None or models.family(cfg).PAD_ONE_ROW_AR
+    return 2 if pad and method == "ar" and rows == 1 else rows
 
 
 def _write_tokens(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -148,22 +150,14 @@ def prefill(
         params, cfg, prompts, positions, mask, None, feature_layers=plan.feature_layers, model_axis=axis
     )
     dtype = params["embed"].dtype
-    hkv = out.kv[0][0].shape[2]  # the K/V heads this device holds
-    cache = empty_cache(cfg.num_layers, b, hkv, plan.capacity, cfg.dims.head_dim, dtype)
-    cache = write(cache, out.kv, jnp.zeros((b,), jnp.int32))
-    cache.lengths = prompt_lengths
+    cache = kv_cache.from_prefill(out.kv, plan.capacity, prompt_lengths)
     last = out.hidden[jnp.arange(b), prompt_lengths - 1]
     first = choose(target.logits(params, last[:, None]), sampling, prompt_lengths[:, None], axis)[:, 0]
 
     draft_cache = None
     if plan.method != "ar":
         kv = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
-        hkv = kv[0][0].shape[2]
-        draft_cache = empty_cache(
-            plan.draft.num_layers, b, hkv, plan.capacity, plan.draft.dims.head_dim, dtype
-        )
-        draft_cache = write(draft_cache, kv, jnp.zeros((b,), jnp.int32))
-        draft_cache.lengths = prompt_lengths
+        draft_cache = kv_cache.from_prefill(kv, plan.capacity, prompt_lengths)
 
     stopped = active & jnp.isin(first, stop_ids)
     slots = plan.max_new_tokens + plan.path_slots
@@ -257,16 +251,14 @@ def commit(
     old = state.acceptance[jnp.arange(b), round_idx]
     committed = jnp.where(live, w.length, 0)
 
-    cache = write(
-        state.cache, [(gather_slots(k, w.path), gather_slots(v, w.path)) for k, v in kv], state.cache.lengths
-    )
+    cache = kv_cache.write(state.cache, kv_cache.gather(kv, w.path), state.cache.lengths)
     cache.lengths = state.cache.lengths + committed
     draft_cache = None
     if state.draft_cache is not None:
         positions = state.cache.lengths[:, None] + jnp.arange(slots, dtype=jnp.int32)[None, :]
-        path_features = gather_slots(features, w.path).astype(cache.k[0].dtype)
+        path_features = gather_slots(features, w.path).astype(jax.tree.leaves(cache.layers)[0].dtype)
         ctx = drafter.context_kv(draft_params, plan.draft, path_features, positions)
-        draft_cache = write(state.draft_cache, ctx, state.cache.lengths)
+        draft_cache = kv_cache.write(state.draft_cache, ctx, state.cache.lengths)
         draft_cache.lengths = cache.lengths
     return DecodeState(
         cache=cache,
@@ -324,8 +316,6 @@ def generate(
 # -- on a mesh: shard_map specs of every argument and result -----------------------------------------
 
 ROW = P(DATA)  # [B, ...]: rows split over "data", replicated over "model"
-HEADS = P(DATA, MODEL)  # caches [B, Hkv, S, D]: and K/V heads split over "model"
-NEW_KV = P(DATA, None, MODEL)  # in-flight K/V [B, T, Hkv, D]
 ALL = P()  # replicated (stop ids)
 
 
@@ -338,14 +328,14 @@ def param_specs(plan: Plan) -> tuple[Params, Params | P]:
 
 
 def state_specs(plan: Plan) -> DecodeState:
-    """PartitionSpecs of a DecodeState: everything by rows, caches also by K/V heads."""
+    """PartitionSpecs of a DecodeState: everything by rows, cache entries as their type lays them out."""
 
-    def cache(num_layers: int) -> KVCache:
-        return KVCache(k=[HEADS] * num_layers, v=[HEADS] * num_layers, lengths=ROW)
+    def cache(entry_type, num_layers: int) -> KVCache:
+        return KVCache(layers=[entry_type.cache_spec()] * num_layers, lengths=ROW)
 
     return DecodeState(
-        cache=cache(plan.target.num_layers),
-        draft_cache=None if plan.method == "ar" else cache(plan.draft.num_layers),
+        cache=cache(models.family(plan.target).Entry, plan.target.num_layers),
+        draft_cache=None if plan.method == "ar" else cache(drafter.Entry, plan.draft.num_layers),
         bonus=ROW,
         output=ROW,
         num_output=ROW,
@@ -394,7 +384,7 @@ class HostStepper:
         self.plan = plan
         params, dparams = param_specs(plan)
         state = state_specs(plan)
-        kv = [(NEW_KV, NEW_KV)] * plan.target.num_layers
+        kv = [models.family(plan.target).Entry.new_spec()] * plan.target.num_layers
 
         def stage(fn, in_specs, out_specs, donate=()):
             return jax.jit(on_mesh(fn, plan, in_specs, out_specs), donate_argnums=donate)

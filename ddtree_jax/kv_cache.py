@@ -1,38 +1,35 @@
-"""Static K/V cache: per layer [B, Hkv, S, D], per sequence a committed length."""
+"""The static cache: per layer one entry of the family's type, per sequence a committed length.
+
+An entry is a pytree (e.g. `models.gqa.KVEntry`) whose cached leaves share one time axis, named by the
+entry type's `time_axis`; the same type in flight (a forward's new tokens) has time on axis 1. Writing,
+gathering and sizing below work leaf by leaf and know nothing else of the layout.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ddtree_jax.sharding import MODEL
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Per-layer keys and values [B, Hkv, S, D]; `lengths` [B] int32 = committed entries."""
+    """Per-layer cache entries (S slots on their time axis); `lengths` [B] int32 = committed entries."""
 
-    k: list[jax.Array]
-    v: list[jax.Array]
+    layers: list[Any]
     lengths: jax.Array
 
     @property
     def capacity(self) -> int:
         """S, the static number of slots per sequence."""
-        return self.k[0].shape[2]
-
-
-def empty_cache(
-    num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: jnp.dtype
-) -> KVCache:
-    """A zeroed cache with all lengths 0."""
-    shape = (batch, num_kv_heads, capacity, head_dim)
-    return KVCache(
-        k=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-        v=[jnp.zeros(shape, dtype) for _ in range(num_layers)],
-        lengths=jnp.zeros((batch,), jnp.int32),
-    )
+        entry = self.layers[0]
+        return jax.tree.leaves(entry)[0].shape[type(entry).time_axis]
 
 
 def gather_slots(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -40,20 +37,72 @@ def gather_slots(x: jax.Array, index: jax.Array) -> jax.Array:
     return jax.vmap(lambda row, i: row[i])(x, index)
 
 
-def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    # buf [B, Hkv, S, D], new [B, W, Hkv, D] written at S-offset start[b] of each sequence.
-    new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(buf, new, start)
+def gather(new: list[Any], index: jax.Array) -> list[Any]:
+    """In-flight entries [B, T, ...] gathered at index [B, W] along time -> [B, W, ...]."""
+    return [jax.tree.map(lambda x: gather_slots(x, index), entry) for entry in new]
 
 
-def write(cache: KVCache, kv: list[tuple[jax.Array, jax.Array]], start: jax.Array) -> KVCache:
-    """Write per-layer new K/V [B, W, Hkv, D] at slot `start[b]`; lengths are left to the caller.
+def _write_leaf(buf: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
+    # buf [B, ..., S (axis), ...], new [B, W, ...] written at time offset start[b] of each sequence.
+    new = jnp.moveaxis(new, 1, axis).astype(buf.dtype)
+
+    def one(c, n, s):
+        return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis - 1)
+
+    return jax.vmap(one)(buf, new, start)
+
+
+def write(cache: KVCache, new: list[Any], start: jax.Array) -> KVCache:
+    """Write per-layer in-flight entries [B, W, ...] at slot `start[b]`; lengths are left to the caller.
 
     Slots past what the caller later counts as committed are written too and simply never read:
     the capacity must leave W spare slots past the longest sequence (dynamic_update_slice clamps).
     """
-    return KVCache(
-        k=[_write_rows(c, k, start) for c, (k, _) in zip(cache.k, kv, strict=True)],
-        v=[_write_rows(c, v, start) for c, (_, v) in zip(cache.v, kv, strict=True)],
-        lengths=cache.lengths,
+    layers = [_write_entry(c, n, start) for c, n in zip(cache.layers, new, strict=True)]
+    return KVCache(layers, cache.lengths)
+
+
+def _write_entry(cached: Any, new: Any, start: jax.Array) -> Any:
+    # new: the same entry in flight (or its leaves in the same order, e.g. a (k, v) tuple)
+    axis = type(cached).time_axis
+    leaves, tree = jax.tree.flatten(cached)
+    fresh = jax.tree.leaves(new)
+    return jax.tree.unflatten(
+        tree, [_write_leaf(c, n, start, axis) for c, n in zip(leaves, fresh, strict=True)]
     )
+
+
+def _cached_shape(new_shape: tuple[int, ...], axis: int, capacity: int) -> tuple[int, ...]:
+    """The cached shape of an in-flight leaf [B, T, ...]: time moved to `axis`, with `capacity` slots."""
+    rest = list(new_shape[:1] + new_shape[2:])
+    return tuple(rest[:axis] + [capacity] + rest[axis:])
+
+
+def empty_like(new: list[Any], capacity: int) -> KVCache:
+    """A zeroed cache of `capacity` slots for entries shaped like the in-flight `new` [B, T, ...]."""
+
+    def zeros(entry):
+        axis = type(entry).time_axis
+        return jax.tree.map(lambda x: jnp.zeros(_cached_shape(x.shape, axis, capacity), x.dtype), entry)
+
+    batch = jax.tree.leaves(new[0])[0].shape[0]
+    return KVCache([zeros(e) for e in new], jnp.zeros((batch,), jnp.int32))
+
+
+def from_prefill(new: list[Any], capacity: int, lengths: jax.Array) -> KVCache:
+    """A cache holding the prefill's entries [B, P, ...] from slot 0, committed up to `lengths` [B]."""
+    cache = write(empty_like(new, capacity), new, jnp.zeros_like(lengths))
+    cache.lengths = lengths
+    return cache
+
+
+def bytes_per_token(entries: list[Any], tp: int) -> float:
+    """Bytes one device of a `tp`-way "model" axis holds per cached token of one row: entries are the
+    global cache shapes (arrays or ShapeDtypeStructs); leaves split over "model" count 1 / tp."""
+    total = 0.0
+    for entry in entries:
+        specs = jax.tree.leaves(type(entry).cache_spec(), is_leaf=lambda x: isinstance(x, P))
+        for leaf, spec in zip(jax.tree.leaves(entry), specs, strict=True):
+            per_token = leaf.size // (leaf.shape[0] * leaf.shape[type(entry).time_axis])
+            total += per_token * leaf.dtype.itemsize / (tp if MODEL in tuple(spec) else 1)
+    return total

@@ -22,7 +22,8 @@ import numpy as np
 
 from ddtree_jax import drafter, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig
-from ddtree_jax.layers import decoder_layer, rms_norm, rope_tables
+from ddtree_jax.models.common import rms_norm, rope_tables
+from ddtree_jax.models.dense import decoder_layer
 from ddtree_jax.weights import Params, WeightSpec, assemble
 
 # -- configs and initialisation -----------------------------------------------------------------

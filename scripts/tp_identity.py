@@ -23,13 +23,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax import drafter, models, target  # noqa: E402
 from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.generation import Generator  # noqa: E402
 from ddtree_jax.prompts import Prompt, read_prompts  # noqa: E402
 from ddtree_jax.sampling import GREEDY  # noqa: E402
-from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding  # noqa: E402
+from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 from ddtree_jax.text import TextCodec  # noqa: E402
 from ddtree_jax.weights import random_params  # noqa: E402
 
@@ -49,7 +49,7 @@ def random_model(shape: str, draft_layers: int, tp: int, dtype, num_prompts: int
     """The same, for random weights of a real shape (identical values at every tp) and random prompts."""
     tcfg = SHAPES[shape]
     dcfg = draft_shape(tcfg, draft_layers, 16)
-    check_divisible(tcfg.dims, tcfg.vocab_size, tp, "target")
+    models.family(tcfg).check_divisible(tcfg, tp)
     place = None if tp == 1 else param_sharding(make_mesh(tp)).place
     tparams = random_params(target.weight_specs(tcfg), 0, dtype, place=place)
     dparams = random_params(drafter.weight_specs(dcfg), 1, dtype, place=place)

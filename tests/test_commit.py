@@ -6,6 +6,7 @@ from conftest import load_drafter, load_target
 
 from ddtree_jax import engine, tree
 from ddtree_jax.engine import Plan
+from ddtree_jax.models.gqa import KVEntry
 
 
 def test_commit_writes_the_accepted_path_and_nothing_before_it():
@@ -27,7 +28,7 @@ def test_commit_writes_the_accepted_path_and_nothing_before_it():
     # Recognisable tree K/V: value = 1000 * layer + node index.
     hkv, d = cfg.dims.num_kv_heads, cfg.dims.head_dim
     node = jnp.arange(8, dtype=jnp.float32)[None, :, None, None]
-    kv = [(jnp.broadcast_to(1000.0 * i + node, (2, 8, hkv, d)),) * 2 for i in range(cfg.num_layers)]
+    kv = [KVEntry(*(jnp.broadcast_to(1000.0 * i + node, (2, 8, hkv, d)),) * 2) for i in range(cfg.num_layers)]
     features = jnp.zeros((2, 8, 2 * cfg.dims.hidden_size), jnp.float32)
 
     new = engine.commit(dparams, state, t, jnp.asarray(choice), kv, features, stop, plan=plan)
@@ -37,9 +38,9 @@ def test_commit_writes_the_accepted_path_and_nothing_before_it():
         assert int(new.cache.lengths[b]) == old_len + a
         assert int(new.draft_cache.lengths[b]) == old_len + a
         for i in (0, cfg.num_layers - 1):
-            k = np.asarray(new.cache.k[i][b, 0, :, 0])
+            k = np.asarray(new.cache.layers[i].k[b, 0, :, 0])
             np.testing.assert_array_equal(k[old_len : old_len + a], 1000.0 * i + np.arange(a))
-            np.testing.assert_array_equal(k[:old_len], np.asarray(state.cache.k[i][b, 0, :old_len, 0]))
+            np.testing.assert_array_equal(k[:old_len], np.asarray(state.cache.layers[i].k[b, 0, :old_len, 0]))
         emitted = np.asarray(new.output[b, 1 : 1 + a])
         np.testing.assert_array_equal(emitted, list(np.asarray(drafted[b, :m])) + [200 + b])
         assert int(new.num_output[b]) == 1 + a and int(new.acceptance[b, 0]) == a

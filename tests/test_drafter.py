@@ -7,7 +7,8 @@ from conftest import DRAFTERS, golden, load_drafter, load_target
 
 from ddtree_jax import drafter
 from ddtree_jax.config import default_target_layer_ids
-from ddtree_jax.kv_cache import empty_cache, write
+from ddtree_jax.kv_cache import write
+from ddtree_jax.models.gqa import empty_cache
 
 
 def _draft_logits(name, features, bonus, window=None, split=None):

@@ -15,7 +15,8 @@ import pytest
 
 from ddtree_jax import drafter, target, train
 from ddtree_jax.checkpoint import save_hf
-from ddtree_jax.kv_cache import empty_cache, write
+from ddtree_jax.kv_cache import write
+from ddtree_jax.models.gqa import empty_cache
 from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
 

@@ -1,0 +1,135 @@
+"""Pieces every family shares: RMSNorm, RoPE, SwiGLU, the layers' all-reduce, embedding and head,
+and the decoder stack that turns per-layer functions into a forward pass with drafter features.
+
+Shapes: x [B, T, H]; positions [B, T] int32; per-head tensors [B, T, heads, D].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.collectives import Axis, psum, vocab_offset
+from ddtree_jax.weights import Params, WeightSpec, norm
+
+# layer(i, p, x) -> (x, the layer's new cache entry): one decoder layer, closed over mask and cache.
+Layer = Callable[[int, dict, jax.Array], tuple[jax.Array, Any]]
+
+
+class ForwardOutput(NamedTuple):
+    """hidden [B, T, H] after the final norm; per layer the new tokens' cache entry (the family's
+    entry type, in-flight layout [B, T, ...]); features [B, T, F] (None without feature layers)."""
+
+    hidden: jax.Array
+    kv: list[Any]
+    features: jax.Array | None
+
+
+def all_reduce(x: jax.Array, model_axis: Axis) -> jax.Array:
+    """The all-reduce after a layer's row-split projection (o_proj, down_proj, the experts).
+
+    Every family calls it through this module's `psum`, so the benchmark can drop it for timing alone.
+    """
+    return psum(x, model_axis)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, scaled in the input dtype (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, D/2] in float32 for the given absolute positions."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on [B, T, heads, D], in x's dtype."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """silu(x @ gate) * (x @ up) @ down, without any all-reduce: x [..., H] -> [..., H]."""
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def head_specs(vocab_size: int, hidden_size: int, tied: bool) -> list[WeightSpec]:
+    """The embedding table, the final norm and (untied) lm_head with their HF names."""
+    specs = [
+        WeightSpec(("embed",), "model.embed_tokens.weight", (vocab_size, hidden_size), ("vocab", None)),
+        norm(("norm",), "model.norm.weight", hidden_size),
+    ]
+    if not tied:
+        specs.append(
+            WeightSpec(
+                ("lm_head",), "lm_head.weight", (hidden_size, vocab_size), (None, "vocab"), transpose=True
+            )
+        )
+    return specs
+
+
+def embed(params: Params, tokens: jax.Array, model_axis: Axis = None) -> jax.Array:
+    """Token embeddings [B, T, H]; a vocabulary-split table: masked local lookup, then all-reduce."""
+    table = params["embed"]
+    if model_axis is None:
+        return table[tokens]
+    local = tokens - vocab_offset(table.shape[0], model_axis)
+    here = (local >= 0) & (local < table.shape[0])
+    rows = table[jnp.where(here, local, 0)]
+    return psum(jnp.where(here[..., None], rows, jnp.zeros((), rows.dtype)), model_axis)
+
+
+def logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """float32 logits [..., V] from final-normed hidden states (tied or untied lm_head).
+
+    With the vocabulary split over devices, this device's slice [..., V_local] (collectives.py).
+    """
+    if "lm_head" in params:
+        return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+
+
+def unread_embedding_bytes(params: Params, tied: bool, nbytes: Callable[[jax.Array], int]) -> int:
+    """Bytes of the embedding table a pass need not read: all of it when lm_head is separate (a pass
+    gathers only its tokens' rows); `nbytes(x)`: the bytes of x this device holds."""
+    return 0 if tied else nbytes(params["embed"])
+
+
+def decoder_stack(
+    params: Params,
+    tokens: jax.Array,
+    layer: Layer,
+    eps: float,
+    feature_layers: tuple[int, ...],
+    model_axis: Axis,
+    dropout: Callable[[jax.Array], jax.Array] | None,
+) -> ForwardOutput:
+    """Embed tokens [B, T], run `layer` over params["layers"], final norm; collect drafter features.
+
+    `features` concatenates HF's `hidden_states[i + 1]` for i in `feature_layers` (what DFlash conditions
+    on): the output of decoder layer i, except for the last layer, whose entry HF records after the
+    final norm (the DDTree reference and z-lab's drafters read it so).
+    """
+    x = embed(params, tokens, model_axis)
+    if dropout is not None:
+        x = dropout(x)
+    entries, feats = [], {}
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            x, entry = layer(i, p, x)
+        entries.append(entry)
+        feats[i] = x
+    hidden = rms_norm(x, params["norm"], eps)
+    feats[len(params["layers"]) - 1] = hidden  # HF's hidden_states[L] is the final norm's output
+    features = jnp.concatenate([feats[i] for i in feature_layers], -1) if feature_layers else None
+    return ForwardOutput(hidden, entries, features)

@@ -1,0 +1,148 @@
+"""Grouped-query attention: the attention kind of Qwen3, Llama and Qwen3-MoE layers (and the drafter).
+
+Its cache entry is `KVEntry`: per layer keys and values, cached [B, Hkv, S, D] (time axis 2), in flight
+[B, T, Hkv, D]. Under tensor parallelism query heads and K/V heads split over "model" (K/V heads
+repeated when fewer than devices: sharding.py); the all-reduce follows o_proj.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ddtree_jax.attention import kernel
+from ddtree_jax.collectives import Axis
+from ddtree_jax.config import LayerDims
+from ddtree_jax.models.common import all_reduce, apply_rope, rms_norm
+from ddtree_jax.sharding import DATA, MODEL
+from ddtree_jax.weights import WeightSpec, linear, norm
+from pallas_kernels import tree_attention_reference
+
+# attend(q, k_new, v_new) -> [B, T, Hq, D]: the caller closes over the cache and the mask.
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+class KVEntry(NamedTuple):
+    """One layer's keys and values: cached [B, Hkv, S, D], in flight [B, T, Hkv, D]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    time_axis = 2  # of the cached leaves (kv_cache.py); in-flight leaves have time on axis 1
+
+    @classmethod
+    def cache_spec(cls) -> KVEntry:
+        """PartitionSpecs of the cached leaves: rows over "data", K/V heads over "model"."""
+        return cls(P(DATA, MODEL), P(DATA, MODEL))
+
+    @classmethod
+    def new_spec(cls) -> KVEntry:
+        """PartitionSpecs of the in-flight leaves [B, T, Hkv, D]."""
+        return cls(P(DATA, None, MODEL), P(DATA, None, MODEL))
+
+
+def cache_shapes(
+    num_layers: int, dims: LayerDims, batch: int, capacity: int, tp: int, dtype: jnp.dtype
+) -> list[KVEntry]:
+    """Global shapes of a cache on a mesh of `tp` model devices (one K/V head per device when fewer)."""
+    shape = jax.ShapeDtypeStruct((batch, max(dims.num_kv_heads, tp), capacity, dims.head_dim), dtype)
+    return [KVEntry(shape, shape) for _ in range(num_layers)]
+
+
+def empty_cache(
+    num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: jnp.dtype
+):
+    """A zeroed GQA cache with all lengths 0."""
+    from ddtree_jax.kv_cache import KVCache
+
+    shape = (batch, num_kv_heads, capacity, head_dim)
+    layers = [KVEntry(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    return KVCache(layers, jnp.zeros((batch,), jnp.int32))
+
+
+def attention_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
+    """q/k/v/o projections (and Qwen3's q/k norms) of one layer; HF names under `prefix` + 'self_attn.'."""
+    h, hq, hkv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    attn = prefix + "self_attn."
+    specs = [
+        linear((*path, "q_proj"), attn + "q_proj.weight", h, hq, (None, "heads"), dims.num_heads),
+        linear((*path, "k_proj"), attn + "k_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
+        linear((*path, "v_proj"), attn + "v_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
+        linear((*path, "o_proj"), attn + "o_proj.weight", hq, h, ("heads", None), dims.num_heads),
+    ]
+    if dims.qk_norm:
+        specs += [
+            norm((*path, "q_norm"), attn + "q_norm.weight", dims.head_dim),
+            norm((*path, "k_norm"), attn + "k_norm.weight", dims.head_dim),
+        ]
+    return specs
+
+
+def project_kv(p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]) -> KVEntry:
+    """K (normed, rotated) and V of x: [B, T, Hkv, D] each (Hkv: the heads this device holds)."""
+    b, t, _ = x.shape
+    k = (x @ p["k_proj"]).reshape(b, t, -1, dims.head_dim)
+    v = (x @ p["v_proj"]).reshape(b, t, -1, dims.head_dim)
+    if dims.qk_norm:
+        k = rms_norm(k, p["k_norm"], dims.rms_norm_eps)
+    return KVEntry(apply_rope(k, *rope), v)
+
+
+def project_q(p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Q (normed, rotated): [B, T, Hq, D] (Hq: the heads this device holds)."""
+    b, t, _ = x.shape
+    q = (x @ p["q_proj"]).reshape(b, t, -1, dims.head_dim)
+    if dims.qk_norm:
+        q = rms_norm(q, p["q_norm"], dims.rms_norm_eps)
+    return apply_rope(q, *rope)
+
+
+def attention(
+    p: dict,
+    h: jax.Array,
+    dims: LayerDims,
+    rope: tuple[jax.Array, jax.Array],
+    attend: Attend,
+    model_axis: Axis = None,
+) -> tuple[jax.Array, KVEntry]:
+    """Self-attention of normed h [B, T, H] -> (output [B, T, H] all-reduced, the new K/V entry)."""
+    b, t, _ = h.shape
+    q = project_q(p, h, dims, rope)
+    entry = project_kv(p, h, dims, rope)
+    out = attend(q, entry.k, entry.v).reshape(b, t, -1)
+    return all_reduce(out @ p["o_proj"], model_axis), entry
+
+
+def cache_attend(
+    impl: str, entry: KVEntry, lengths: jax.Array, mask: jax.Array, window: int | None = None
+) -> Attend:
+    """attend(q, k_new, v_new) over one cached layer up to `lengths` [B] plus the new tokens under mask."""
+    fn = kernel(impl)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return fn(q, entry.k, entry.v, lengths, k, v, mask, window=window)
+
+    return attend
+
+
+def self_attend(mask: jax.Array) -> Attend:
+    """attend(q, k, v) over the new tokens only (prefill: nothing cached yet)."""
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        b, _, hkv, d = k.shape
+        empty = k[:, :0].reshape(b, hkv, 0, d)
+        lengths = jnp.zeros((b,), jnp.int32)
+        return tree_attention_reference(q, empty, empty, lengths, k, v, mask)
+
+    return attend
+
+
+def layer_attend(impl: str, cache, layer: int, mask: jax.Array, window: int | None = None) -> Attend:
+    """The attend of decoder layer `layer`: over its cache entry, or the new tokens alone (cache None)."""
+    if cache is None:
+        return self_attend(mask)
+    return cache_attend(impl, cache.layers[layer], cache.lengths, mask, window)
