@@ -89,8 +89,8 @@ def embed(params: Params, tokens: jax.Array, model_axis: Axis = None) -> jax.Arr
     return psum(jnp.where(here[..., None], rows, jnp.zeros((), rows.dtype)), model_axis)
 
 
-# The logit of a padded vocabulary entry: below any real logit, finite so that no consumer meets inf - inf
-# or 0 * inf, and still below every real logit after division by any temperature under 1e28.
+# The logit of a padded vocabulary entry: far below any real logit, and finite (also once divided by any
+# temperature above 1e-8) so that no consumer meets inf - inf or 0 * inf (an entropy, a KL).
 PADDED_LOGIT = -1e30
 
 
@@ -106,7 +106,8 @@ def logits(
     Gumbel sampling all see padded entries as tokens of probability exactly 0 (exp underflows) that
     rank below every real one, so none of them needs the real vocabulary size and each stays
     identical to one device while top-k <= `vocab_size`. A top-k larger than that, or top-p keeping
-    everything, keeps the padded entries too, but they lose the Gumbel argmax to every real token.
+    everything, keeps the padded entries too, but they lose the Gumbel argmax to every real token at
+    any temperature below 1e28 (the noise spans less than 20; tempered, they sit below -1e30 / T).
     """
     if "lm_head" in params:
         out = jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
