@@ -61,8 +61,8 @@ def draft_logits(
 ) -> jax.Array:
     """float32 logits [B, D, V] for depths 1..D after the bonus [B] at position cache.lengths.
 
-    With the vocabulary split over `model_axis`, this device's slice [B, D, V_local]. The embedding
-    and lm_head are the target's, as its family reads them.
+    With the vocabulary split over `model_axis`, this device's slice [B, D, V_local] (padded entries
+    masked: `models.common.logits`). The embedding and lm_head are the target's, as its family reads them.
     """
     family = models.family_of(cfg.target_architecture)
     b, k = bonus.shape[0], cfg.block_size
@@ -76,7 +76,7 @@ def draft_logits(
         with jax.named_scope(f"draft_layer{i}"):
             x, _ = decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
     hidden = rms_norm(x[:, 1:], params["norm"], cfg.dims.rms_norm_eps)
-    return family.logits(target_params, hidden)
+    return family.logits(target_params, hidden, cfg.vocab_size, model_axis)
 
 
 def cache_shapes(cfg: DraftConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:

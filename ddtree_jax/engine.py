@@ -152,7 +152,8 @@ def prefill(
     dtype = params["embed"].dtype
     cache = kv_cache.from_prefill(out.kv, plan.capacity, prompt_lengths)
     last = out.hidden[jnp.arange(b), prompt_lengths - 1]
-    first = choose(target.logits(params, last[:, None]), sampling, prompt_lengths[:, None], axis)[:, 0]
+    head = target.logits(params, last[:, None], cfg.vocab_size, axis)
+    first = choose(head, sampling, prompt_lengths[:, None], axis)[:, 0]
 
     draft_cache = None
     if plan.method != "ar":
@@ -220,7 +221,8 @@ def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
         attention=plan.attention,
         model_axis=plan.model_axis,
     )
-    choice = choose(target.logits(params, out.hidden), state.sampling, positions + 1, plan.model_axis)
+    head = target.logits(params, out.hidden, plan.target.vocab_size, plan.model_axis)
+    choice = choose(head, state.sampling, positions + 1, plan.model_axis)
     return choice, out.kv, out.features
 
 

@@ -9,7 +9,10 @@ The mesh has axes ("data", "model"). The batch is split over "data"; over "model
               The placed k_proj / v_proj are then [H, tp * D]: each head repeated tp / Hkv times
               (`placed_shape`, `host_block`), a layout that is also correct GQA on one device.
   "ff"        gate/up columns, down rows
-  "vocab"     the embedding's rows and lm_head's columns (contiguous slices, in device order)
+  "vocab"     the embedding's rows and lm_head's columns (contiguous slices, in device order), padded
+              with zero rows / columns to a multiple of tp (`placed_shape`, `host_block`), as vLLM and
+              SGLang pad theirs: any vocabulary splits. `models.common.logits` gives the padded
+              columns a logit no real token has, so nothing downstream ever picks a padded id.
   "experts"   stacked expert weights [E, ...] under expert parallelism: E / tp whole experts per device
               (under tensor parallelism inside experts their columns are "ff" instead: models/moe.py)
 
@@ -50,14 +53,13 @@ def make_mesh(tp: int = 1, dp: int = 1) -> Mesh:
 
 
 def check_divisible(dims, vocab_size: int, tp: int, model: str) -> None:
-    """Clear errors for a model that cannot be split `tp` ways (dims: config.LayerDims)."""
+    """Clear errors for a model that cannot be split `tp` ways (dims: config.LayerDims).
+
+    Any `vocab_size` splits: the placement pads the vocabulary to a multiple of tp (`Placement`).
+    """
     if tp == 1:
         return
-    counts = {
-        "num_attention_heads": dims.num_heads,
-        "intermediate_size": dims.intermediate_size,
-        "vocab_size": vocab_size,
-    }
+    counts = {"num_attention_heads": dims.num_heads, "intermediate_size": dims.intermediate_size}
     for field, n in counts.items():
         if n % tp:
             raise DDTreeError(f"--tp {tp}: the {model}'s {field} ({n}) is not divisible by {tp}")
@@ -91,14 +93,34 @@ class Placement:
             return PartitionSpec()
         return PartitionSpec(*(MODEL if a in SPLIT_AXES else None for a in spec.axes))
 
+    def _vocab_padding(self, spec: WeightSpec, shape: tuple[int, ...], rows: int) -> list | None:
+        """Pad widths growing an array of `shape` to `rows` entries along "vocab" (None: no padding)."""
+        dim = spec.axes.index("vocab")
+        return None if shape[dim] == rows else [(0, rows - n if i == dim else 0) for i, n in enumerate(shape)]
+
     def placed_shape(self, spec: WeightSpec) -> tuple[int, ...]:
-        """The global shape of the placed array (K/V heads repeated when fewer than devices)."""
-        r = self._kv_repeat(spec)
-        return tuple(n * r if a == "kv_heads" else n for n, a in zip(spec.shape, spec.axes, strict=True))
+        """The global shape of the placed array (K/V heads repeated when fewer than devices, the
+        vocabulary padded to a multiple of tp)."""
+        r, tp = self._kv_repeat(spec), self.tp
+
+        def placed(n: int, axis: str | None) -> int:
+            if axis == "kv_heads":
+                return n * r
+            return -(-n // tp) * tp if axis == "vocab" else n
+
+        return tuple(placed(n, a) for n, a in zip(spec.shape, spec.axes, strict=True))
 
     def host_block(self, spec: WeightSpec, host: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
-        """The block `index` of the placed array, read from the checkpoint's array `host`."""
+        """The block `index` of the placed array, read from the checkpoint's array `host` (only the
+        block's own rows: padded vocabulary entries past the checkpoint's are zeros)."""
         r = self._kv_repeat(spec)
+        if "vocab" in spec.axes:
+            dim = spec.axes.index("vocab")
+            rows = range(self.placed_shape(spec)[dim])[index[dim]]  # the block's entries, padding included
+            real = range(spec.shape[dim])[index[dim]]  # those in the checkpoint: a lazy read stops there
+            block = host[index[:dim] + (slice(real.start, real.stop),) + index[dim + 1 :]]
+            pad = self._vocab_padding(spec, block.shape, len(rows))
+            return block if pad is None else np.pad(block, pad)
         if r == 1:
             return host[index]
         dim = spec.axes.index("kv_heads")
@@ -110,8 +132,11 @@ class Placement:
 
     def place(self, spec: WeightSpec, whole: jax.Array) -> jax.Array:
         """A weight held whole (checkpoint layout, our [in, out]) -> the placed array on the mesh, with
-        K/V heads repeated as `host_block` repeats them."""
+        K/V heads repeated and the vocabulary padded as `host_block` does."""
         r = self._kv_repeat(spec)
+        if "vocab" in spec.axes:
+            pad = self._vocab_padding(spec, whole.shape, self.placed_shape(spec)[spec.axes.index("vocab")])
+            whole = whole if pad is None else jnp.pad(whole, pad)
         if r > 1:
             dim = spec.axes.index("kv_heads")
             split = whole.shape[:dim] + (spec.heads, spec.shape[dim] // spec.heads) + whole.shape[dim + 1 :]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.collectives import Axis, psum, vocab_offset
+from ddtree_jax.collectives import Axis, axis_size, psum, vocab_offset
 from ddtree_jax.weights import Params, WeightSpec, norm
 
 # layer(i, p, x) -> (x, the layer's new cache entry): one decoder layer, closed over mask and cache.
@@ -89,14 +89,35 @@ def embed(params: Params, tokens: jax.Array, model_axis: Axis = None) -> jax.Arr
     return psum(jnp.where(here[..., None], rows, jnp.zeros((), rows.dtype)), model_axis)
 
 
-def logits(params: Params, hidden: jax.Array) -> jax.Array:
+# The logit of a padded vocabulary entry: far below any real logit, and finite (also once divided by any
+# temperature above 1e-8) so that no consumer meets inf - inf or 0 * inf (an entropy, a KL).
+PADDED_LOGIT = -1e30
+
+
+def logits(
+    params: Params, hidden: jax.Array, vocab_size: int | None = None, model_axis: Axis = None
+) -> jax.Array:
     """float32 logits [..., V] from final-normed hidden states (tied or untied lm_head).
 
     With the vocabulary split over devices, this device's slice [..., V_local] (collectives.py).
+    A head padded past `vocab_size` (sharding.py pads it to a multiple of the "model" devices) gives
+    its padded columns PADDED_LOGIT. Masking here, where logits are made, covers every consumer at
+    once: the greedy argmax, the drafter's log-softmax and top-k, tempering, and top-k / top-p /
+    Gumbel sampling all see padded entries as tokens of probability exactly 0 (exp underflows) that
+    rank below every real one, so none of them needs the real vocabulary size and each stays
+    identical to one device while top-k <= `vocab_size`. A top-k larger than that, or top-p keeping
+    everything, keeps the padded entries too, but they lose the Gumbel argmax to every real token at
+    any temperature below 1e28 (the noise spans less than 20; tempered, they sit below -1e30 / T).
     """
     if "lm_head" in params:
-        return jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+        out = jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    else:
+        out = jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    local = out.shape[-1]
+    if vocab_size is None or local * axis_size(model_axis) == vocab_size:
+        return out
+    ids = vocab_offset(local, model_axis) + jnp.arange(local, dtype=jnp.int32)  # global ids of the columns
+    return jnp.where(ids < vocab_size, out, PADDED_LOGIT)
 
 
 def unread_embedding_bytes(params: Params, tied: bool, nbytes: Callable[[jax.Array], int]) -> int:
