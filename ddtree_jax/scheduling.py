@@ -61,11 +61,14 @@ def prompt_slots(length: int, chunk: int) -> int:
 
 def chunk_for(length: int, schedule: Schedule) -> int:
     """The prefill chunk of prompts up to `length` tokens: the schedule's, or for short prompts the
-    next power of two >= 16 (batch-invariant: always the schedule's, so a prompt's prefill never
-    depends on the prompts it is prefilled with)."""
+    smallest of chunk / 4, chunk / 16, ... (at least 16) that holds them (three or so shapes compile);
+    batch-invariant: always the schedule's, so a prompt's prefill never depends on its companions."""
+    chunk = schedule.chunk
     if schedule.batch_invariant:
-        return schedule.chunk
-    return min(schedule.chunk, max(16, 1 << (length - 1).bit_length()))
+        return chunk
+    while chunk // 4 >= max(length, 16):
+        chunk //= 4
+    return chunk
 
 
 def _with_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:

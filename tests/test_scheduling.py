@@ -1,6 +1,7 @@
 """Continuous batching and chunked prefill: the same tokens as static batches and one-prompt runs."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ def test_never_more_rows_than_prompts():
 def test_prompt_slots_pad_to_chunks():
     assert [scheduling.prompt_slots(n, 256) for n in (1, 256, 257, 700, 2049)] == [256, 256, 512, 1024, 4096]
     sched = Schedule(chunk=256)
-    assert [scheduling.chunk_for(n, sched) for n in (3, 17, 100, 3000)] == [16, 32, 128, 256]
+    assert [scheduling.chunk_for(n, sched) for n in (3, 16, 17, 64, 65, 3000)] == [16, 16, 64, 64, 256, 256]
     assert scheduling.chunk_for(3, dataclasses.replace(sched, batch_invariant=True)) == 256
 
 
@@ -120,3 +121,32 @@ def test_chunked_prefill_equals_one_pass(method):
             for x, y in zip(jax.tree.leaves(a.layers), jax.tree.leaves(b.layers), strict=True):
                 for row, n in enumerate(lengths):  # the committed slots of each row
                     np.testing.assert_allclose(x[row, :, :n], y[row, :, :n], rtol=2e-5, atol=2e-5)
+
+
+def test_batch_invariant_bf16_layouts_of_the_bundled_prompts():
+    """bfloat16, batch-invariant: each bundled prompt's tokens are the same in every batch layout."""
+    from pathlib import Path
+
+    from ddtree_jax import drafter, target
+    from ddtree_jax.sharding import make_mesh, param_sharding
+    from ddtree_jax.text import TextCodec
+
+    pair = Path(__file__).parent.parent / "ddtree_jax" / "assets" / "default_pair"
+    place = param_sharding(make_mesh(1, 1))
+    cfg, params = target.load(pair / "target", jnp.bfloat16, place)
+    dcfg, dparams = drafter.load(pair / "draft", cfg, jnp.bfloat16, place)
+    codec = TextCodec(pair / "target")
+    texts = [json.loads(line)["prompt"] for line in (pair / "prompts.jsonl").read_text().splitlines()]
+    prompts = [Prompt(i, i + 1, codec.encode(t, add_special_tokens=False), {}) for i, t in enumerate(texts)]
+
+    def outputs(order, batch_size):
+        plan = Plan(cfg, dcfg, "ddtree", batch_size, 16, 16, budget=15, branching=15)
+        gen = Generator(
+            params, dparams, plan, cfg.eos_token_ids, schedule=Schedule(chunk=64, batch_invariant=True)
+        )
+        return {r.id: r.output_ids for r in gen.stream([prompts[i] for i in order])}
+
+    n = len(prompts)
+    first = outputs(range(n), 4)
+    assert outputs(range(n - 1, -1, -1), 3) == first  # other neighbours, other rows, other join times
+    assert outputs([5, 2], 1) == {i: first[i] for i in (5, 2)}
