@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import scheduling
+from ddtree_jax import attention, scheduling
 from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit, rows_to_run
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.sampling import GREEDY, SamplingParams
@@ -243,6 +243,7 @@ class Generator:
         row_of: list[Prompt | None] = [None] * b
         seen_rounds = np.zeros((b,), np.int64)
         state, plan, stop = None, None, self._stop_array()
+        impl = attention.invariant(tmpl.attention) if sched.batch_invariant else tmpl.attention
         occ = self.occupancy
         while waiting or any(p is not None for p in row_of):
             start = time.perf_counter()
@@ -252,7 +253,7 @@ class Generator:
             if take:
                 need = scheduling.prompt_slots(max(len(p.input_ids) for p in take), sched.chunk)
                 if plan is None or need > plan.prompt_len:
-                    plan = dataclasses.replace(tmpl, batch_size=b, prompt_len=need)
+                    plan = dataclasses.replace(tmpl, batch_size=b, prompt_len=need, attention=impl)
                     if state is not None:
                         state = self._run(
                             ("grow", plan, sampling), scheduling.grow_jit, state, capacity=plan.capacity
