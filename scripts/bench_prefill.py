@@ -1,10 +1,12 @@
-"""Chunked prefill of one long prompt: time, peak device memory and the FLOP floor; one JSON line.
+"""Chunked prefill of one long prompt: time, peak device memory and the FLOP floor; one JSON line each.
 
 Random weights of a bench.SHAPES shape (bf16), one row, the prompt run chunk by chunk through the cache
 path (scheduling.start: each chunk attends to the cache written so far and to itself, causal), the
-drafter's context K/V with it. Run one length per process, so that the peak memory is this prefill's:
+drafter's context K/V with it. `--runs LENGTH:CHUNK,...` in order; the device's peak memory is the
+process's so far, so order the runs by growing footprint (a smaller run after a larger one shows the
+larger one's peak):
 
-    for n in 1024 32768; do python scripts/bench_prefill.py --length $n --out $OUT/prefill.jsonl; done
+    python scripts/bench_prefill.py --runs 1024:1024,32768:1024,32768:4096 --out $OUT/prefill.jsonl
 """
 
 from __future__ import annotations
@@ -43,23 +45,9 @@ def prefill_flops(cfg, length: int) -> float:
     return cfg.num_layers * (per_token * length + attention)
 
 
-def main(argv=None) -> int:
-    """Time one prefill and append its figures to --out."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen3-8b")
-    p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--attention", default="pallas")
-    p.add_argument("--method", default="ddtree", help="ar: no drafter context")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-
-    cfg = SHAPES[args.shape]
-    dcfg = draft_shape(cfg, 5, 16)
-    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
-    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16) if args.method != "ar" else None
-    slots = scheduling.prompt_slots(args.length, args.chunk)
+def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
+    """Time the prefill of one random prompt of `length` tokens in chunks of `chunk`."""
+    slots = scheduling.prompt_slots(length, chunk)
     plan = Plan(
         cfg,
         dcfg if args.method != "ar" else None,
@@ -73,12 +61,12 @@ def main(argv=None) -> int:
     )
     rng = np.random.default_rng(0)
     tokens = np.zeros((1, slots), np.int32)
-    tokens[0, : args.length] = rng.integers(1, cfg.vocab_size - 1, args.length)
-    inputs = (jnp.asarray(tokens), jnp.asarray([args.length], jnp.int32), jnp.ones((1,), bool))
+    tokens[0, :length] = rng.integers(1, cfg.vocab_size - 1, length)
+    inputs = (jnp.asarray(tokens), jnp.asarray([length], jnp.int32), jnp.ones((1,), bool))
     stop = jnp.asarray([-1], jnp.int32)
 
     def once():
-        state = scheduling.start_jit(params, dparams, *inputs, stop, None, plan=plan, chunk=args.chunk)
+        state = scheduling.start_jit(params, dparams, *inputs, stop, None, plan=plan, chunk=chunk)
         return jax.block_until_ready(state.bonus)
 
     start = time.perf_counter()
@@ -91,12 +79,12 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - start)
     stats = jax.devices()[0].memory_stats() or {}
     seconds = float(np.median(times))
-    flops = prefill_flops(cfg, args.length)
+    flops = prefill_flops(cfg, length)
     weights = sum(x.nbytes for x in jax.tree.leaves(params)) + sum(x.nbytes for x in jax.tree.leaves(dparams))
     row = {
         "shape": args.shape,
-        "length": args.length,
-        "chunk": args.chunk,
+        "length": length,
+        "chunk": chunk,
         "attention": args.attention,
         "method": args.method,
         "capacity": plan.capacity,
@@ -105,15 +93,36 @@ def main(argv=None) -> int:
         "tflop": round(flops / 1e12, 2),
         "floor_s": round(flops / (PEAK_TFLOPS * 1e12), 4),
         "x_floor": round(seconds / (flops / (PEAK_TFLOPS * 1e12)), 2),
-        "peak_gb": round(stats.get("peak_bytes_in_use", 0) / 1e9, 2),
+        "peak_gb_so_far": round(stats.get("peak_bytes_in_use", 0) / 1e9, 2),
         "weights_gb": round(weights / 1e9, 2),
         "machine": f"{platform.node()} {jax.devices()[0].device_kind}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "scripts/bench_prefill.py", *(argv or sys.argv[1:])]),
     }
-    print(json.dumps(row))
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    return row
+
+
+def main(argv=None) -> int:
+    """Time one prefill and append its figures to --out."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--runs", default="1024:1024,32768:1024", help="LENGTH:CHUNK pairs, in order")
+    p.add_argument("--attention", default="pallas")
+    p.add_argument("--method", default="ddtree", help="ar: no drafter context")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    cfg = SHAPES[args.shape]
+    dcfg = draft_shape(cfg, 5, 16)
+    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
+    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16) if args.method != "ar" else None
+    for run in args.runs.split(","):
+        length, chunk = map(int, run.split(":"))
+        row = one_run(args, cfg, dcfg, params, dparams, length, chunk)
+        row["command"] = " ".join(["python", "scripts/bench_prefill.py", *(argv or sys.argv[1:])])
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
     return 0
 
 
