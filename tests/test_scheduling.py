@@ -150,3 +150,14 @@ def test_batch_invariant_bf16_layouts_of_the_bundled_prompts():
     first = outputs(range(n), 4)
     assert outputs(range(n - 1, -1, -1), 3) == first  # other neighbours, other rows, other join times
     assert outputs([5, 2], 1) == {i: first[i] for i in (5, 2)}
+
+
+def test_stream_on_a_mesh_equals_one_device(static_ar):
+    """tp 2 x dp 2 (fake CPU devices): the same tokens as one device."""
+    cfg, params = load_target(TP, tp=2, dp=2)
+    dcfg, dparams = load_drafter(DRAFT, tp=2, dp=2)
+    plan = Plan(cfg, dcfg, "ddtree", 4, 16, 24, budget=7, branching=7, tp=2, dp=2)
+    gen = Generator(params, dparams, plan, (), schedule=Schedule(chunk=16))
+    items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(PROMPTS)]
+    by_id = {r.id: r.output_ids for r in gen.stream(items)}
+    assert [by_id[i] for i in range(len(PROMPTS))] == static_ar
