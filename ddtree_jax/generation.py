@@ -27,6 +27,9 @@ from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 MAX_STOP_IDS = 8
+# Compiled programs of `Generator.stream` on one device, by (program, plan, shapes, dtype): they depend
+# on shapes only, so every generator of the same plan shares them.
+STREAM_PROGRAMS: dict[tuple, Any] = {}
 
 
 @dataclasses.dataclass
@@ -92,6 +95,7 @@ class Generator:
     _compiled: dict = dataclasses.field(default_factory=dict)
     stage_seconds: dict = dataclasses.field(default_factory=dict)
     schedule: Schedule = Schedule()
+    compile_log: list = dataclasses.field(default_factory=list)  # (program, seconds) as stream compiles
     occupancy: Occupancy = dataclasses.field(default_factory=lambda: Occupancy())
 
     def _stop_array(self) -> jax.Array:
@@ -166,9 +170,11 @@ class Generator:
         return rows_to_run(plan.method, max(per_device, 1)) * plan.dp
 
     def _run(self, key: tuple, jitted, *args, **static):
-        """`jitted(*args, **static)`, compiled ahead on first use of `key` (compile time kept apart);
-        on a mesh the jit itself compiles (its first call counted as compile)."""
+        """`jitted(*args, **static)`, compiled ahead on first use of `key` (compile time kept apart;
+        programs are shared by generators of the same shapes); on a mesh the jit itself compiles
+        (its first call counted as compile)."""
         plan = self.plan_template
+        key = (*key, self.params["embed"].dtype)
         start = time.perf_counter()
         if plan.tp * plan.dp > 1:
             out = jax.block_until_ready(jitted(*args, **static))
@@ -176,10 +182,11 @@ class Generator:
                 self._compiled[key] = True
                 self.compile_seconds += time.perf_counter() - start
             return out
-        if key not in self._compiled:
-            self._compiled[key] = jitted.lower(*args, **static).compile()
+        if key not in STREAM_PROGRAMS:
+            STREAM_PROGRAMS[key] = jitted.lower(*args, **static).compile()
             self.compile_seconds += time.perf_counter() - start
-        return self._compiled[key](*args)
+            self.compile_log.append((key[0], round(time.perf_counter() - start, 2)))
+        return STREAM_PROGRAMS[key](*args)
 
     def _refill(self, state, prompts: list[Prompt], rows: list[int], plan: Plan, width: int, sampling):
         """Prefill `prompts` into `rows` of the state (None: a new state of plan.batch_size rows)."""
@@ -260,8 +267,11 @@ class Generator:
                         )
                 if state is None and sched.batch_invariant:  # every prompt is prefilled the same way
                     state = self._refill(None, [], [], plan, plan.prompt_len, sampling)
+                # One prompt per "data" device at a time: one prefill program per chunk and capacity
+                # compiles (a pow2 bucket of new rows made 2-3x as many, and R rows share one chunk);
+                # the first fill prefills all rows at once, unless batch-invariant.
                 groups = [take[i : i + plan.dp] for i in range(0, len(take), plan.dp)]
-                if not sched.batch_invariant:
+                if state is None:
                     groups = [take]
                 for group in groups:
                     rows = free[: len(group)]

@@ -41,7 +41,8 @@ def generator(method="ddtree", budget=7, batch_size=3, max_new_tokens=24, stop_i
 
 
 def stream(prompts, **kw):
-    """Results of `Generator.stream` in prompt order, and the generator."""
+    """Results of `Generator.stream` in prompt order, and the generator (compiled programs are shared
+    by generators of the same plan: generation.STREAM_PROGRAMS)."""
     gen = generator(**kw)
     items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(prompts)]
     by_id = {r.id: r for r in gen.stream(items)}
@@ -101,18 +102,18 @@ def test_prompt_slots_pad_to_chunks():
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_chunked_prefill_equals_one_pass(method):
-    """A 300-token prompt in chunks of 64 (and of 512: one chunk) against the unchunked prefill."""
+    """A 1000-token prompt in chunks of 128 (and of 1024: one chunk) against the unchunked prefill."""
     cfg, params = load_target(TP)
     dcfg, dparams = load_drafter(DRAFT)
     rng = np.random.default_rng(0)
-    lengths = np.array([300, 77], np.int32)
-    prompts = np.zeros((2, 512), np.int32)
+    lengths = np.array([1000, 77], np.int32)
+    prompts = np.zeros((2, 1024), np.int32)
     for i, n in enumerate(lengths):
         prompts[i, :n] = rng.integers(0, cfg.vocab_size, n)
-    plan = Plan(cfg, dcfg if method != "ar" else None, method, 2, 512, 8, budget=7, branching=7)
+    plan = Plan(cfg, dcfg if method != "ar" else None, method, 2, 1024, 8, budget=7, branching=7)
     args = (jnp.asarray(prompts), jnp.asarray(lengths), jnp.ones((2,), bool), jnp.asarray([-1], jnp.int32))
     one = engine.prefill(params, dparams, *args, plan=plan)
-    for chunk in (64, 512):
+    for chunk in (128, 1024):
         got = scheduling.chunked_prefill(params, dparams, *args, plan=plan, chunk=chunk)
         np.testing.assert_array_equal(got.bonus, one.bonus)
         np.testing.assert_array_equal(got.cache.lengths, one.cache.lengths)
