@@ -192,6 +192,12 @@ def main(argv=None) -> int:
     cont, wall = timed(lambda: sorted(gen.stream(prompts), key=lambda r: r.id))
     report["continuous"] = summary(cont, gen, wall)
     save()
+    if not args.skip_static:
+        base, wall = timed(lambda: static(base_gen, prompts, args.batch_size))
+        report["static"] = summary(base, base_gen, wall)
+        report["speedup"] = round(report["continuous"]["tokens_per_s"] / report["static"]["tokens_per_s"], 3)
+        report["identical_outputs"] = [r.output_ids for r in base] == [r.output_ids for r in cont]
+        save()
     if args.batch_invariant:
         gen = make_generator(args, cfg, params, dcfg, dparams, stop, batch_invariant=True)
         inv, wall = timed(lambda: sorted(gen.stream(prompts), key=lambda r: r.id))
@@ -199,12 +205,6 @@ def main(argv=None) -> int:
         report["batch_invariant"]["speed_vs_continuous"] = round(
             report["batch_invariant"]["tokens_per_s"] / report["continuous"]["tokens_per_s"], 3
         )
-        save()
-    if not args.skip_static:
-        base, wall = timed(lambda: static(base_gen, prompts, args.batch_size))
-        report["static"] = summary(base, base_gen, wall)
-        report["speedup"] = round(report["continuous"]["tokens_per_s"] / report["static"]["tokens_per_s"], 3)
-        report["identical_outputs"] = [r.output_ids for r in base] == [r.output_ids for r in cont]
         save()
     print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
     return 0
