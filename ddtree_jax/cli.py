@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         required=True,
-        help="JSONL output, one line per prompt, input order; '-' for standard output (the summary then "
-        "goes to stderr). An existing file needs --resume or --overwrite",
+        help="JSONL output, one line per prompt, in the order they finish; '-' for standard output (the "
+        "summary then goes to stderr). An existing file needs --resume or --overwrite",
     )
     p.add_argument("--resume", action="store_true", help="skip the ids already in --out, append the rest")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -126,6 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode attention: the Pallas kernel (auto on GPU) or the jnp reference",
     )
     p.add_argument("--host-stepped", action="store_true", help="drive rounds from Python, time each stage")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="prefill tokens per row per step (a power of two >= 16)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="fixed shapes: a prompt's tokens do not depend on the prompts beside it (bfloat16 too)",
+    )
+    p.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="run --batch-size prompts at a time, each batch until its slowest row (no continuous batching)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
@@ -202,6 +218,8 @@ def check_args(args: argparse.Namespace) -> None:
         "dp",
         "max_line_bytes",
     )
+    if args.prefill_chunk < 16 or args.prefill_chunk & (args.prefill_chunk - 1):
+        raise DDTreeError(f"--prefill-chunk must be a power of two >= 16, got {args.prefill_chunk}")
     if args.method is None:
         args.method = "ddtree" if args.draft else "ar"
     if args.method == "ar":
@@ -353,6 +371,7 @@ def make_generator(args: argparse.Namespace):
     from ddtree_jax.config import load_draft_config, load_target_config
     from ddtree_jax.engine import Plan, rows_to_run
     from ddtree_jax.generation import Generator
+    from ddtree_jax.scheduling import Schedule
     from ddtree_jax.sharding import make_mesh, param_sharding
     from ddtree_jax.text import TextCodec
 
@@ -392,8 +411,16 @@ def make_generator(args: argparse.Namespace):
     )
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    schedule = Schedule(chunk=args.prefill_chunk, batch_invariant=args.batch_invariant)
     return Generator(
-        params, draft_params, plan, cfg.eos_token_ids, codec, args.host_stepped, sampling=sampling
+        params,
+        draft_params,
+        plan,
+        cfg.eos_token_ids,
+        codec,
+        args.host_stepped,
+        sampling=sampling,
+        schedule=schedule,
     )
 
 
@@ -428,6 +455,12 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
             f"mean acceptance length: {sum(accepted) / len(accepted):.3f} over {len(accepted)} rounds   "
             "histogram: " + " ".join(f"{k}:{hist[k]}" for k in sorted(hist))
         )
+    occ = gen.occupancy
+    if occ.chunks:
+        lines.append(
+            f"rows busy: {occ.busy / max(occ.row_rounds, 1):.1%} of {occ.row_rounds} row-rounds, "
+            f"{occ.waiting_fraction():.1%} while prompts waited   refills: {occ.refills}"
+        )
     if gen.stage_seconds:
         lines.append("stage seconds: " + " ".join(f"{k}={v:.3f}" for k, v in gen.stage_seconds.items()))
     return "\n".join(lines)
@@ -458,19 +491,25 @@ def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
 
 
 def generate_all(args: argparse.Namespace, gen, prompts: list, writer: Writer) -> list:
-    """Run the prompts batch by batch; process 0 writes each batch's lines as it finishes."""
+    """Run the prompts (continuous batching, or static batches); process 0 writes each line as its
+    prompt finishes."""
     from tqdm import tqdm
 
-    batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    if args.static_batches or args.host_stepped or (args.num_processes or 1) > 1:
+        # several processes gather each batch's outputs (generation._fetch); the stream does not yet
+        batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+        finished = (r for batch in batches for r in gen.run_batch(batch))
+    else:
+        finished = gen.stream(prompts)  # continuous batching: each result as its row finishes
     results = []
     try:
-        for batch in tqdm(
-            batches, desc="batches", unit="batch", file=sys.stderr, disable=not is_writer(args)
+        for result in tqdm(
+            finished, total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr,
+            disable=not is_writer(args),
         ):
-            finished = gen.run_batch(batch)
-            results += finished
+            results.append(result)
             if is_writer(args):
-                writer.write([r.to_json() for r in finished])
+                writer.write([result.to_json()])
     except Interrupted as e:
         e.add_note(f"{writer.written} new results written to {args.out}")
         raise

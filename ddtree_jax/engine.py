@@ -160,6 +160,20 @@ def prefill(
         kv = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
         draft_cache = kv_cache.from_prefill(kv, plan.capacity, prompt_lengths)
 
+    return initial_state(cache, draft_cache, first, active, stop_ids, sampling, plan)
+
+
+def initial_state(
+    cache: KVCache,
+    draft_cache: KVCache | None,
+    first: jax.Array,
+    active: jax.Array,
+    stop_ids: jax.Array,
+    sampling: SamplingParams | None,
+    plan: Plan,
+) -> DecodeState:
+    """The state after a prefill: caches filled, the first token [B] chosen (it is the next root)."""
+    b = first.shape[0]
     stopped = active & jnp.isin(first, stop_ids)
     slots = plan.max_new_tokens + plan.path_slots
     return DecodeState(

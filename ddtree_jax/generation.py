@@ -1,23 +1,35 @@
-"""Batched offline generation: bucket prompts, compile one program per shape, run, collect results."""
+"""Offline generation: continuous batching (`Generator.stream`) or static batches (`run_batch`).
+
+`stream` keeps one decode state of B rows (never more rows than prompts): the device runs rounds until
+a row finishes, the host collects it and prefills the next waiting prompt into its row, and the rounds
+resume (scheduling.py). Prompts go shortest first, so the cache capacity only grows and few shapes
+compile. `run_batch` runs a fixed batch until its slowest row finishes (the baseline).
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit
+from ddtree_jax import attention, scheduling
+from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit, rows_to_run
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.sampling import GREEDY, SamplingParams
+from ddtree_jax.scheduling import Schedule
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 MAX_STOP_IDS = 8
+# Compiled programs of `Generator.stream` on one device, by (program, plan, shapes, dtype): they depend
+# on shapes only, so every generator of the same plan shares them.
+STREAM_PROGRAMS: dict[tuple, Any] = {}
 
 
 @dataclasses.dataclass
@@ -51,6 +63,23 @@ def prompt_bucket(length: int) -> int:
 
 
 @dataclasses.dataclass
+class Occupancy:
+    """Row-rounds of `Generator.stream`: how busy the rows were."""
+
+    rounds: int = 0  # decode rounds run (each over every row of the state)
+    row_rounds: int = 0  # rows x rounds
+    busy: int = 0  # row-rounds spent on a live prompt
+    waiting_row_rounds: int = 0  # row-rounds run while prompts waited for a row
+    waiting_busy: int = 0  # of those, busy ones
+    refills: int = 0  # prefill programs run
+    chunks: int = 0  # returns to the host
+
+    def waiting_fraction(self) -> float:
+        """The busy fraction of the row-rounds run while prompts waited (1 when none waited)."""
+        return self.waiting_busy / self.waiting_row_rounds if self.waiting_row_rounds else 1.0
+
+
+@dataclasses.dataclass
 class Generator:
     """Holds the models and compiled programs; `run` generates for a list of prompts."""
 
@@ -65,6 +94,9 @@ class Generator:
     generate_seconds: float = 0.0
     _compiled: dict = dataclasses.field(default_factory=dict)
     stage_seconds: dict = dataclasses.field(default_factory=dict)
+    schedule: Schedule = Schedule()
+    compile_log: list = dataclasses.field(default_factory=list)  # (program, seconds) as stream compiles
+    occupancy: Occupancy = dataclasses.field(default_factory=lambda: Occupancy())
 
     def _stop_array(self) -> jax.Array:
         ids = list(self.stop_ids)[:MAX_STOP_IDS]
@@ -82,9 +114,13 @@ class Generator:
         arrays = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(active), self._stop_array()
         return (*arrays, self._sampling(batch, b))
 
+    def _settings(self, prompt: Prompt) -> dict:
+        """The prompt's sampling settings: its own over the defaults."""
+        return self.sampling | {k: prompt.options[k] for k in GREEDY if k in prompt.options}
+
     def _sampling(self, batch: list[Prompt], batch_size: int) -> SamplingParams | None:
         """Each row's settings (the prompt's own over the defaults); None when every row is greedy."""
-        rows = [self.sampling | {k: p.options[k] for k in GREEDY if k in p.options} for p in batch]
+        rows = [self._settings(p) for p in batch]
         rows += [dict(GREEDY)] * (batch_size - len(rows))
         if all(r["temperature"] == 0 for r in rows):
             return None
@@ -124,6 +160,155 @@ class Generator:
         self.generate_seconds += time.perf_counter() - start
         return [self._result(prompt, state, i) for i, prompt in enumerate(batch)]
 
+    def stream_rows(self, num_prompts: int) -> int:
+        """Rows of the decode state `stream` runs for `num_prompts`: never more than the prompts (on
+        every "data" device), except batch-invariant runs, which keep the plan's rows."""
+        plan = self.plan_template
+        if self.schedule.batch_invariant:
+            return plan.batch_size
+        per_device = min(plan.batch_size, num_prompts + plan.dp - 1) // plan.dp
+        return rows_to_run(plan.method, max(per_device, 1)) * plan.dp
+
+    def _run(self, key: tuple, jitted, *args, **static):
+        """`jitted(*args, **static)`, compiled ahead on first use of `key` (compile time kept apart;
+        programs are shared by generators of the same shapes); on a mesh the jit itself compiles
+        (its first call counted as compile)."""
+        plan = self.plan_template
+        key = (*key, self.params["embed"].dtype)
+        start = time.perf_counter()
+        if plan.tp * plan.dp > 1:
+            out = jax.block_until_ready(jitted(*args, **static))
+            if key not in self._compiled:
+                self._compiled[key] = True
+                self.compile_seconds += time.perf_counter() - start
+            return out
+        if key not in STREAM_PROGRAMS:
+            STREAM_PROGRAMS[key] = jitted.lower(*args, **static).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self.compile_log.append((key[0], round(time.perf_counter() - start, 2)))
+        return STREAM_PROGRAMS[key](*args)
+
+    def _refill(self, state, prompts: list[Prompt], rows: list[int], plan: Plan, width: int, sampling):
+        """Prefill `prompts` into `rows` of the state (None: a new state of plan.batch_size rows)."""
+        count = len(prompts) if state is not None else plan.batch_size
+        r = _row_bucket(count, plan.batch_size, plan.dp)
+        tokens = np.zeros((r, width), np.int32)
+        lengths = np.ones((r,), np.int32)
+        where = np.full((r,), plan.batch_size, np.int32)
+        for j, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+            tokens[j, : len(prompt.input_ids)] = prompt.input_ids
+            lengths[j] = len(prompt.input_ids)
+            where[j] = row
+        settings = [self._settings(p) for p in prompts] + [dict(GREEDY)] * (r - len(prompts))
+        rows_sampling = SamplingParams.from_rows(settings) if sampling else None
+        longest = max((len(p.input_ids) for p in prompts), default=1)
+        chunk = scheduling.chunk_for(longest, self.schedule)
+        stop = self._stop_array()
+        args = jnp.asarray(tokens), jnp.asarray(lengths)
+        self.occupancy.refills += 1
+        if state is None:
+            active = jnp.asarray(where < plan.batch_size)
+            key = ("start", plan, chunk, r, sampling)
+            return self._run(
+                key,
+                scheduling.start_jit,
+                self.params,
+                self.draft_params,
+                *args,
+                active,
+                stop,
+                rows_sampling,
+                plan=plan,
+                chunk=chunk,
+            )
+        key = ("refill", plan, chunk, r, sampling)
+        return self._run(
+            key,
+            scheduling.refill_jit,
+            self.params,
+            self.draft_params,
+            state,
+            *args,
+            jnp.asarray(where),
+            stop,
+            rows_sampling,
+            plan=plan,
+            chunk=chunk,
+        )
+
+    def stream(self, prompts: list[Prompt]) -> Iterator[Result]:
+        """Continuous batching: each prompt's Result as soon as its row finishes (completion order).
+
+        Prompts run shortest first; a freed row takes the next waiting prompt between chunks of rounds.
+        """
+        if not prompts:
+            return
+        tmpl, sched = self.plan_template, self.schedule
+        b = self.stream_rows(len(prompts))
+        sampling = any(self._settings(p)["temperature"] != 0 for p in prompts)
+        waiting = collections.deque(sorted(prompts, key=lambda p: len(p.input_ids)))
+        row_of: list[Prompt | None] = [None] * b
+        seen_rounds = np.zeros((b,), np.int64)
+        state, plan, stop = None, None, self._stop_array()
+        impl = attention.invariant(tmpl.attention) if sched.batch_invariant else tmpl.attention
+        occ = self.occupancy
+        while waiting or any(p is not None for p in row_of):
+            start = time.perf_counter()
+            compiled_before = self.compile_seconds
+            free = [r for r in range(b) if row_of[r] is None]
+            take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+            if take:
+                need = scheduling.prompt_slots(max(len(p.input_ids) for p in take), sched.chunk)
+                if plan is None or need > plan.prompt_len:
+                    plan = dataclasses.replace(tmpl, batch_size=b, prompt_len=need, attention=impl)
+                    if state is not None:
+                        state = self._run(
+                            ("grow", plan, sampling), scheduling.grow_jit, state, capacity=plan.capacity
+                        )
+                if state is None and sched.batch_invariant:  # every prompt is prefilled the same way
+                    state = self._refill(None, [], [], plan, plan.prompt_len, sampling)
+                # One prompt per "data" device at a time: one prefill program per chunk and capacity
+                # compiles (a pow2 bucket of new rows made 2-3x as many, and R rows share one chunk);
+                # the first fill prefills all rows at once, unless batch-invariant.
+                groups = [take[i : i + plan.dp] for i in range(0, len(take), plan.dp)]
+                if state is None:
+                    groups = [take]
+                for group in groups:
+                    rows = free[: len(group)]
+                    free = free[len(group) :]
+                    state = self._refill(state, group, rows, plan, plan.prompt_len, sampling)
+                    for r, p in zip(rows, group, strict=True):
+                        row_of[r], seen_rounds[r] = p, 0
+            live = sum(p is not None for p in row_of)
+            stop_at = (b - live) + sched.refill_at if waiting else b
+            state, ran = self._run(
+                ("decode", plan, sampling),
+                scheduling.decode_chunk_jit,
+                self.params,
+                self.draft_params,
+                state,
+                stop,
+                jnp.int32(stop_at),
+                plan=plan,
+            )
+            out = jax.device_get(_outputs(state))
+            ran = int(jax.device_get(ran)[0])
+            self.generate_seconds += time.perf_counter() - start - (self.compile_seconds - compiled_before)
+            busy = int(sum(out["rounds"][r] - seen_rounds[r] for r in range(b) if row_of[r] is not None))
+            occ.chunks += 1
+            occ.rounds += ran
+            occ.row_rounds += ran * b
+            occ.busy += busy
+            if waiting:
+                occ.waiting_row_rounds += ran * b
+                occ.waiting_busy += busy
+            for r in range(b):
+                if row_of[r] is not None:
+                    seen_rounds[r] = out["rounds"][r]
+                    if out["done"][r]:
+                        prompt, row_of[r] = row_of[r], None
+                        yield self._result(prompt, out, r)
+
     def _result(self, prompt: Prompt, state: dict, i: int) -> Result:
         n, rounds = int(state["num_output"][i]), int(state["rounds"][i])
         ids = state["output"][i, :n].tolist()
@@ -153,4 +338,12 @@ def _outputs(state: DecodeState) -> dict[str, jax.Array]:
         "stopped": state.stopped,
         "rounds": state.rounds,
         "acceptance": state.acceptance,
+        "done": state.done,
     }
+
+
+def _row_bucket(count: int, batch: int, dp: int) -> int:
+    """Rows of a refill program for `count` new prompts: a power of two (few shapes compile), at
+    most the state's rows, a multiple of the "data" devices."""
+    rows = min(1 << max(count - 1, 0).bit_length(), batch)
+    return -(-rows // dp) * dp

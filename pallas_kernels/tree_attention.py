@@ -67,8 +67,12 @@ def tree_attention_reference(
     m = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - m)
     p = jnp.where(scores > MASK_VALUE / 2, p, 0.0)
-    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-    p = p / denom
+    # The sums run as dots, cache and in-flight parts apart: XLA's CPU reductions group their terms
+    # by the reduced length, its dots do not, so a row's result does not depend on the capacity S
+    # (the masked slots add exact zeros): batch invariance (generation.py).
+    total = jnp.einsum("bhgts,s->bhgt", p[..., :s], jnp.ones((s,), jnp.float32))
+    total += jnp.einsum("bhgtj,j->bhgt", p[..., s:], jnp.ones((t,), jnp.float32))
+    p = p / jnp.maximum(total, 1e-30)[..., None]
     out = jnp.einsum("bhgts,bhsd->bthgd", p[..., :s], v_cache.astype(jnp.float32))
     out += jnp.einsum("bhgtj,bjhd->bthgd", p[..., s:], v_new.astype(jnp.float32))
     return out.reshape(b, t, hq, d).astype(q.dtype)

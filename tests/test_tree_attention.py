@@ -187,3 +187,17 @@ def test_lowers_for_cuda_engine_shapes(b, t):
 )
 def test_lowers_for_cuda_other_shapes(t, g, d, dtype, kwargs):
     assert "__gpu$xla.gpu.triton" in lower_for_h200(2, t, 8, g, d, 1024, dtype, **kwargs)
+
+
+def test_invariant_splits_ignore_batch_and_capacity():
+    """'pallas-invariant': a row's output is bit-equal whatever the batch and the cache capacity."""
+    from ddtree_jax.attention import pallas_invariant
+
+    q, kc, vc, lengths, kn, vn, mask = make_inputs(
+        11, b=3, t=8, hkv=2, g=2, d=64, s=256, lengths=[200, 17, 256], mask_kind="tree", dtype=BF16
+    )
+    full = pallas_invariant(q, kc, vc, lengths, kn, vn, mask, interpret=True)
+    check_close(full, tree_attention_reference(q, kc, vc, lengths, kn, vn, mask), BF16)
+    row = (q[1:2], kc[1:2, :, :128], vc[1:2, :, :128], lengths[1:2], kn[1:2], vn[1:2], mask[1:2])
+    alone = pallas_invariant(*row, interpret=True)
+    np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(full[1:2], np.float32))

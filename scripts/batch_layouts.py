@@ -1,0 +1,88 @@
+"""Do a prompt's tokens depend on its batch layout? The bundled prompts in two layouts, bfloat16.
+
+Layout A: batch 4 in input order; layout B: batch 3 in reverse order. For static batches, continuous
+batching and batch-invariant continuous batching, the number of prompts whose output ids differ
+between the two layouts (ddtree budget 15, the bundled pair, CPU or GPU):
+
+    python scripts/batch_layouts.py --max-new-tokens 64 --out results/scheduling/bf16-layouts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.generation import Generator  # noqa: E402
+from ddtree_jax.prompts import Prompt  # noqa: E402
+from ddtree_jax.scheduling import Schedule  # noqa: E402
+from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
+from ddtree_jax.text import TextCodec  # noqa: E402
+
+PAIR = ROOT / "ddtree_jax" / "assets" / "default_pair"
+
+
+def main(argv=None) -> int:
+    """Count the prompts whose outputs change with the layout, per scheduling mode."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--attention", default="reference")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    place = param_sharding(make_mesh(1, 1))
+    cfg, params = target.load(PAIR / "target", jnp.bfloat16, place)
+    dcfg, dparams = drafter.load(PAIR / "draft", cfg, jnp.bfloat16, place)
+    codec = TextCodec(PAIR / "target")
+    texts = [json.loads(line)["prompt"] for line in (PAIR / "prompts.jsonl").read_text().splitlines()]
+    prompts = [Prompt(i, i + 1, codec.encode(t, add_special_tokens=False), {}) for i, t in enumerate(texts)]
+
+    def outputs(order, batch, mode):
+        plan = Plan(
+            cfg,
+            dcfg,
+            "ddtree",
+            batch,
+            16,
+            args.max_new_tokens,
+            budget=15,
+            branching=15,
+            attention=args.attention,
+        )
+        schedule = Schedule(chunk=args.prefill_chunk, batch_invariant=mode == "batch_invariant")
+        gen = Generator(params, dparams, plan, cfg.eos_token_ids, schedule=schedule)
+        items = [prompts[i] for i in order]
+        if mode == "static":
+            results = [r for i in range(0, len(items), batch) for r in gen.run_batch(items[i : i + batch])]
+        else:
+            results = list(gen.stream(items))
+        return {r.id: r.output_ids for r in results}
+
+    n = len(prompts)
+    report = {
+        "command": " ".join(["python", "scripts/batch_layouts.py", *(argv or sys.argv[1:])]),
+        "machine": f"{platform.node()} {jax.devices()[0].device_kind}",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "prompts": n,
+    }
+    for mode in ("static", "continuous", "batch_invariant"):
+        a, b = outputs(range(n), 4, mode), outputs(range(n - 1, -1, -1), 3, mode)
+        report[f"{mode}_prompts_changed"] = sum(a[i] != b[i] for i in range(n))
+        print(mode, report[f"{mode}_prompts_changed"], flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Chunked prefill of one long prompt: time, peak device memory and the FLOP floor; one JSON line each.
+
+Random weights of a bench.SHAPES shape (bf16), one row, the prompt run chunk by chunk through the cache
+path (scheduling.start: each chunk attends to the cache written so far and to itself, causal), the
+drafter's context K/V with it. `--runs LENGTH:CHUNK,...` in order; the device's peak memory is the
+process's so far, so order the runs by growing footprint (a smaller run after a larger one shows the
+larger one's peak):
+
+    python scripts/bench_prefill.py --runs 1024:1024,32768:1024,32768:4096 --out $OUT/prefill.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ddtree_jax import drafter, scheduling, target  # noqa: E402
+from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
+from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.weights import random_params  # noqa: E402
+
+PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (DESIGN.md)
+
+
+def prefill_flops(cfg, length: int) -> float:
+    """Matmul FLOPs of a causal prefill: weights (embedding and head excluded) and attention."""
+    d = cfg.dims
+    per_token = 2 * (
+        d.hidden_size * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+        + d.num_heads * d.head_dim * d.hidden_size
+        + 3 * d.hidden_size * d.intermediate_size
+    )
+    attention = 2 * 2 * d.num_heads * d.head_dim * length * (length + 1) / 2  # QK and PV, causal
+    return cfg.num_layers * (per_token * length + attention)
+
+
+def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
+    """Time the prefill of one random prompt of `length` tokens in chunks of `chunk`."""
+    slots = scheduling.prompt_slots(length, chunk)
+    plan = Plan(
+        cfg,
+        dcfg if args.method != "ar" else None,
+        args.method,
+        1,
+        slots,
+        64,
+        budget=15,
+        branching=15,
+        attention=args.attention,
+    )
+    rng = np.random.default_rng(0)
+    tokens = np.zeros((1, slots), np.int32)
+    tokens[0, :length] = rng.integers(1, cfg.vocab_size - 1, length)
+    inputs = (jnp.asarray(tokens), jnp.asarray([length], jnp.int32), jnp.ones((1,), bool))
+    stop = jnp.asarray([-1], jnp.int32)
+
+    def once():
+        state = scheduling.start_jit(params, dparams, *inputs, stop, None, plan=plan, chunk=chunk)
+        return jax.block_until_ready(state.bonus)
+
+    start = time.perf_counter()
+    once()
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(args.reps):
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    stats = jax.devices()[0].memory_stats() or {}
+    seconds = float(np.median(times))
+    flops = prefill_flops(cfg, length)
+    weights = sum(x.nbytes for x in jax.tree.leaves(params)) + sum(x.nbytes for x in jax.tree.leaves(dparams))
+    row = {
+        "shape": args.shape,
+        "length": length,
+        "chunk": chunk,
+        "attention": args.attention,
+        "method": args.method,
+        "capacity": plan.capacity,
+        "seconds": round(seconds, 4),
+        "first_call_s": round(compile_s, 2),
+        "tflop": round(flops / 1e12, 2),
+        "floor_s": round(flops / (PEAK_TFLOPS * 1e12), 4),
+        "x_floor": round(seconds / (flops / (PEAK_TFLOPS * 1e12)), 2),
+        "peak_gb_so_far": round(stats.get("peak_bytes_in_use", 0) / 1e9, 2),
+        "weights_gb": round(weights / 1e9, 2),
+        "machine": f"{platform.node()} {jax.devices()[0].device_kind}",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return row
+
+
+def main(argv=None) -> int:
+    """Time one prefill and append its figures to --out."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--runs", default="1024:1024,32768:1024", help="LENGTH:CHUNK pairs, in order")
+    p.add_argument("--attention", default="pallas")
+    p.add_argument("--method", default="ddtree", help="ar: no drafter context")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    cfg = SHAPES[args.shape]
+    dcfg = draft_shape(cfg, 5, 16)
+    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
+    dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16) if args.method != "ar" else None
+    for run in args.runs.split(","):
+        length, chunk = map(int, run.split(":"))
+        row = one_run(args, cfg, dcfg, params, dparams, length, chunk)
+        row["command"] = " ".join(["python", "scripts/bench_prefill.py", *(argv or sys.argv[1:])])
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Continuous batching against static batches on a mixed workload; one JSON file of the figures.
+
+The workload: `--prompts` prompts whose lengths are log-uniform in [--min-len, --max-len] (cut from the
+held-out code prompts for a real pair, random ids for random weights), `--max-new-tokens` each, and
+one stop id chosen so that about `--stop-fraction` of the rows stop early: the token found in that
+fraction of a calibration run's outputs (the first 32 prompts, static batches). Static batches run
+`--batch-size` prompts at a time in input order until each batch's slowest row finishes (what
+`ddtree-generate --static-batches` does); continuous batching runs `Generator.stream`. Both report
+generation seconds without compilation; outputs are compared token for token.
+
+    python scripts/bench_scheduling.py --out results/scheduling/cpu.json --prompts 48 --max-len 512
+    python scripts/bench_scheduling.py --shape qwen3-8b --attention pallas --out $OUT/8b.json  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.generation import Generator  # noqa: E402
+from ddtree_jax.prompts import Prompt  # noqa: E402
+from ddtree_jax.scheduling import Schedule  # noqa: E402
+from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
+
+PAIR = ROOT / "ddtree_jax" / "assets" / "default_pair"
+HELDOUT = ROOT / "results" / "heldout-prompts-96.jsonl"
+
+
+def load_models(args):
+    """(target cfg, params, draft cfg, draft params, token stream for prompts or None)."""
+    dtype = jnp.dtype(args.dtype)
+    if args.shape:
+        from ddtree_jax.bench import SHAPES, draft_shape
+        from ddtree_jax.weights import random_params
+
+        cfg = SHAPES[args.shape]
+        dcfg = draft_shape(cfg, 5, 16)
+        params = random_params(target.weight_specs(cfg), 0, dtype)
+        dparams = random_params(drafter.weight_specs(dcfg), 1, dtype)
+        return cfg, params, dcfg, dparams, None
+    from ddtree_jax.text import TextCodec
+
+    place = param_sharding(make_mesh(1, 1))
+    cfg, params = target.load(PAIR / "target", dtype, place)
+    dcfg, dparams = drafter.load(PAIR / "draft", cfg, dtype, place)
+    codec = TextCodec(PAIR / "target")
+    texts = [json.loads(line)["prompt"] for line in HELDOUT.read_text().splitlines()]
+    stream = [t for text in texts for t in codec.encode(text, add_special_tokens=False)]
+    return cfg, params, dcfg, dparams, stream
+
+
+def workload(args, vocab: int, stream: list[int] | None) -> list[Prompt]:
+    """Prompts of log-uniform lengths: windows of the token stream, or random ids."""
+    rng = np.random.default_rng(args.seed)
+    lengths = np.exp(rng.uniform(np.log(args.min_len), np.log(args.max_len), args.prompts)).astype(int)
+    prompts = []
+    for i, n in enumerate(lengths):
+        if stream is None:
+            ids = rng.integers(1, vocab - 1, n).tolist()
+        else:
+            start = int(rng.integers(0, len(stream) - n))
+            ids = stream[start : start + n]
+        prompts.append(Prompt(i, i + 1, ids, {}))
+    return prompts
+
+
+def make_generator(args, cfg, params, dcfg, dparams, stop_ids, batch_invariant=False) -> Generator:
+    """A Generator of the benchmark's plan."""
+    plan = Plan(
+        target=cfg,
+        draft=dcfg if args.method != "ar" else None,
+        method=args.method,
+        batch_size=args.batch_size,
+        prompt_len=16,
+        max_new_tokens=args.max_new_tokens,
+        budget=args.budget if args.method == "ddtree" else 0,
+        branching=min(args.budget, 32) if args.method == "ddtree" else 1,
+        attention=args.attention,
+    )
+    schedule = Schedule(chunk=args.prefill_chunk, batch_invariant=batch_invariant)
+    return Generator(params, dparams if args.method != "ar" else None, plan, stop_ids, schedule=schedule)
+
+
+def static(gen: Generator, prompts: list[Prompt], batch_size: int):
+    """Today's static batches in input order."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        out += gen.run_batch(prompts[i : i + batch_size])
+    return out
+
+
+def choose_stop(args, gen: Generator, prompts) -> tuple[int, ...]:
+    """The token that appears in about --stop-fraction of a calibration run's outputs (static
+    batches of the first 32 prompts, on `gen`, whose compiled programs the static run reuses)."""
+    if args.stop_fraction <= 0:
+        return ()
+    calib = static(gen, prompts[:32], args.batch_size)
+    rows = collections.Counter(t for r in calib for t in set(r.output_ids[1:]))
+    token = min(rows, key=lambda t: abs(rows[t] / len(calib) - args.stop_fraction))
+    return (int(token),)
+
+
+def summary(results, gen: Generator, wall: float) -> dict:
+    """Tokens, seconds and tokens/s of one run."""
+    tokens = sum(len(r.output_ids) for r in results)
+    out = {
+        "tokens": tokens,
+        "generate_s": round(gen.generate_seconds, 3),
+        "compile_s": round(gen.compile_seconds, 3),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / gen.generate_seconds, 2),
+        "stopped": sum(r.finish_reason == "stop" for r in results),
+        "rounds_per_prompt": [r.rounds for r in results],
+    }
+    if gen.occupancy.chunks:
+        occ = gen.occupancy
+        out |= {
+            "row_rounds": occ.row_rounds,
+            "busy": round(occ.busy / occ.row_rounds, 4),
+            "busy_while_waiting": round(occ.waiting_fraction(), 4),
+            "refills": occ.refills,
+            "host_returns": occ.chunks,
+        }
+    return out
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    """Run the workload both ways and write the figures."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--shape", help="random weights of a bench.SHAPES shape (e.g. qwen3-8b); default: the pair"
+    )
+    p.add_argument("--prompts", type=int, default=48)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--method", default="ddtree")
+    p.add_argument("--budget", type=int, default=15)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--stop-fraction", type=float, default=0.3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--attention", default="reference")
+    p.add_argument("--batch-invariant", action="store_true", help="also time the batch-invariant schedule")
+    p.add_argument("--skip-static", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+    cfg, params, dcfg, dparams, stream = load_models(args)
+    prompts = workload(args, cfg.vocab_size, stream)
+    base_gen = make_generator(args, cfg, params, dcfg, dparams, ())
+    stop = choose_stop(args, base_gen, prompts)
+    base_gen.stop_ids, base_gen.generate_seconds = stop, 0.0  # compile_seconds: calibration's included
+    report = {
+        "command": " ".join(["python", "scripts/bench_scheduling.py", *(argv or sys.argv[1:])]),
+        "machine": f"{platform.node()} {jax.devices()[0].device_kind} x{jax.device_count()}",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "settings": vars(args)
+        | {"stop_ids": list(stop), "prompt_lengths": [len(q.input_ids) for q in prompts]},
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        path.write_text(json.dumps(report, indent=1) + "\n")
+
+    gen = make_generator(args, cfg, params, dcfg, dparams, stop)
+    cont, wall = timed(lambda: sorted(gen.stream(prompts), key=lambda r: r.id))
+    report["continuous"] = summary(cont, gen, wall)
+    save()
+    if not args.skip_static:
+        base, wall = timed(lambda: static(base_gen, prompts, args.batch_size))
+        report["static"] = summary(base, base_gen, wall)
+        report["speedup"] = round(report["continuous"]["tokens_per_s"] / report["static"]["tokens_per_s"], 3)
+        report["identical_outputs"] = [r.output_ids for r in base] == [r.output_ids for r in cont]
+        save()
+    if args.batch_invariant:
+        gen = make_generator(args, cfg, params, dcfg, dparams, stop, batch_invariant=True)
+        inv, wall = timed(lambda: sorted(gen.stream(prompts), key=lambda r: r.id))
+        report["batch_invariant"] = summary(inv, gen, wall)
+        report["batch_invariant"]["speed_vs_continuous"] = round(
+            report["batch_invariant"]["tokens_per_s"] / report["continuous"]["tokens_per_s"], 3
+        )
+        save()
+    print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
