@@ -17,8 +17,8 @@ from ddtree_jax.errors import DDTreeError
 # (--batch-size / --dp; the entry of the largest key <= it): the budget with the highest projected
 # tokens/s = acceptance(budget) x ar step / ddtree round, from the bundled pair's acceptance curve and
 # Qwen3-8B-shaped round times on one H200 at 1k context (results/h200/README.md, "Default budget per
-# batch size"): from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32). At batch 1, 15
-# and 31 project within 0.3% of each other; the smaller tree is kept.
+# batch size"): from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32). At batch 1, 15,
+# 31 and 63 project within 2% of each other (31 highest, by 0.8%); the smallest tree is kept.
 DEFAULT_BUDGETS = {1: 15, 16: 7}
 
 

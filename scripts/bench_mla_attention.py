@@ -1,0 +1,328 @@
+"""Benchmark the Pallas MLA (latent-cache) attention kernel against its jnp reference, with floors.
+
+    python scripts/bench_mla_attention.py --out results/h200/bench_mla_attention.json   # H200, <= 4 min
+    python scripts/bench_mla_attention.py --quick --out /tmp/mla.json                  # CPU smoke (interpret)
+
+Kimi-K2 shapes (latent 512 + RoPE key 64, bf16): H = 64 heads (TP1) and 8 (one TP8 shard; the
+latent cache is the same on every device), T = 1 (ar) and 64 (a budget-63 verify, random ancestor
+masks), S = 1k, 4k, 8k, 32k (all visible), B = 1 and 16. Per row: the kernel and the reference under
+jit, the kernel's error against the reference on the device, and two floors: bytes (latent cache +
+queries + output) over the read ceiling measured in the same run (a large `jnp.sum`), and FLOPs
+(2 x rows x keys x (512 + 64 + 512)) over 790 TFLOP/s (bf16 matmul on the H200, DESIGN.md). Then,
+while the time budget lasts, a tuning sweep of the kernel alone on the shapes that decide the
+defaults. Timing as in bench_attention.py: k independent calls per jitted program, each on its own
+copy of the cache, median over runs / k. Every configuration is guarded: failures are recorded as
+error strings and the run goes on; what does not fit `--budget-s` is recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_attention import random_tree_mask, read_ceiling, rel_errors, short_error  # noqa: E402
+
+from pallas_kernels.mla_attention import (  # noqa: E402
+    mla_attention,
+    mla_attention_reference,
+    resolve_tuning,
+)
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+START = time.perf_counter()
+PEAK_FLOPS = 790e12  # bf16 matmul on the H200 (DESIGN.md)
+COPY_BUDGET = 12 << 30  # bytes of cache copies per timed program
+REF_MAX_BYTES = 16 << 30  # float32 scores of one reference call, beyond which it is skipped
+SOFTMAX_SCALE = 192**-0.5
+
+
+def elapsed() -> float:
+    """Seconds since the script started."""
+    return time.perf_counter() - START
+
+
+def time_per_call(make_fn, args, *, k: int, target_s: float = 0.25, max_reps: int = 30):
+    """Median seconds per call of `make_fn(k)(*args)` (k calls per program, each on its own cache copy).
+
+    args = (q_latent, q_rope, latent_cache, rope_cache, ...). Returns (timing dict, first output).
+    """
+    ql, qr, lc, rc, *rest = args
+    k = max(1, min(k, COPY_BUDGET // (lc.nbytes + rc.nbytes)))
+    lcs = (lc,) + tuple(lc + 0 for _ in range(k - 1))
+    rcs = (rc,) + tuple(rc + 0 for _ in range(k - 1))
+    fn = jax.jit(make_fn(k))
+    call_args = (ql, qr, lcs, rcs, *rest)
+    t0 = time.perf_counter()
+    first_out = jax.block_until_ready(fn(*call_args))[0]
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*call_args))
+    reps = int(min(max_reps, max(3, target_s / max(time.perf_counter() - t0, 1e-6))))
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*call_args))
+        runs.append(time.perf_counter() - t0)
+    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    return timing, first_out
+
+
+def calls(fn, **kwargs):
+    """make(k): a function running `fn` k times, call i on cache copy i with lengths - i."""
+
+    def make(k):
+        def run(ql, qr, lcs, rcs, lengths, ln, rn, mask):
+            return [
+                fn(ql, qr, lcs[i], rcs[i], lengths - i, ln, rn, mask, softmax_scale=SOFTMAX_SCALE, **kwargs)
+                for i in range(k)
+            ]
+
+        return run
+
+    return make
+
+
+def floors(b: int, s: int, t: int, h: int, c: int, r: int, itemsize: int, ceiling: float) -> dict:
+    """Bytes and FLOPs of one call with every cache entry visible, and the floors they set (seconds)."""
+    cache_bytes = b * s * (c + r) * itemsize
+    io_bytes = b * t * h * (c + r + c) * itemsize  # queries read, output written
+    flops = 2 * b * t * h * (s + t) * (c + r + c)
+    return dict(
+        cache_bytes=cache_bytes,
+        bytes=cache_bytes + io_bytes,
+        flops=flops,
+        byte_floor_s=(cache_bytes + io_bytes) / ceiling,
+        flop_floor_s=flops / PEAK_FLOPS,
+    )
+
+
+def make_inputs(key, rng, *, b, s, t, h, c, r, dtype):
+    """Random inputs with every cache entry visible and random ancestor masks."""
+    ks = jax.random.split(key, 6)
+    shapes = [(b, t, h, c), (b, t, h, r), (b, s, c), (b, s, r), (b, t, c), (b, t, r)]
+    ql, qr, lc, rc, ln, rn = (
+        jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk, shape in zip(ks, shapes, strict=True)
+    )
+    mask = jnp.asarray(random_tree_mask(rng, b, t))
+    return ql, qr, lc, rc, jnp.full((b,), s, jnp.int32), ln, rn, mask
+
+
+def reference_output(args) -> jax.Array:
+    """The jnp reference's output for `args` (compiled once per shape by jit's cache)."""
+    return jax.jit(reference_fn)(*args)
+
+
+def reference_fn(*args) -> jax.Array:
+    """mla_attention_reference at the bench's softmax scale."""
+    return mla_attention_reference(*args, softmax_scale=SOFTMAX_SCALE)
+
+
+def bench_row(
+    args, *, shape: dict, ceiling: float, interpret: bool, k: int, tuning: dict, with_reference: bool
+):
+    """One configuration: kernel time, reference time (if `with_reference`) and the kernel's error
+    against the reference. Never raises."""
+    b, s, t, h = shape["B"], shape["S"], shape["T"], shape["H"]
+    c, r = args[0].shape[-1], args[1].shape[-1]
+    row = dict(shape, tuning=dict(tuning))
+    row.update(floors(b, s, t, h, c, r, args[0].dtype.itemsize, ceiling))
+    floor_s = max(row["byte_floor_s"], row["flop_floor_s"])
+    out = ref = None
+    try:
+        row["tuning"] = resolve_tuning((b, t, h, c), s, **tuning)
+        timing, out = time_per_call(calls(mla_attention, interpret=interpret, **tuning), args, k=k)
+        row["kernel"] = timing
+        row["kernel_x_floor"] = timing["s"] / floor_s
+    except Exception as e:  # noqa: BLE001
+        row["kernel_error"] = short_error(e)
+    scores_bytes = b * t * h * (s + t) * 4
+    if with_reference and scores_bytes <= REF_MAX_BYTES:
+        try:
+            kr = k if scores_bytes * 4 * k <= REF_MAX_BYTES else 1
+            timing, ref = time_per_call(calls(mla_attention_reference), args, k=kr)
+            row["reference"] = timing
+            row["reference_x_floor"] = timing["s"] / floor_s
+        except Exception as e:  # noqa: BLE001
+            row["reference_error"] = short_error(e)
+    elif with_reference:
+        row["reference_skipped"] = "scores too large"
+    if out is not None:
+        try:
+            if ref is None:
+                ref = reference_output(args)
+            row["check"] = rel_errors(out, ref)
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = short_error(e)
+    if "kernel" in row and "reference" in row:
+        row["speedup_vs_reference"] = row["reference"]["s"] / row["kernel"]["s"]
+    return row
+
+
+def fmt_us(timing) -> str:
+    """Microseconds, or a dash."""
+    return f"{timing['s'] * 1e6:9.1f}" if timing else "        -"
+
+
+def print_table(results: dict) -> None:
+    """The rows and the sweep as text."""
+    print(
+        f"\nread ceiling {results['ceiling']['bytes_per_s'] / 1e9:.0f} GB/s, {PEAK_FLOPS / 1e12:.0f} TFLOP/s"
+    )
+    head = f"{'H':>3} {'B':>3} {'S':>6} {'T':>3} | {'bytes us':>8} {'flops us':>8}"
+    print(head + f" | {'kernel':>9} {'x floor':>7} | {'ref':>9} {'x ref':>6} | {'rel err':>8} | tuning")
+    for row in results["rows"] + results["tuning_sweep"]:
+        tun = row.get("tuning", {})
+        check = row.get("check")
+        notes = " ".join(f"{key}: {str(row[key])[:80]}" for key in row if "error" in key or "skipped" in key)
+        speedup = row.get("speedup_vs_reference")
+        byte_us, flop_us = (row.get(f"{x}_floor_s", float("nan")) * 1e6 for x in ("byte", "flop"))
+        print(
+            f"{row['H']:>3} {row['B']:>3} {row['S']:>6} {row['T']:>3} | "
+            f"{byte_us:8.1f} {flop_us:8.1f} | {fmt_us(row.get('kernel'))} "
+            f"{row.get('kernel_x_floor', float('nan')):7.2f} | {fmt_us(row.get('reference'))} "
+            f"{(f'{speedup:6.1f}' if speedup else '     -')} | "
+            f"{(f'{check["rel_l2"]:8.1e}' if check else '       -')} | "
+            f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} w{tun.get('num_warps')} "
+            f"st{tun.get('num_stages')} {notes}"
+        )
+
+
+def sweep_tunings(quick: bool) -> list[tuple[dict, list[dict]]]:
+    """(shape, tunings) for the kernel-only sweep, each list's most telling first (the sweep runs the
+    first FIRST_PASS of every shape before the rest). Defaults are timed in the main rows."""
+    if quick:
+        return [(dict(H=4, B=1, S=256, T=4), [dict(block_k=16), dict(block_q=32, splits=2)])]
+    verify = [
+        dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+        for bk, st in ((32, 2), (64, 2), (16, 3), (32, 3))
+        for bq, w in ((64, 8), (32, 8), (16, 4), (32, 4), (64, 4))
+    ]
+    ar = [dict(block_q=32), dict(block_q=64), dict(splits=16), dict(splits=64), dict(splits=128)]
+    ar += [dict(block_q=bq, splits=sp) for bq in (32, 64) for sp in (16, 64, 128)]
+    ar += [dict(block_k=bk, num_stages=st) for bk, st in ((16, 3), (64, 2), (64, 3))]
+    shard_ar = [dict(splits=32), dict(splits=64), dict(block_k=64), dict(block_k=64, splits=64)]
+    shard_ar += [dict(block_k=16, num_stages=3), dict(block_k=64, splits=32)]
+    shard_verify = [dict(block_q=32), dict(block_q=16), dict(splits=4), dict(splits=8), dict(splits=34)]
+    shard_verify += [dict(block_q=32, splits=sp) for sp in (4, 8, 34)]
+    return [
+        (dict(H=64, B=1, S=32768, T=64), verify),
+        (dict(H=64, B=1, S=32768, T=1), ar),
+        (dict(H=8, B=1, S=32768, T=1), shard_ar),
+        (dict(H=8, B=1, S=32768, T=64), shard_verify),
+    ]
+
+
+FIRST_PASS = 5
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/h200/bench_mla_attention.json", help="JSON output path")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test, interpret mode)")
+    parser.add_argument("--budget-s", type=float, default=None, help="no row starts after this (s; 210)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
+    opts = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    interpret = device.platform != "gpu"
+    dtype = jnp.bfloat16
+    if opts.quick:
+        heads, batches, lengths_s, nodes = [4], [1, 2], [64, 256], [1, 4]
+        c, r, k, ceiling_bytes = 64, 16, 2, 64 << 20
+    else:
+        heads, batches, lengths_s, nodes = [64, 8], [1, 16], [1024, 4096, 8192, 32768], [1, 64]
+        c, r, k, ceiling_bytes = 512, 64, 8, 4 << 30
+    budget_s = opts.budget_s or (600 if opts.quick else 210)
+
+    results = dict(
+        device=str(getattr(device, "device_kind", device.platform)),
+        platform=device.platform,
+        jax_version=jax.__version__,
+        interpret=interpret,
+        argv=sys.argv,
+        dtype=str(jnp.dtype(dtype)),
+        latent_dim=c,
+        rope_dim=r,
+        softmax_scale=SOFTMAX_SCALE,
+        peak_flops=PEAK_FLOPS,
+        timing="median over reps of one jitted program of k independent calls / k",
+        rows=[],
+        tuning_sweep=[],
+    )
+    try:
+        results["ceiling"] = read_ceiling(ceiling_bytes)
+    except Exception as e:  # noqa: BLE001
+        results["ceiling"] = dict(error=short_error(e), bytes_per_s=4.52e12)
+    ceiling = results["ceiling"]["bytes_per_s"]
+    print(f"read ceiling {ceiling / 1e9:.0f} GB/s ({elapsed():.0f}s)", flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+        results["wall_s"] = elapsed()
+        with open(opts.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    key = jax.random.key(0)
+    rng = np.random.default_rng(0)
+
+    def run(shape: dict, tunings: list[dict], sink: list, with_reference: bool) -> None:
+        """Rows of one shape (inputs made once), guarded, saved after each."""
+        if elapsed() > budget_s:
+            sink.extend(dict(shape, tuning=tun, skipped="time budget") for tun in tunings)
+            return
+        try:
+            dims = dict(b=shape["B"], s=shape["S"], t=shape["T"], h=shape["H"], c=c, r=r, dtype=dtype)
+            args = make_inputs(jax.random.fold_in(key, len(sink)), rng, **dims)
+        except Exception as e:  # noqa: BLE001
+            sink.append(dict(shape, error="inputs: " + short_error(e)))
+            return
+        for tun in tunings:
+            if elapsed() > budget_s:
+                sink.append(dict(shape, tuning=tun, skipped="time budget"))
+                continue
+            row = bench_row(
+                args, shape=shape, ceiling=ceiling, interpret=interpret, k=k, tuning=tun,
+                with_reference=with_reference,
+            )  # fmt: skip
+            sink.append(row)
+            kern, ref = row.get("kernel"), row.get("reference")
+            print(
+                f"[{elapsed():5.0f}s] {shape} {tun or ''}: kernel {fmt_us(kern)} us "
+                f"({row.get('kernel_x_floor', float('nan')):.2f}x floor), ref {fmt_us(ref)} us"
+                + "".join(f" {key2}={str(row[key2])[:120]}" for key2 in row if "error" in key2),
+                flush=True,
+            )
+            save()
+        del args
+        gc.collect()
+
+    for h in heads:
+        for b in batches:
+            for s in lengths_s:
+                for t in nodes:
+                    run(dict(H=h, B=b, S=s, T=t), [{}], results["rows"], with_reference=True)
+    if not opts.no_sweep:
+        for part in (slice(0, FIRST_PASS), slice(FIRST_PASS, None)):
+            for shape, tunings in sweep_tunings(opts.quick):
+                if tunings[part]:
+                    run(shape, tunings[part], results["tuning_sweep"], with_reference=False)
+    save()
+    print_table(results)
+    print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
