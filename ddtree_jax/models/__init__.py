@@ -3,6 +3,8 @@
   common     RMSNorm, RoPE, SwiGLU, embedding and head, the decoder stack with drafter features
   gqa        grouped-query attention: its cache entry (`KVEntry`), projections, attend functions
   dense      Qwen3ForCausalLM, LlamaForCausalLM
+  mla        multi-head latent attention: its latent cache entry (`LatentEntry`), absorbed and expanded forms
+  deepseek_v3  DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2; Kimi-K2.5's text model)
 
 A family module provides `config_from_hf(raw, path, arch, eos, **options)`, `weight_specs(cfg)`,
 `forward(params, cfg, tokens, positions, mask, cache, *, feature_layers, attention, model_axis,
@@ -20,8 +22,10 @@ from types import ModuleType
 
 # HF architecture -> our architecture name (TargetConfig.architecture)
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHITECTURES |= {"DeepseekV3ForCausalLM": "deepseek_v3", "KimiK25ForConditionalGeneration": "kimi_k25"}
 # our architecture name -> family module
 FAMILIES = {"qwen3": "dense", "llama": "dense"}
+FAMILIES |= {"deepseek_v3": "deepseek_v3", "kimi_k25": "deepseek_v3"}
 
 
 def family_of(architecture: str) -> ModuleType:
