@@ -30,6 +30,7 @@ from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, 
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
 from ddtree_jax.models import common
+from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
 from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
@@ -53,6 +54,33 @@ SHAPES = {
         131072,
     ),
     "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+    "qwen3-30b-a3b": Qwen3MoeConfig(
+        "qwen3_moe",
+        151936,
+        48,
+        _dims(2048, 6144, 32, 4, 128, True),
+        RopeConfig(1e6, 128),
+        False,
+        40960,
+        num_experts=128,
+        top_k=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "tiny-moe": Qwen3MoeConfig(
+        "qwen3_moe",
+        512,
+        4,
+        _dims(64, 128, 4, 2, 16, True),
+        RopeConfig(1e4, 16),
+        False,
+        4096,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=(0,),
+    ),
 }
 
 
@@ -67,6 +95,7 @@ def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
         cfg.vocab_size - 1,
         default_target_layer_ids(cfg.num_layers, layers),
         cfg.vocab_size,
+        cfg.architecture,
     )
 
 
@@ -272,11 +301,12 @@ def _device_bytes(x: jax.Array) -> int:
     return x.addressable_shards[0].data.nbytes
 
 
-def step_weight_bytes(params, cfg: TargetConfig) -> int:
-    """Weight bytes a decode step reads on one device: all it holds, less the embedding table when
-    lm_head is separate (the step gathers only its rows from it)."""
+def step_weight_bytes(params, cfg: TargetConfig, tokens: int = 1) -> float:
+    """Weight bytes a pass over `tokens` tokens (per device) must read on one device: all it holds,
+    less what the family says such a pass need not read (the embedding table when lm_head is
+    separate; a MoE target's experts its tokens are not expected to select)."""
     held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
-    return held - (0 if cfg.tie_word_embeddings else _device_bytes(params["embed"]))
+    return held - models.family(cfg).unread_weight_bytes(params, cfg, tokens, _device_bytes)
 
 
 def bench_one(
@@ -333,7 +363,8 @@ def bench_one(
     t = plan.target
     shapes = models.family(t).cache_shapes(t, plan.batch_size, plan.capacity, plan.tp, params["embed"].dtype)
     kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
-    floor_ms = 1e3 * (step_weight_bytes(params, plan.target) + kv_bytes) / (ceiling_gbs * 1e9)
+    tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
+    floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
     return {
         "method": plan.method,
         "budget": plan.budget,
@@ -349,6 +380,7 @@ def bench_one(
         "host_stepped_round_ms": sum(stage_ms.values()),
         "device_stages_ms": device_ms,
         "target_floor_ms": floor_ms,
+        "floor_tokens": tokens,
         "round_over_floor": round_ms / floor_ms,
         "compile_s": compile_s,
     }
@@ -376,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices (the model split over them)")
     p.add_argument(
+        "--moe-sharding",
+        choices=["ep", "tp"],
+        default="ep",
+        help="MoE shapes under --tp: whole experts per device (ep) or columns of every expert (tp)",
+    )
+    p.add_argument(
         "--drop-layer-all-reduce",
         action="store_true",
         help="timing only, outputs are wrong: skip the all-reduce after o_proj and down_proj (its cost "
@@ -388,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
 
     cfg = SHAPES[args.shape]
+    if isinstance(cfg, Qwen3MoeConfig):
+        cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
     models.family(cfg).check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
@@ -416,6 +456,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         "argv": sys.argv,
         "shape": args.shape,
         "tp": args.tp,
+        "moe_sharding": getattr(cfg, "moe_sharding", None),
         "devices": [str(d) for d in jax.devices()[: args.tp]],
         "layer_all_reduce": not args.drop_layer_all_reduce,
         "read_ceiling_gbs": ceiling,
@@ -436,7 +477,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         sampling = parse_sampling(sampling_arg)
         branching = min(budget, 32) if method == "ddtree" else 1
         draft = None if method == "ar" else dcfg
-        run_rows = engine.rows_to_run(method, batch)  # as ddtree-generate runs it
+        run_rows = engine.rows_to_run(method, batch, cfg)  # as ddtree-generate runs it
         plan = Plan(cfg, draft, method, run_rows, context, 64, budget, branching, attention, tp=args.tp)
         try:
             row = bench_one(

@@ -107,6 +107,26 @@ class Checkpoint:
         return array.T if spec.transpose else array
 
 
+class Stacked:
+    """Several checkpoint tensors (each [*shape], memory-mapped) seen as one array [n, *shape]: indexing
+    reads only the tensors and blocks it selects."""
+
+    def __init__(self, pieces: list[np.ndarray]):
+        self.pieces = pieces
+        self.shape = (len(pieces), *pieces[0].shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        first, rest = index[0], tuple(index[1:])
+        return np.stack([self.pieces[i][rest] for i in range(len(self.pieces))[first]])
+
+
+def read_stacked(ckpt: Checkpoint, spec: WeightSpec) -> np.ndarray | Stacked:
+    """The spec's tensor in our layout; a stacked spec (experts) as a lazy `Stacked` of its pieces."""
+    if not spec.stack:
+        return ckpt.read(spec)
+    return Stacked([ckpt.read(piece) for piece in spec.pieces()])
+
+
 def load_params(
     directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
 ) -> Params:
@@ -115,7 +135,7 @@ def load_params(
     ckpt = Checkpoint(directory)
 
     def make(spec: WeightSpec) -> jax.Array:
-        host = ckpt.read(spec)  # memory-mapped
+        host = read_stacked(ckpt, spec)  # memory-mapped
 
         def block(index):
             return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
@@ -182,6 +202,7 @@ def save_hf(
         for key in spec.path:
             node = node[key]
         array = np.asarray(jax.device_get(node), dtype=np.float32)
-        tensors[spec.hf_name] = (array.T if spec.transpose else array).astype(dtype)
+        for piece, part in zip(spec.pieces(), array if spec.stack else [array], strict=True):
+            tensors[piece.hf_name] = (part.T if spec.transpose else part).astype(dtype)
     write_safetensors(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")

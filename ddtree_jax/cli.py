@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dp", type=int, default=1, help="data-parallel devices: the batch split (padded to a multiple)"
     )
+    p.add_argument(
+        "--moe-sharding",
+        choices=["ep", "tp"],
+        default="ep",
+        help="MoE targets under --tp: whole experts per device (ep) or columns of every expert (tp)",
+    )
     return p
 
 
@@ -143,11 +149,11 @@ def make_generator(args: argparse.Namespace):
     dtype = jnp.dtype(args.dtype)
     sharding = param_sharding(make_mesh(args.tp, args.dp))
     # Check that both models split --tp ways before placing any weight.
-    cfg = load_target_config(args.target)
+    cfg = load_target_config(args.target, moe_sharding=args.moe_sharding)
     models.family(cfg).check_divisible(cfg, args.tp)
     if args.method != "ar":
         drafter.check_divisible(load_draft_config(args.draft, cfg), args.tp)
-    cfg, params = target.load(args.target, dtype, sharding)
+    cfg, params = target.load(args.target, dtype, sharding, moe_sharding=args.moe_sharding)
     dcfg = draft_params = None
     if args.method != "ar":
         dcfg, draft_params = drafter.load(args.draft, cfg, dtype, sharding)
@@ -162,7 +168,7 @@ def make_generator(args: argparse.Namespace):
         target=cfg,
         draft=dcfg,
         method=args.method,
-        batch_size=rows_to_run(args.method, rows_per_device) * args.dp,  # padded with inactive rows
+        batch_size=rows_to_run(args.method, rows_per_device, cfg) * args.dp,  # padded with inactive rows
         prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=budget,

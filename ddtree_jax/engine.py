@@ -113,11 +113,13 @@ class DecodeState:
     sampling: SamplingParams | None = None  # None: greedy for every row (the greedy-only program)
 
 
-def rows_to_run(method: str, rows: int) -> int:
+def rows_to_run(method: str, rows: int, cfg: TargetConfig | None = None) -> int:
     """Rows per device a program runs for `rows` requested: one ar row runs as two (the second
     inactive), because XLA's one-row matmuls read the weights slower than its two-row ones (H200,
-    Qwen3-8B shapes: 6.2-6.5 ms a step at one row, 5.0 ms at two; results/h200/README.md)."""
-    return 2 if method == "ar" and rows == 1 else rows
+    Qwen3-8B shapes: 6.2-6.5 ms a step at one row, 5.0 ms at two; results/h200/README.md), unless
+    the target's family says a second row costs more (`PAD_ONE_ROW_AR`: a MoE row reads its own experts)."""
+    pad = cfg is None or models.family(cfg).PAD_ONE_ROW_AR
+    return 2 if pad and method == "ar" and rows == 1 else rows
 
 
 def _write_tokens(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

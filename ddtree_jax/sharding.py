@@ -10,6 +10,8 @@ The mesh has axes ("data", "model"). The batch is split over "data"; over "model
               (`placed_shape`, `host_block`), a layout that is also correct GQA on one device.
   "ff"        gate/up columns, down rows
   "vocab"     the embedding's rows and lm_head's columns (contiguous slices, in device order)
+  "experts"   stacked expert weights [E, ...] under expert parallelism: E / tp whole experts per device
+              (under tensor parallelism inside experts their columns are "ff" instead: models/moe.py)
 
 Per-device work runs inside `jax.shard_map` (engine.py) on local shapes, with explicit collectives
 (collectives.py): an all-reduce after o_proj and down_proj, vocabulary-parallel argmax, top-k and
@@ -35,7 +37,7 @@ from ddtree_jax.errors import DDTreeError
 from ddtree_jax.weights import WeightSpec
 
 DATA, MODEL = "data", "model"
-SPLIT_AXES = ("heads", "kv_heads", "ff", "vocab")  # logical axes split over "model"
+SPLIT_AXES = ("heads", "kv_heads", "ff", "vocab", "experts")  # logical axes split over "model"
 
 
 def make_mesh(tp: int = 1, dp: int = 1) -> Mesh:

@@ -25,11 +25,20 @@ class WeightSpec:
     transpose: bool = False  # HF nn.Linear stores [out, in]
     is_norm: bool = False  # RMSNorm weights initialise near 1
     heads: int = 0  # attention heads along the "heads" / "kv_heads" axis (0: none)
+    stack: tuple[str, ...] = ()  # several HF tensors stacked on a new leading axis (hf_name: the first)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        """The shape the HF checkpoint stores."""
-        return self.shape[::-1] if self.transpose else self.shape
+        """The shape the HF checkpoint stores (of each stacked tensor)."""
+        shape = self.shape[1:] if self.stack else self.shape
+        return shape[::-1] if self.transpose else shape
+
+    def pieces(self) -> list[WeightSpec]:
+        """The specs of the stacked HF tensors, in stacking order ([self] when nothing is stacked)."""
+        if not self.stack:
+            return [self]
+        one = dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:], stack=())
+        return [dataclasses.replace(one, hf_name=name) for name in self.stack]
 
 
 def linear(
@@ -42,6 +51,14 @@ def linear(
 ) -> WeightSpec:
     """An nn.Linear weight stored [out, in] by HF, kept [in, out] here."""
     return WeightSpec(path, hf_name, (d_in, d_out), axes, transpose=True, heads=heads)
+
+
+def stacked_linear(
+    path: Path_, hf_names: list[str], d_in: int, d_out: int, axes: tuple[str | None, ...]
+) -> WeightSpec:
+    """nn.Linear weights of several HF tensors (one per expert) stacked as [len(hf_names), in, out]."""
+    shape = (len(hf_names), d_in, d_out)
+    return WeightSpec(path, hf_names[0], shape, axes, transpose=True, stack=tuple(hf_names))
 
 
 def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:

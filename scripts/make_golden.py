@@ -13,7 +13,13 @@ What it writes (all float32):
     stop tokens disabled), per-prompt minimal top1-top2 margins and HF hidden states;
   * a tiny byte-level BPE tokenizer + ChatML template for qwen3_gqa2_tied;
   * two DFlash drafters (z-lab layout) with golden draft logits computed by an
-    independent plain-PyTorch drafter forward defined below.
+    independent plain-PyTorch drafter forward defined below;
+  * two tiny random Qwen3-MoE targets (norm_topk_prob on and off, dense layers through
+    mlp_only_layers and decoder_sparse_step), a DFlash drafter on one of them, and
+    router_ties.npz (torch.topk's choices on tied router probabilities).
+
+`--only NAME,...` writes only the named fixtures (a drafter needs its target named too), so that
+new fixtures can be added without rewriting the others.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 256
@@ -143,6 +151,50 @@ TARGETS = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen3_moe_norm": dict(
+        cls="qwen3_moe",
+        seed=808,
+        std=0.3,
+        sharded=False,
+        cfg=dict(
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe_tp": dict(
+        cls="qwen3_moe",
+        seed=909,
+        std=0.3,
+        sharded=False,
+        cfg=dict(
+            hidden_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+            mlp_only_layers=[],
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 DRAFTERS = {
@@ -172,7 +224,21 @@ DRAFTERS = {
         mask_token_id=255,
         target_layer_ids=None,
     ),
+    "dflash_qwen3_moe_tp": dict(
+        target="qwen3_moe_tp",
+        seed=1010,
+        std=0.3,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        block_size=6,
+        mask_token_id=255,
+        target_layer_ids=[0, 2],
+    ),
 }
+MOE_FIXTURES = ("qwen3_moe_norm", "qwen3_moe_tp", "dflash_qwen3_moe_tp", "router_ties")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -232,7 +298,7 @@ def reinit_(named_params, seed: int, std: float) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in named_params:
-            if p.ndim == 2:
+            if p.ndim in (2, 3):  # 3: stacked experts (transformers 5 keeps them as [E, ...] parameters)
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
             elif p.ndim == 1 and "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32) + 0.5)
@@ -247,10 +313,15 @@ def build_target(name: str, spec: dict):
         kw.update(bos_token_id=None, eos_token_id=2, pad_token_id=0)  # ids fixed by the tokenizer
     else:
         kw.update(bos_token_id=0, eos_token_id=1)
-    cfg = (Qwen3Config if spec["cls"] == "qwen3" else LlamaConfig)(**kw)
+    config_cls, model_cls = {
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    }[spec["cls"]]
+    cfg = config_cls(**kw)
     cfg._attn_implementation = "eager"
     torch.manual_seed(spec["seed"])
-    model = (Qwen3ForCausalLM if spec["cls"] == "qwen3" else LlamaForCausalLM)(cfg)
+    model = model_cls(cfg)
     model = model.float().eval()
     reinit_(sorted(model.named_parameters()), spec["seed"], spec["std"])
     if cfg.tie_word_embeddings:
@@ -743,12 +814,38 @@ def make_drafter(name: str, spec: dict, root: str, target: dict) -> dict:
     return report
 
 
+def make_router_ties(root: str) -> None:
+    """torch.topk's choices on router probabilities with exact ties (what HF's Qwen3-MoE router picks)."""
+    rows = torch.tensor(
+        [
+            [0.1, 0.3, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0],
+            [0.125] * 8,
+            [0.05, 0.2, 0.2, 0.05, 0.2, 0.1, 0.1, 0.1],
+            [0.4, 0.1, 0.2, 0.05, 0.05, 0.1, 0.05, 0.05],  # no tie at the top-2 boundary
+        ],
+        dtype=torch.float32,
+    )
+    values, indices = torch.topk(rows, 2, dim=-1)
+    save_npz(
+        os.path.join(root, "router_ties.npz"),
+        {
+            "probs": rows.numpy(),
+            "torch_values": values.numpy(),
+            "torch_indices": indices.numpy().astype(np.int32),
+        },
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
     )
+    ap.add_argument(
+        "--only", help="comma list of fixture names to write (the MoE ones: " + ",".join(MOE_FIXTURES) + ")"
+    )
     args = ap.parse_args()
+    only = None if args.only is None else set(args.only.split(","))
     root = os.path.abspath(args.out)
     os.makedirs(root, exist_ok=True)
     torch.manual_seed(0)
@@ -758,6 +855,8 @@ def main():
 
     targets = {}
     for name, spec in TARGETS.items():
+        if only is not None and name not in only:
+            continue
         r = make_target(name, spec, root)
         targets[name] = r
         with open(os.path.join(root, name, "config.json")) as f:
@@ -791,12 +890,17 @@ def main():
                 r["tok_len"],
             )
     for name, spec in DRAFTERS.items():
+        if only is not None and name not in only:
+            continue
+        assert spec["target"] in targets, f"{name} needs its target {spec['target']} in --only"
         r = make_drafter(name, spec, root, targets[spec["target"]])
         print(
             f"== {name}: target_layer_ids used {r['target_layer_ids']}, "
             f"draft logits std {[f'{s:.2f}' for s in r['logit_std']]}, "
             f"sdpa-vs-loops max diff {r['max_diff']:.2e}"
         )
+    if only is None or "router_ties" in only:
+        make_router_ties(root)
 
 
 if __name__ == "__main__":

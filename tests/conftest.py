@@ -14,8 +14,20 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURES = Path(__file__).parent / "fixtures"
-TARGETS = ["qwen3_gqa1", "qwen3_gqa2_tied", "qwen3_gqa4_tp", "llama_gqa2", "llama3_scaled"]
-DRAFTERS = {"dflash_qwen3_gqa4_tp": "qwen3_gqa4_tp", "dflash_qwen3_gqa1": "qwen3_gqa1"}
+TARGETS = [
+    "qwen3_gqa1",
+    "qwen3_gqa2_tied",
+    "qwen3_gqa4_tp",
+    "llama_gqa2",
+    "llama3_scaled",
+    "qwen3_moe_norm",
+    "qwen3_moe_tp",
+]
+DRAFTERS = {
+    "dflash_qwen3_gqa4_tp": "qwen3_gqa4_tp",
+    "dflash_qwen3_gqa1": "qwen3_gqa1",
+    "dflash_qwen3_moe_tp": "qwen3_moe_tp",
+}
 
 
 @functools.cache
@@ -25,12 +37,14 @@ def golden(name: str) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def load_target(name: str, dtype: str = "float32", tp: int = 1, dp: int = 1):
-    """(config, params) of a fixture target placed on a tp x dp mesh (default: one device)."""
+def load_target(name: str, dtype: str = "float32", tp: int = 1, dp: int = 1, moe_sharding: str = "ep"):
+    """(config, params) of a fixture target placed on a tp x dp mesh (default: one device);
+    `moe_sharding`: how a Qwen3-MoE target's experts split (ignored by dense targets)."""
     from ddtree_jax import target
     from ddtree_jax.sharding import make_mesh, param_sharding
 
-    return target.load(FIXTURES / name, jnp.dtype(dtype), param_sharding(make_mesh(tp, dp)))
+    placement = param_sharding(make_mesh(tp, dp))
+    return target.load(FIXTURES / name, jnp.dtype(dtype), placement, moe_sharding=moe_sharding)
 
 
 @functools.cache
@@ -67,6 +81,7 @@ def run(
     tp=1,
     dp=1,
     tempered_draft=False,
+    moe_sharding="ep",
 ):
     """Generate with the engine in float32; returns the Result list in prompt order.
 
@@ -80,7 +95,7 @@ def run(
     from ddtree_jax.prompts import Prompt
     from ddtree_jax.sampling import GREEDY
 
-    cfg, params = load_target(target_name, tp=tp, dp=dp)
+    cfg, params = load_target(target_name, tp=tp, dp=dp, moe_sharding=moe_sharding)
     dcfg = dparams = None
     if draft_name is not None:
         dcfg, dparams = load_drafter(draft_name, tp=tp, dp=dp)

@@ -128,3 +128,24 @@ def test_stage_loops_keep_every_pass_inside_the_loop():
         assert entry.count(" while(") == 1, name
         assert not re.search(r" (dot|sort|custom-call|convolution)\(", entry), name
         assert not re.search(r"fusion\([^)]*(seed|lengths)", entry), name
+
+
+def test_bench_moe_shape_and_its_floor(tmp_path):
+    """A MoE shape runs on one device and on an expert-parallel mesh; its floor counts the experts its
+    tokens are expected to select, so a larger tree's floor reads more expert bytes."""
+    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.models import moe
+
+    moe_tiny = [a if a != "tiny" else "tiny-moe" for a in TINY]
+    for extra in ([], ["--tp", "4", "--moe-sharding", "ep"], ["--tp", "2", "--moe-sharding", "tp"]):
+        out = tmp_path / "bench.json"
+        argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batches", "1", *extra]
+        assert main([*argv, "--out", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert all("error" not in r for r in rows), rows
+        ar, small, big = rows
+        assert (ar["floor_tokens"], small["floor_tokens"], big["floor_tokens"]) == (1, 4, 16)
+        assert ar["target_floor_ms"] < small["target_floor_ms"] < big["target_floor_ms"]
+    cfg = SHAPES["qwen3-30b-a3b"]
+    assert moe.expected_distinct(cfg.num_experts, cfg.top_k, 1) == 8
+    assert round(moe.expected_distinct(cfg.num_experts, cfg.top_k, 8)) == 52

@@ -104,6 +104,12 @@ def logits(params: Params, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
 
 
+def unread_embedding_bytes(params: Params, tied: bool, nbytes: Callable[[jax.Array], int]) -> int:
+    """Bytes of the embedding table a pass need not read: all of it when lm_head is separate (a pass
+    gathers only its tokens' rows); `nbytes(x)`: the bytes of x this device holds."""
+    return 0 if tied else nbytes(params["embed"])
+
+
 def decoder_stack(
     params: Params,
     tokens: jax.Array,

@@ -1,7 +1,7 @@
 """Dense decoder families: Qwen3ForCausalLM and LlamaForCausalLM (GQA attention, SwiGLU MLP).
 
-A family module provides: `config_from_hf`, `weight_specs`, `forward`, `Entry` (its cache entry type),
-`cache_shapes`, `check_divisible` (its mesh rules) and `embed` / `logits` (those of `models.common`).
+A family module provides what models/__init__.py lists; this one serves as the base of the
+others (its layer takes another feed-forward through `ffn`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ddtree_jax.weights import Params, WeightSpec, linear, norm
 
 Entry = gqa.KVEntry
 embed, logits = common.embed, common.logits  # the target's embedding and head (the drafter's too)
+PAD_ONE_ROW_AR = True  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster (engine.py)
 # ffn(p, h) -> [B, T, H], all-reduced: the feed-forward branch of one layer on its normed input.
 FFN = Callable[[dict, jax.Array], jax.Array]
 
@@ -142,6 +143,13 @@ def forward(
 def cache_shapes(cfg: TargetConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
     """Global shapes of the target's cache on a mesh of `tp` model devices."""
     return gqa.cache_shapes(cfg.num_layers, cfg.dims, batch, capacity, tp, dtype)
+
+
+def unread_weight_bytes(
+    params: Params, cfg: TargetConfig, tokens: int, nbytes: Callable[[jax.Array], int]
+) -> float:
+    """Bytes of the weights one device holds that a pass over `tokens` tokens need not read."""
+    return common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes)
 
 
 def check_divisible(cfg: TargetConfig, tp: int, model: str = "target") -> None:
