@@ -34,6 +34,7 @@ from ddtree_jax.weights import Params, WeightSpec, linear
 Entry = mla.LatentEntry
 embed, logits = common.embed, common.logits
 MOE_SHARDINGS = ("ep", "tp")
+PAD_ONE_ROW_AR = False  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
 WRAPPERS = ("KimiK25ForConditionalGeneration",)  # multimodal classes whose text model we load
 
 
@@ -292,6 +293,19 @@ def forward(
 def cache_shapes(cfg: DeepseekV3Config, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
     """Global shapes of the latent cache (replicated over "model", whatever `tp`)."""
     return mla.cache_shapes(cfg.num_layers, cfg.mla, batch, capacity, dtype)
+
+
+def unread_weight_bytes(
+    params: Params, cfg: DeepseekV3Config, tokens: int, nbytes: Callable[[jax.Array], int]
+) -> float:
+    """The embedding table, plus each sparse layer's experts that `tokens` tokens are expected not to
+    select (`moe.expected_distinct`: uniform choice, which grouped routing only approximates)."""
+    unread = common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes)
+    idle = 1.0 - moe.expected_distinct(cfg.num_experts, cfg.top_k, tokens) / max(cfg.num_experts, 1)
+    for i, p in enumerate(params["layers"]):
+        if cfg.is_sparse(i):
+            unread += idle * sum(nbytes(p[name]) for name in moe.EXPERT_WEIGHTS)
+    return unread
 
 
 def check_divisible(cfg: DeepseekV3Config, tp: int, model: str = "target") -> None:

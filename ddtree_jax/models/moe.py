@@ -166,13 +166,24 @@ def experts_ffn(
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     routing = route(p["router"], x, top_k, normalize)
+    return apply_routing(p, x, routing, sharding, model_axis, dispatch).reshape(shape)
+
+
+def apply_routing(
+    p: dict,
+    x: jax.Array,
+    routing: Routing,
+    sharding: str = "ep",
+    model_axis: Axis = None,
+    dispatch: str | None = None,
+) -> jax.Array:
+    """The stacked experts on tokens x [N, H] as `routing` chose them -> this device's partial sum
+    [N, H] (no all-reduce). Families with their own router (DeepSeek-V3's grouped sigmoid) call this."""
     experts, here = _local(routing, p["experts_gate"].shape[0], model_axis, sharding)
     dispatch = dispatch or choose_dispatch(x.shape[0])
     if dispatch == "dense":
-        out = _dense(p, x, experts, routing.weights, here)
-    elif dispatch == "gather":
-        out = _combine(_gather(p, x, experts), routing.weights, here)
-    else:
-        ragged = _mgpu_ragged_dot if dispatch == "sorted_mgpu" else jax.lax.ragged_dot
-        out = _combine(_sorted(p, x, experts, here, ragged), routing.weights, here)
-    return out.reshape(shape)
+        return _dense(p, x, experts, routing.weights, here)
+    if dispatch == "gather":
+        return _combine(_gather(p, x, experts), routing.weights, here)
+    ragged = _mgpu_ragged_dot if dispatch == "sorted_mgpu" else jax.lax.ragged_dot
+    return _combine(_sorted(p, x, experts, here, ragged), routing.weights, here)
