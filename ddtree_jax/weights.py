@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -109,7 +110,9 @@ def random_params(
 
     @functools.partial(jax.jit, static_argnums=(1, 2))
     def make_one(key: jax.Array, shape: tuple[int, ...], is_norm: bool) -> jax.Array:
-        noise = jax.random.normal(key, shape, jnp.float32)
+        # Noise in float32, except for tensors over 2^30 elements (Kimi-K2's stacked experts: 5.6 G),
+        # drawn in `dtype` so that a float32 copy does not double the peak memory.
+        noise = jax.random.normal(key, shape, jnp.float32 if math.prod(shape) <= 1 << 30 else dtype)
         return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
 
     def make(spec: WeightSpec) -> jax.Array:

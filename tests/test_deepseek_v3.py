@@ -232,3 +232,23 @@ def test_latent_cache_is_replicated_over_model():
     per_layer = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 2
     assert bytes_per_token(shapes, 8) == bytes_per_token(shapes, 1) == per_layer * cfg.num_layers
     assert dataclasses.is_dataclass(cfg)
+
+
+def test_bench_tiny_mla(tmp_path):
+    """ddtree-bench on an MLA + grouped-MoE shape (the kimi-k2 shape's code path at tiny sizes), on one
+    device and over a tp 4 mesh: every method runs; the floor counts the replicated latent cache."""
+    import json
+
+    from ddtree_jax.bench import SHAPES, main
+
+    assert SHAPES["kimi-k2"].num_layers == 4 and SHAPES["kimi-k2"].mla.kv_lora_rank == 512
+    base = ["--shape", "tiny-mla", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
+    base += ["--rounds", "2", "--ceiling-bytes", "1048576", "--budgets", "3", "--batches", "1"]
+    for tp in (1, 4):
+        out = tmp_path / f"bench{tp}.json"
+        assert main([*base, "--tp", str(tp), "--out", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert [r["method"] for r in rows] == ["ar", "dflash", "ddtree"]
+        for r in rows:
+            assert "error" not in r, r.get("error")
+            assert r["round_ms"] > 0 and r["target_floor_ms"] > 0
