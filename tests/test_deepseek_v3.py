@@ -252,3 +252,71 @@ def test_bench_tiny_mla(tmp_path):
         for r in rows:
             assert "error" not in r, r.get("error")
             assert r["round_ms"] > 0 and r["target_floor_ms"] > 0
+
+
+def test_cli_kimi_wrapper_and_yarn_switch(tmp_path):
+    """ddtree-generate loads the Kimi-K2.5-style wrapper (HF's greedy tokens), and a yarn drafter under
+    --draft-yarn-scaling hf on a tp 2 mesh still emits ar's tokens (lossless whatever the drafter)."""
+    import json
+
+    from ddtree_jax.cli import main
+
+    def write_prompts(name):
+        path = tmp_path / f"{name}.jsonl"
+        lines = [json.dumps({"id": i, "input_ids": p}) + "\n" for i, p in enumerate(golden_prompts(name))]
+        path.write_text("".join(lines))
+        return path
+
+    def outputs(path):
+        return [json.loads(line)["output_ids"] for line in path.read_text().splitlines()]
+
+    common = ["--dtype", "float32", "--max-new-tokens", "8", "--batch-size", "5"]
+    kimi = [
+        "--target",
+        str(FIXTURES / "kimi_k25_wrapped"),
+        "--prompts",
+        str(write_prompts("kimi_k25_wrapped")),
+    ]
+    assert main([*common, *kimi, "--out", str(tmp_path / "kimi.jsonl")]) == 0
+    want = [golden("kimi_k25_wrapped")[f"greedy_{i}"].tolist()[:8] for i in range(5)]
+    assert outputs(tmp_path / "kimi.jsonl") == want
+    tree = [
+        "--target",
+        str(FIXTURES / TP),
+        "--prompts",
+        str(write_prompts(TP)),
+        "--draft",
+        str(FIXTURES / DRAFT),
+    ]
+    tree += ["--budget", "5", "--draft-yarn-scaling", "hf", "--tp", "2"]
+    assert main([*common, *tree, "--out", str(tmp_path / "tree.jsonl")]) == 0
+    assert outputs(tmp_path / "tree.jsonl") == [golden(TP)[f"greedy_{i}"].tolist()[:8] for i in range(5)]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_kimi_k2_round_lowers_for_cuda():
+    """A whole ddtree round at Kimi-K2 width (a dense and a MoE layer, the MLA Pallas kernel, the
+    drafter's GQA kernel) lowers for CUDA under an abstract H200, without a GPU."""
+    from ddtree_jax import drafter, engine
+    from ddtree_jax.bench import SHAPES, draft_shape, synthetic_state
+    from ddtree_jax.engine import Plan
+    from ddtree_jax.weights import assemble
+
+    cfg = dataclasses.replace(SHAPES["kimi-k2"], num_layers=2)
+    dcfg = draft_shape(cfg, 1, 8)
+    plan = Plan(cfg, dcfg, "ddtree", 1, 1024, 64, 15, 15, "pallas")
+
+    def abstract(specs):
+        return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))
+
+    state = jax.eval_shape(lambda: synthetic_state(plan, 1024, 0, jnp.bfloat16))
+    stop = jax.ShapeDtypeStruct((8,), jnp.int32)
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        fn = jax.jit(lambda p, d, s, st: engine.decode_round(p, d, s, st, plan))
+        args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(dcfg)), state, stop)
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_attention" in text and "tree_attention" in text
