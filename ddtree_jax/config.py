@@ -183,14 +183,14 @@ def yarn_attention_factor(raw: dict[str, Any], scaling: dict[str, Any], yarn_sca
     """
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor = _yarn_factor(raw, scaling)
+    factor = yarn_factor(raw, scaling)
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if yarn_scaling == "hf" and mscale and mscale_all_dim:
         return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
     return yarn_mscale(factor)
 
 
-def _yarn_factor(raw: dict[str, Any], scaling: dict[str, Any]) -> float:
+def yarn_factor(raw: dict[str, Any], scaling: dict[str, Any]) -> float:
     """yarn's factor; when null, max_position_embeddings over the original (as HF does)."""
     if scaling.get("factor") is not None:
         return float(scaling["factor"])
@@ -207,7 +207,7 @@ def hf_rope(raw: dict[str, Any], head_dim: int, path: Path, yarn_scaling: str = 
         if yarn_scaling not in YARN_SCALINGS:
             raise DDTreeError(f"yarn scaling must be one of {YARN_SCALINGS}, got {yarn_scaling!r}")
         yarn = Yarn(
-            factor=_yarn_factor(raw, scaling),
+            factor=yarn_factor(raw, scaling),
             beta_fast=float(scaling.get("beta_fast") or 32),
             beta_slow=float(scaling.get("beta_slow") or 1),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),

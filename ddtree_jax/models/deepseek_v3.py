@@ -24,7 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.collectives import Axis
-from ddtree_jax.config import LayerDims, TargetConfig, hf_rope, positive_field, rope_scaling, yarn_mscale
+from ddtree_jax.config import (
+    LayerDims,
+    TargetConfig,
+    hf_rope,
+    positive_field,
+    rope_scaling,
+    yarn_factor,
+    yarn_mscale,
+)
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.models import common, dense, mla, moe
 from ddtree_jax.models.common import ForwardOutput, all_reduce, rms_norm, rope_tables, swiglu
@@ -86,7 +94,7 @@ def _softmax_scale(raw: dict[str, Any], qk_head_dim: int) -> float:
     scale = qk_head_dim**-0.5
     _, scaling, kind = rope_scaling(raw)
     if kind != "default" and scaling.get("mscale_all_dim"):
-        m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        m = yarn_mscale(yarn_factor(raw, scaling), float(scaling["mscale_all_dim"]))
         scale *= m * m
     return scale
 
