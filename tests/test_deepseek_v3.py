@@ -320,3 +320,10 @@ def test_kimi_k2_round_lowers_for_cuda():
         args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(dcfg)), state, stop)
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_attention" in text and "tree_attention" in text
+
+
+def test_host_stepped_on_mesh_equals_device_loop():
+    """The host-stepped stages carry the latent entries between verify and commit (LatentEntry specs)."""
+    prompts = golden_prompts(TP)[:2]
+    kw = dict(method="ddtree", draft_name=DRAFT, budget=5, batch_size=2, max_new_tokens=8, tp=2)
+    assert outcome(run(TP, prompts, host_stepped=True, **kw)) == outcome(run(TP, prompts, **kw))
