@@ -138,7 +138,8 @@ def load_params(
         host = read_stacked(ckpt, spec)  # memory-mapped
 
         def block(index):
-            return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
+            block_dtype = np.float32 if spec.float32 else dtype
+            return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=block_dtype)
 
         return jax.make_array_from_callback(placement.placed_shape(spec), placement(spec), block)
 

@@ -181,9 +181,11 @@ def moe_specs(prefix: str, path: tuple, cfg: DeepseekV3Config) -> list[WeightSpe
     """Router (+ its choice bias), stacked routed experts and the shared experts of one sparse layer."""
     h, mlp = cfg.dims.hidden_size, prefix + "mlp."
     specs = moe.expert_specs(prefix, path, h, cfg.moe_intermediate_size, cfg.num_experts, cfg.moe_sharding)
-    specs.append(
-        WeightSpec((*path, "router_bias"), mlp + "gate.e_score_correction_bias", (cfg.num_experts,), (None,))
-    )
+    # HF keeps the router and its choice bias in float32 (`_keep_in_fp32_modules_strict`): a bf16 bias
+    # (DeepSeek-V3's are of order 1 with small differences) would change which experts are chosen.
+    specs = [dataclasses.replace(s, float32=True) if s.path[-1] == "router" else s for s in specs]
+    bias = mlp + "gate.e_score_correction_bias"
+    specs.append(WeightSpec((*path, "router_bias"), bias, (cfg.num_experts,), (None,), float32=True))
     if cfg.n_shared_experts:
         width, shared = cfg.n_shared_experts * cfg.moe_intermediate_size, mlp + "shared_experts."
         specs += [
@@ -214,10 +216,10 @@ def weight_specs(cfg: DeepseekV3Config) -> list[WeightSpec]:
 def route(p: dict, x: jax.Array, cfg: DeepseekV3Config) -> moe.Routing:
     """Grouped sigmoid routing of tokens x [N, H]: chosen experts [N, k] and their weights [N, k].
 
-    Scores in float32 (HF keeps the router and its bias in float32). Ties: lower expert id first.
+    Scores in float32 from the float32 router and bias (WeightSpec.float32). Ties: lower id first.
     """
     f32 = jnp.float32
-    scores = jax.nn.sigmoid(x.astype(f32) @ p["router"].astype(f32))  # [N, E]
+    scores = jax.nn.sigmoid(jnp.matmul(x.astype(f32), p["router"].astype(f32), precision="highest"))
     choice = scores + p["router_bias"].astype(f32)
     if cfg.topk_group < cfg.n_group:
         n, per_group = choice.shape[0], cfg.num_experts // cfg.n_group
