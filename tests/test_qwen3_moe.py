@@ -43,6 +43,22 @@ def test_experts_are_stacked_from_hf_tensors():
     assert "experts_gate" not in params["layers"][0]  # the dense layer
 
 
+def test_stacked_experts_save_and_reload(tmp_path):
+    """save_hf writes a stacked spec back as one HF tensor per expert; loading it restacks them."""
+    import json
+
+    from ddtree_jax import target
+    from ddtree_jax.checkpoint import save_hf
+    from ddtree_jax.sharding import make_mesh, param_sharding
+
+    cfg, params = load_target(NORM)
+    config = json.loads((FIXTURES / NORM / "config.json").read_text())
+    save_hf(params, target.weight_specs(cfg), tmp_path, config, dtype=np.float32)
+    _, again = target.load(tmp_path, jnp.float32, param_sharding(make_mesh(1, 1)))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_some_experts_unselected():
     """Short prompts leave experts idle (the dispatch must cope with empty groups)."""
     cfg, params = load_target(NORM)

@@ -240,7 +240,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: DeepseekV3Config, model_axis: Axis = Non
     """Routed plus shared experts of one sparse layer on normed x [B, T, H] -> [B, T, H], all-reduced."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    out = moe.apply_routing(p, flat, route(p, flat, cfg), cfg.moe_sharding, model_axis)
+    out = moe.run_experts(p, flat, route(p, flat, cfg), cfg.moe_sharding, model_axis)
     if cfg.n_shared_experts:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
     return all_reduce(out.reshape(shape), model_axis)

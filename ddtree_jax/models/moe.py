@@ -150,6 +150,29 @@ def choose_dispatch(num_tokens: int) -> str:
     return "gather" if num_tokens <= GATHER_MAX_TOKENS else "sorted"
 
 
+def run_experts(
+    p: dict,
+    x: jax.Array,
+    routing: Routing,
+    sharding: str = "ep",
+    model_axis: Axis = None,
+    dispatch: str | None = None,
+) -> jax.Array:
+    """The experts' weighted mix for x [N, H] routed by `routing` -> this device's partial sum [N, H].
+
+    Any router can feed it (a family's own scores, groups or bias); no all-reduce here: the caller adds
+    the layer's. `dispatch` None picks one by token count.
+    """
+    experts, here = _local(routing, p["experts_gate"].shape[0], model_axis, sharding)
+    dispatch = dispatch or choose_dispatch(x.shape[0])
+    if dispatch == "dense":
+        return _dense(p, x, experts, routing.weights, here)
+    if dispatch == "gather":
+        return _combine(_gather(p, x, experts), routing.weights, here)
+    ragged = _mgpu_ragged_dot if dispatch == "sorted_mgpu" else jax.lax.ragged_dot
+    return _combine(_sorted(p, x, experts, here, ragged), routing.weights, here)
+
+
 def experts_ffn(
     p: dict,
     x: jax.Array,
@@ -159,31 +182,8 @@ def experts_ffn(
     model_axis: Axis = None,
     dispatch: str | None = None,
 ) -> jax.Array:
-    """The routed experts of one layer on x [..., H] -> this device's partial sum [..., H].
-
-    No all-reduce here: the caller adds the layer's. `dispatch` None picks by token count.
-    """
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])
-    routing = route(p["router"], x, top_k, normalize)
-    return apply_routing(p, x, routing, sharding, model_axis, dispatch).reshape(shape)
-
-
-def apply_routing(
-    p: dict,
-    x: jax.Array,
-    routing: Routing,
-    sharding: str = "ep",
-    model_axis: Axis = None,
-    dispatch: str | None = None,
-) -> jax.Array:
-    """The stacked experts on tokens x [N, H] as `routing` chose them -> this device's partial sum
-    [N, H] (no all-reduce). Families with their own router (DeepSeek-V3's grouped sigmoid) call this."""
-    experts, here = _local(routing, p["experts_gate"].shape[0], model_axis, sharding)
-    dispatch = dispatch or choose_dispatch(x.shape[0])
-    if dispatch == "dense":
-        return _dense(p, x, experts, routing.weights, here)
-    if dispatch == "gather":
-        return _combine(_gather(p, x, experts), routing.weights, here)
-    ragged = _mgpu_ragged_dot if dispatch == "sorted_mgpu" else jax.lax.ragged_dot
-    return _combine(_sorted(p, x, experts, here, ragged), routing.weights, here)
+    """Qwen3-MoE's routed experts of one layer on x [..., H] (`route`, then `run_experts`) -> this
+    device's partial sum [..., H]."""
+    flat = x.reshape(-1, x.shape[-1])
+    routing = route(p["router"], flat, top_k, normalize)
+    return run_experts(p, flat, routing, sharding, model_axis, dispatch).reshape(x.shape)
