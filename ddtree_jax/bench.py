@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -26,10 +27,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import drafter, engine, models, target
-from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
+from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
 from ddtree_jax.models import common
+from ddtree_jax.models.deepseek_v3 import DeepseekV3Config
+from ddtree_jax.models.mla import MLADims
 from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
 from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.sharding import make_mesh, param_sharding
@@ -84,12 +87,53 @@ SHAPES = {
 }
 
 
+def _kimi_k2(num_layers: int) -> DeepseekV3Config:
+    """Kimi-K2-Instruct's shape (MODELS.md) cut to `num_layers` layers: the first dense, the rest MoE."""
+    yarn = Yarn(32.0, 1.0, 1.0, 4096)
+    mscale = 0.1 * math.log(32.0) + 1  # mscale_all_dim 1: the softmax scale's factor (squared)
+    mla = MLADims(7168, 64, 1536, 512, 128, 64, 128, 1e-6, True, 192**-0.5 * mscale * mscale)
+    return DeepseekV3Config(
+        "deepseek_v3",
+        163840,
+        num_layers,
+        _dims(7168, 18432, 64, 64, 128, False),
+        RopeConfig(50000.0, 64, yarn=yarn),
+        False,
+        131072,
+        mla=mla,
+        first_k_dense_replace=1,
+        num_experts=384,
+        top_k=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        routed_scaling_factor=2.827,
+    )
+
+
+# Kimi-K2 at 4 of its 61 layers (1 dense + 3 MoE) is the most that fits one H200 in bf16: 4.7 GB of
+# embedding and lm_head, 1.0 GB for the dense layer, 34.1 GB per MoE layer (384 experts of 88 MB),
+# 6.9 GB for a 6-layer drafter: 115 GB, against 139 GiB (149 GB); a fifth layer would need 149 GB.
+SHAPES["kimi-k2"] = _kimi_k2(4)
+SHAPES["tiny-mla"] = dataclasses.replace(
+    _kimi_k2(3),
+    vocab_size=512,
+    dims=_dims(64, 128, 4, 4, 16, False),
+    rope=RopeConfig(1e4, 16),
+    mla=MLADims(64, 4, 32, 32, 16, 16, 16, 1e-6, True, 32**-0.5),
+    num_experts=8,
+    top_k=2,
+    moe_intermediate_size=16,
+)
+
+
 def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
-    """A DFlash drafter matching the target's layer shape."""
+    """A DFlash drafter matching the target's layer shape, with at most 8 K/V heads (an MLA target
+    has as many as query heads; the Kimi-K2.5 drafter's head counts are not published: assumed
+    64 query and 8 K/V heads of 128)."""
     d = cfg.dims
     return DraftConfig(
         layers,
-        dataclasses.replace(d, qk_norm=True),
+        dataclasses.replace(d, qk_norm=True, num_kv_heads=min(d.num_kv_heads, 8)),
         RopeConfig(cfg.rope.theta, d.head_dim),
         block_size,
         cfg.vocab_size - 1,
@@ -390,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: sweep the configurations and write one JSON file."""
     p = argparse.ArgumentParser(prog="ddtree-bench", description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--methods", default="ar,dflash,ddtree")
@@ -426,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
 
     cfg = SHAPES[args.shape]
-    if isinstance(cfg, Qwen3MoeConfig):
+    if args.num_layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
+    if isinstance(cfg, Qwen3MoeConfig | DeepseekV3Config):
         cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
     models.family(cfg).check_divisible(cfg, args.tp)

@@ -201,7 +201,8 @@ def _load_safetensors(
         host = read_stacked(ckpt, spec)  # read block by block
 
         def block(index):
-            return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
+            block_dtype = np.float32 if spec.float32 else dtype
+            return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=block_dtype)
 
         return jax.make_array_from_callback(placement.placed_shape(spec), placement(spec), block)
 

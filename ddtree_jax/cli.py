@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-window", type=int, help="drafter attends to the last N context tokens only (default: all)"
     )
     p.add_argument(
+        "--draft-yarn-scaling",
+        choices=["legacy", "hf"],
+        help="a yarn drafter's cos/sin factor when its config gives none: legacy = 1 + 0.1 ln(factor) "
+        "(default: what the Kimi-K2.5 DFlash drafter was trained with), hf = today's transformers "
+        "mscale ratio; default: the drafter config's dflash_config.yarn_scaling, else legacy",
+    )
+    p.add_argument(
         "--attention",
         choices=["auto", "reference", "pallas"],
         default="auto",
@@ -383,11 +390,11 @@ def make_generator(args: argparse.Namespace):
     cfg = load_target_config(args.target, moe_sharding=args.moe_sharding)
     models.family(cfg).check_divisible(cfg, args.tp)
     if args.method != "ar":
-        drafter.check_divisible(load_draft_config(args.draft, cfg), args.tp)
+        drafter.check_divisible(load_draft_config(args.draft, cfg, args.draft_yarn_scaling), args.tp)
     cfg, params = target.load(args.target, dtype, sharding, moe_sharding=args.moe_sharding)
     dcfg = draft_params = None
     if args.method != "ar":
-        dcfg, draft_params = drafter.load(args.draft, cfg, dtype, sharding)
+        dcfg, draft_params = drafter.load(args.draft, cfg, dtype, sharding, args.draft_yarn_scaling)
         if args.block_size is not None:
             if args.block_size > dcfg.block_size:
                 raise DDTreeError(f"--block-size {args.block_size} exceeds the drafter's {dcfg.block_size}")

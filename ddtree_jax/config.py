@@ -13,19 +13,69 @@ import numpy as np
 
 from ddtree_jax.errors import DDTreeError
 
+YARN_SCALINGS = ("hf", "legacy")  # how yarn's cos/sin factor is derived when a config leaves it unset
+# Drafters default to "legacy": the published Kimi-K2.5 DFlash drafter (yarn factor 64, mscale =
+# mscale_all_dim = 1) was trained with cos/sin scaled by 1 + 0.1 ln 64 = 1.416 (older transformers);
+# today's mscale ratio gives 1.0 and lowers its acceptance. A drafter config may say otherwise with
+# `dflash_config.yarn_scaling` ("hf" or "legacy"); `load_draft_config(yarn_scaling=...)` overrides both.
+DRAFT_YARN_SCALING = "legacy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN frequency interpolation (HF `rope_type: yarn`)."""
+
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+    truncate: bool = True
+
+    def blend(self, inv: np.ndarray, theta: float, dim: int) -> np.ndarray:
+        """HF's `_compute_yarn_parameters` frequencies from the plain ones `inv` [dim // 2], in float32."""
+
+        def correction_dim(rotations: float) -> float:
+            old = self.original_max_position_embeddings
+            return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip(
+            (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1
+        )
+        extrapolation = (1 - ramp).astype(np.float32)
+        exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+        pos = np.float32(theta) ** exponents  # as HF forms it (inv = 1 / pos)
+        interpolated = (1.0 / (np.float32(self.factor) * pos)).astype(np.float32)
+        return (interpolated * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding: base theta and optional `llama3` frequency scaling."""
+    """Rotary embedding: base theta, optional `llama3` or `yarn` frequency scaling, and the factor
+    HF multiplies cos and sin by (`attention_factor`: 1 except under yarn)."""
 
     theta: float
     head_dim: int
     llama3: tuple[float, float, float, int] | None = None  # factor, low, high, original max positions
+    yarn: Yarn | None = None
+    attention_factor: float = 1.0
 
     def inv_freq(self) -> np.ndarray:
         """[head_dim // 2] float32 inverse frequencies, computed as HF does (float32)."""
         exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / self.head_dim
         inv = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.yarn is not None:
+            return self.yarn.blend(inv, self.theta, self.head_dim)
         if self.llama3 is None:
             return inv
         factor, low, high, old_len = self.llama3
@@ -113,24 +163,68 @@ def positive_field(raw: dict[str, Any], name: str, path: Path, kind: type = int)
     return value
 
 
-def hf_rope(raw: dict[str, Any], head_dim: int, path: Path) -> RopeConfig:
-    """The rotary embedding of an HF config (default or llama3 scaling)."""
+def rope_scaling(raw: dict[str, Any]) -> tuple[float, dict[str, Any], str]:
+    """(theta, the scaling dict, its rope type) of an HF config, old (`rope_scaling`) or new layout."""
     # transformers >= 5 writes `rope_parameters`; older files have `rope_theta` / `rope_scaling`.
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    return float(theta), scaling, kind
+
+
+def yarn_attention_factor(raw: dict[str, Any], scaling: dict[str, Any], yarn_scaling: str) -> float:
+    """The factor yarn multiplies cos and sin by, when `attention_factor` is not given.
+
+    "hf" (transformers >= 4.50, what HF's DeepSeek-V3 and Qwen3 code compute today): the mscale ratio
+    mscale(f, mscale) / mscale(f, mscale_all_dim) when both are set (1.0 for DeepSeek-V3 and Kimi
+    configs), else 0.1 ln f + 1. "legacy" (older transformers): 0.1 ln f + 1 whatever mscale says;
+    the published Kimi-K2.5 DFlash drafter was trained so (config.DRAFT_YARN_SCALING).
+    """
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = yarn_factor(raw, scaling)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if yarn_scaling == "hf" and mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_factor(raw: dict[str, Any], scaling: dict[str, Any]) -> float:
+    """yarn's factor; when null, max_position_embeddings over the original (as HF does)."""
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return raw["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+
+
+def hf_rope(raw: dict[str, Any], head_dim: int, path: Path, yarn_scaling: str = "hf") -> RopeConfig:
+    """The rotary embedding of an HF config (default, llama3 or yarn scaling; `yarn_scaling`: how yarn's
+    cos/sin factor is derived when the config does not give it, see `yarn_attention_factor`)."""
+    theta, scaling, kind = rope_scaling(raw)
     if kind == "default":
-        return RopeConfig(float(theta), head_dim)
+        return RopeConfig(theta, head_dim)
+    if kind == "yarn":
+        if yarn_scaling not in YARN_SCALINGS:
+            raise DDTreeError(f"yarn scaling must be one of {YARN_SCALINGS}, got {yarn_scaling!r}")
+        yarn = Yarn(
+            factor=yarn_factor(raw, scaling),
+            beta_fast=float(scaling.get("beta_fast") or 32),
+            beta_slow=float(scaling.get("beta_slow") or 1),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            truncate=bool(scaling.get("truncate", True)),
+        )
+        return RopeConfig(
+            theta, head_dim, yarn=yarn, attention_factor=yarn_attention_factor(raw, scaling, yarn_scaling)
+        )
     if kind != "llama3":
-        raise DDTreeError(f"{path}: rope type '{kind}' is not supported (default and llama3 are)")
+        raise DDTreeError(f"{path}: rope type '{kind}' is not supported (default, llama3 and yarn are)")
     llama3 = (
         float(scaling["factor"]),
         float(scaling["low_freq_factor"]),
         float(scaling["high_freq_factor"]),
         int(scaling["original_max_position_embeddings"]),
     )
-    return RopeConfig(float(theta), head_dim, llama3)
+    return RopeConfig(theta, head_dim, llama3)
 
 
 def hf_dims(raw: dict[str, Any], path: Path, qk_norm: bool) -> LayerDims:
@@ -196,13 +290,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
-def load_draft_config(directory: str | Path, target: TargetConfig) -> DraftConfig:
-    """Parse a z-lab DFlash drafter `config.json` and check it fits the target."""
+def load_draft_config(
+    directory: str | Path, target: TargetConfig, yarn_scaling: str | None = None
+) -> DraftConfig:
+    """Parse a z-lab DFlash drafter `config.json` and check it fits the target.
+
+    `yarn_scaling` ("hf" or "legacy"): how a yarn RoPE's cos/sin factor is derived when the config does
+    not give `attention_factor`; None takes `dflash_config.yarn_scaling`, else DRAFT_YARN_SCALING.
+    """
     path = Path(directory) / "config.json"
     raw = read_json(path)
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
         raise DDTreeError(f"{path}: missing 'dflash_config.mask_token_id' (not a DFlash drafter?)")
+    yarn_scaling = yarn_scaling or dflash.get("yarn_scaling") or DRAFT_YARN_SCALING
     dims = hf_dims(raw, path, qk_norm=True)
     num_layers = positive_field(raw, "num_hidden_layers", path)
     num_target_layers = int(raw.get("num_target_layers", target.num_layers))
@@ -210,7 +311,7 @@ def load_draft_config(directory: str | Path, target: TargetConfig) -> DraftConfi
     cfg = DraftConfig(
         num_layers=num_layers,
         dims=dims,
-        rope=hf_rope(raw, dims.head_dim, path),
+        rope=hf_rope(raw, dims.head_dim, path, yarn_scaling),
         block_size=positive_field(raw, "block_size", path),
         mask_token_id=int(dflash["mask_token_id"]),
         target_layer_ids=tuple(int(i) for i in layer_ids),

@@ -44,7 +44,7 @@ def context_kv(
     No collective: fc is replicated and each device projects the K/V heads it holds.
     """
     ctx = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.dims.rms_norm_eps)
-    rope = rope_tables(positions, cfg.rope.inv_freq())
+    rope = rope_tables(positions, cfg.rope.inv_freq(), cfg.rope.attention_factor)
     return [gqa.project_kv(p, ctx, cfg.dims, rope) for p in params["layers"]]
 
 
@@ -68,7 +68,7 @@ def draft_logits(
     b, k = bonus.shape[0], cfg.block_size
     block = jnp.full((b, k), cfg.mask_token_id, jnp.int32).at[:, 0].set(bonus)
     positions = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
-    rope = rope_tables(positions, cfg.rope.inv_freq())
+    rope = rope_tables(positions, cfg.rope.inv_freq(), cfg.rope.attention_factor)
     mask = jnp.ones((b, k, k), jnp.bool_)  # the block is bidirectional
     x = family.embed(target_params, block, model_axis)
     for i, p in enumerate(params["layers"]):
@@ -89,10 +89,13 @@ def check_divisible(cfg: DraftConfig, tp: int) -> None:
     check_dims(cfg.dims, cfg.vocab_size, tp, "drafter")
 
 
-def load(directory, target_cfg, dtype: jnp.dtype, sharding) -> tuple[DraftConfig, Params]:
-    """Config and parameters of a z-lab DFlash drafter directory, converted and placed."""
+def load(
+    directory, target_cfg, dtype: jnp.dtype, sharding, yarn_scaling: str | None = None
+) -> tuple[DraftConfig, Params]:
+    """Config and parameters of a z-lab DFlash drafter directory, converted and placed
+    (`yarn_scaling`: config.load_draft_config)."""
     from ddtree_jax.checkpoint import load_params
     from ddtree_jax.config import load_draft_config
 
-    cfg = load_draft_config(directory, target_cfg)
+    cfg = load_draft_config(directory, target_cfg, yarn_scaling)
     return cfg, load_params(directory, weight_specs(cfg), dtype, sharding)

@@ -272,7 +272,7 @@ def draft_train_logits(
     ctx_kv = drafter.context_kv(params, dcfg, features, ctx_positions)
     block, positions = block_inputs(tokens, anchors, dcfg)
     mask = block_mask(tokens.shape[1], anchors, k)
-    rope = rope_tables(positions, dcfg.rope.inv_freq())
+    rope = rope_tables(positions, dcfg.rope.inv_freq(), dcfg.rope.attention_factor)
     x = target.embed(target_params, block)
     for p, (ck, cv) in zip(params["layers"], ctx_kv, strict=True):
         x, _ = decoder_layer(p, x, dcfg.dims, rope, dense_attend(ck, cv, mask))

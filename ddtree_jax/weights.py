@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +27,7 @@ class WeightSpec:
     is_norm: bool = False  # RMSNorm weights initialise near 1
     heads: int = 0  # attention heads along the "heads" / "kv_heads" axis (0: none)
     stack: tuple[str, ...] = ()  # several HF tensors stacked on a new leading axis (hf_name: the first)
+    float32: bool = False  # kept in float32 whatever the model's dtype (DeepSeek-V3's router, as HF keeps it)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -107,13 +109,15 @@ def random_params(
     """
     key = jax.random.key(seed)
 
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def make_one(key: jax.Array, shape: tuple[int, ...], is_norm: bool) -> jax.Array:
-        noise = jax.random.normal(key, shape, jnp.float32)
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def make_one(key: jax.Array, shape: tuple[int, ...], is_norm: bool, dtype) -> jax.Array:
+        # Noise in float32, except for tensors over 2^30 elements (Kimi-K2's stacked experts: 5.6 G),
+        # drawn in `dtype` so that a float32 copy does not double the peak memory.
+        noise = jax.random.normal(key, shape, jnp.float32 if math.prod(shape) <= 1 << 30 else dtype)
         return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
 
     def make(spec: WeightSpec) -> jax.Array:
-        whole = make_one(next(keys), spec.shape, spec.is_norm)
+        whole = make_one(next(keys), spec.shape, spec.is_norm, jnp.float32 if spec.float32 else dtype)
         return whole if place is None else place(spec, whole)
 
     keys = iter(jax.random.split(key, len(specs)))

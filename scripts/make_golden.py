@@ -18,6 +18,9 @@ What it writes (all float32):
     mlp_only_layers and decoder_sparse_step), a DFlash drafter on one of them, and
     router_ties.npz (torch.topk's choices on tied router probabilities).
 
+The DeepSeek-V3 / Kimi-K2 fixtures (and the yarn drafter) come from scripts/make_golden_deepseek.py,
+which writes only those, with the helpers below.
+
 `--only NAME,...` writes only the named fixtures (a drafter needs its target named too), so that
 new fixtures can be added without rewriting the others.
 """

@@ -5,6 +5,8 @@
   dense      Qwen3ForCausalLM, LlamaForCausalLM
   moe        routed experts: router, stacked expert weights, dropless dispatches, expert parallelism
   qwen3_moe  Qwen3MoeForCausalLM
+  mla        multi-head latent attention: its latent cache entry (`LatentEntry`), absorbed and expanded forms
+  deepseek_v3  DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2; Kimi-K2.5's text model)
 
 A family module provides `config_from_hf(raw, path, arch, eos, **options)`, `weight_specs(cfg)`,
 `forward(params, cfg, tokens, positions, mask, cache, *, feature_layers, attention, model_axis,
@@ -23,8 +25,10 @@ from types import ModuleType
 
 # HF architecture -> our architecture name (TargetConfig.architecture)
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHITECTURES |= {"DeepseekV3ForCausalLM": "deepseek_v3", "KimiK25ForConditionalGeneration": "kimi_k25"}
 # our architecture name -> family module
 FAMILIES = {"qwen3": "dense", "llama": "dense", "qwen3_moe": "qwen3_moe"}
+FAMILIES |= {"deepseek_v3": "deepseek_v3", "kimi_k25": "deepseek_v3"}
 
 
 def family_of(architecture: str) -> ModuleType:

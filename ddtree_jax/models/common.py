@@ -44,10 +44,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * y.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, D/2] in float32 for the given absolute positions."""
+def rope_tables(
+    positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, D/2] in float32 for the given absolute positions, times `scale` (yarn's
+    attention factor, `RopeConfig.attention_factor`, which HF multiplies cos and sin by)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
-    return jnp.cos(freqs), jnp.sin(freqs)
+    if scale == 1.0:
+        return jnp.cos(freqs), jnp.sin(freqs)
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -129,7 +129,7 @@ def forward(
     The cache is only read: the new tokens' entries come back in `kv` for the caller to commit.
     `ffn(i)`: layer i's feed-forward when it is not the SwiGLU MLP (families built on this one).
     """
-    rope = rope_tables(positions, cfg.rope.inv_freq())
+    rope = rope_tables(positions, cfg.rope.inv_freq(), cfg.rope.attention_factor)
 
     def layer(i: int, p: dict, x: jax.Array):
         attend = gqa.layer_attend(attention, cache, i, mask)
