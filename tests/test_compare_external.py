@@ -119,6 +119,18 @@ def test_agrees_then_finds_shifted_token(setup, ours, capsys, form):
     assert d["reference_is_top1"] and d["margin"] > 0  # ours is the target's greedy token there
 
 
+def test_ours_generated_from_the_flags(tmp_path, ours):
+    """Without --ours, ours come from ddtree-generate's flags: the library run above, token for token."""
+    theirs = write(tmp_path / "theirs.jsonl", [reference(r) for r in ours])
+    flags = ["--draft", str(FIXTURES / DRAFT), "--budget", "7", "--max-new-tokens", "12"]
+    args = argv(tmp_path, theirs, *flags)
+    i = args.index("--ours")
+    assert main(args[:i] + args[i + 2 :]) == 0
+    rep = report_of(tmp_path)
+    assert rep["verdict"] == "agree" and rep["comparisons"][0]["identical"] == 5
+    assert rep["settings"]["ours"] == "generated" and rep["settings"]["budget"] == 7
+
+
 def test_partial_coverage(setup, ours):
     tmp_path = setup
     theirs = [reference(ours[3]), sglang(ours[1])]
