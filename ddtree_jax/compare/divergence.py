@@ -51,37 +51,30 @@ class Scorer:
         cfg, params = target.load(target_dir, jnp.float32, param_sharding(make_mesh(1, 1)))
         return cls(cfg, params)
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """float32 logits [n, V] at every position of `ids` (row i predicts token i + 1)."""
-        n = len(ids)
-        padded = -(-n // 64) * 64  # few shapes to compile
-        tokens = jnp.asarray([ids + [0] * (padded - n)], jnp.int32)
-        with jax.default_matmul_precision("highest"):
-            out = _forward(self.params, tokens, cfg=self.cfg)
-        return np.asarray(out[0, :n])
-
     def next_logits(self, rows: list[list[int]], chunk: int = 64) -> np.ndarray:
         """float32 logits [R, V] of the token after each row (all rows of one length)."""
         n = len(rows[0])
-        padded = -(-n // 64) * 64
+        padded = -(-n // 64) * 64  # few shapes to compile
         out = []
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
-            part = part + [part[-1]] * (chunk - len(part))  # one shape per length
+            part = part + [part[-1]] * (min(chunk, len(rows)) - len(part))  # one shape per length
             tokens = jnp.asarray([r + [0] * (padded - n) for r in part], jnp.int32)
             with jax.default_matmul_precision("highest"):
-                out.append(np.asarray(_forward(self.params, tokens, cfg=self.cfg)[:, n - 1]))
+                out.append(np.asarray(_next_logits(self.params, tokens, jnp.int32(n - 1), cfg=self.cfg)))
         return np.concatenate(out)[: len(rows)]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _forward(params: Params, tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
+def _next_logits(params: Params, tokens: jax.Array, last: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """Causal forward over tokens [R, n]; the logits [R, V] at position `last` only."""
     from ddtree_jax import target
 
-    n = tokens.shape[1]
-    positions = jnp.arange(n)[None]
-    mask = jnp.tril(jnp.ones((n, n), bool))[None]
-    return target.logits(params, target.forward(params, cfg, tokens, positions, mask, None).hidden)
+    r, n = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(n), (r, n))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (r, n, n))
+    hidden = target.forward(params, cfg, tokens, positions, mask, None).hidden
+    return target.logits(params, jax.lax.dynamic_index_in_dim(hidden, last, axis=1, keepdims=False))
 
 
 def decision_scores(logits: np.ndarray, sampling: dict, position: int) -> np.ndarray:
@@ -114,7 +107,7 @@ def divergence(
     extra["token"] = other[pos] if pos < len(other) else None
     if pos >= len(reference) or pos == 0 and not prompt_ids:
         return Divergence(id_, pos, None, extra)
-    row = scorer.logits(prompt_ids + reference[:pos])[-1]
+    row = scorer.next_logits([prompt_ids + reference[:pos]])[0]
     scores = decision_scores(row, sampling, len(prompt_ids) + pos)
     top2 = np.sort(scores)[-2:]
     extra["reference_is_top1"] = bool(scores[reference[pos]] == top2[1])
