@@ -207,10 +207,11 @@ def walk(tree: DraftTree, choice: list[int]) -> list[int]:
     path = [0]
     while True:
         node = path[-1]
-        nxt = [c for c in range(len(tree.tokens)) if tree.parent[c] == node and tree.tokens[c] == choice[node]]
-        if not nxt:
+        children = [c for c in range(len(tree.tokens)) if tree.parent[c] == node]
+        accepted = [c for c in children if tree.tokens[c] == choice[node]]
+        if not accepted:
             return path
-        path.append(nxt[0])
+        path.append(accepted[0])
 
 
 # -- the pair and its decoding ------------------------------------------------------------------------
@@ -245,13 +246,14 @@ class TorchPair:
 
     @torch.no_grad()
     def features(self, input_ids: list[int]) -> torch.Tensor:
-        """The drafter's conditioning [T, F]: HF `hidden_states[i + 1]` of each target layer id, concatenated."""
-        out = self.target.model(input_ids=torch.tensor([input_ids]), output_hidden_states=True, use_cache=False)
+        """The drafter's conditioning [T, F]: HF `hidden_states[i + 1]` per target layer id, concatenated."""
+        ids = torch.tensor([input_ids])
+        out = self.target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
         return torch.cat([out.hidden_states[i + 1][0] for i in self.drafter.target_layer_ids], dim=-1)
 
     @torch.no_grad()
     def draft_logits(self, features: torch.Tensor, bonus: int) -> np.ndarray:
-        """float32 drafter logits [D, V] for depths 1..D of the block `[bonus, mask x D]` after the context."""
+        """float32 drafter logits [D, V] at depths 1..D of the block `[bonus, mask x D]` after the context."""
         block = [bonus] + [self.drafter.mask_token_id] * (self.drafter.block_size - 1)
         embeds = self.target.get_input_embeddings()(torch.tensor(block))
         hidden = self.drafter.hidden(features.to(self.dtype), embeds)
