@@ -29,6 +29,7 @@ from ddtree_jax import drafter, engine, layers, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.pair import make_plan
 from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
 from ddtree_jax.weights import random_params
@@ -436,10 +437,18 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
     )
     for attention, batch, context, (method, budget), sampling_arg in grid:
         sampling = parse_sampling(sampling_arg)
-        branching = min(budget, 32) if method == "ddtree" else 1
-        draft = None if method == "ar" else dcfg
-        run_rows = engine.rows_to_run(method, batch)  # as ddtree-generate runs it
-        plan = Plan(cfg, draft, method, run_rows, context, 64, budget, branching, attention, tp=args.tp)
+        # batch rows as ddtree-generate runs them (one ar row runs as two), the CLI's branching rule
+        plan = make_plan(
+            cfg,
+            dcfg,
+            method,
+            batch_size=batch,
+            max_new_tokens=64,
+            budget=budget or None,
+            attention=attention,
+            tp=args.tp,
+            prompt_len=context,
+        )
         try:
             row = bench_one(
                 params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling, batch

@@ -124,59 +124,10 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def make_generator(args: argparse.Namespace):
-    """Load target, drafter and tokenizer, and describe the program to compile."""
-    import dataclasses
+    """Load target, drafter and tokenizer, and describe the program to compile (ddtree_jax.pair)."""
+    from ddtree_jax.pair import load_generator
 
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax import drafter, target
-    from ddtree_jax.attention import default_implementation
-    from ddtree_jax.config import load_draft_config, load_target_config
-    from ddtree_jax.engine import Plan, rows_to_run
-    from ddtree_jax.generation import Generator
-    from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding
-    from ddtree_jax.text import TextCodec
-
-    if args.dtype == "float32":
-        jax.config.update("jax_default_matmul_precision", "highest")
-    dtype = jnp.dtype(args.dtype)
-    sharding = param_sharding(make_mesh(args.tp, args.dp))
-    # Check that both models split --tp ways before placing any weight.
-    cfg = load_target_config(args.target)
-    check_divisible(cfg.dims, cfg.vocab_size, args.tp, "target")
-    if args.method != "ar":
-        check_divisible(load_draft_config(args.draft, cfg).dims, cfg.vocab_size, args.tp, "drafter")
-    cfg, params = target.load(args.target, dtype, sharding)
-    dcfg = draft_params = None
-    if args.method != "ar":
-        dcfg, draft_params = drafter.load(args.draft, cfg, dtype, sharding)
-        if args.block_size is not None:
-            if args.block_size > dcfg.block_size:
-                raise DDTreeError(f"--block-size {args.block_size} exceeds the drafter's {dcfg.block_size}")
-            dcfg = dataclasses.replace(dcfg, block_size=args.block_size)
-    rows_per_device = -(-args.batch_size // args.dp)  # the cost measured was one device's batch
-    budget = (args.budget or default_budget(rows_per_device)) if args.method == "ddtree" else 0
-    branching = {"ar": 1, "dflash": 1, "ddtree": args.branching or min(budget, 32)}[args.method]
-    plan = Plan(
-        target=cfg,
-        draft=dcfg,
-        method=args.method,
-        batch_size=rows_to_run(args.method, rows_per_device) * args.dp,  # padded with inactive rows
-        prompt_len=16,
-        max_new_tokens=args.max_new_tokens,
-        budget=budget,
-        branching=min(branching, cfg.vocab_size),
-        attention=default_implementation() if args.attention == "auto" else args.attention,
-        draft_window=args.draft_window,
-        tp=args.tp,
-        dp=args.dp,
-    )
-    codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
-    return Generator(
-        params, draft_params, plan, cfg.eos_token_ids, codec, args.host_stepped, sampling=sampling
-    )
+    return load_generator(args)
 
 
 def check_lengths(prompts, max_positions: int, max_new_tokens: int) -> None:

@@ -14,18 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax import drafter, target  # noqa: E402
-from ddtree_jax.engine import Plan  # noqa: E402
-from ddtree_jax.generation import Generator  # noqa: E402
+from ddtree_jax.pair import generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import read_prompts  # noqa: E402
-from ddtree_jax.sampling import GREEDY  # noqa: E402
-from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
-from ddtree_jax.text import TextCodec  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "ddtree_jax" / "assets" / "default_pair"
 
@@ -51,32 +45,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    dtype, place = jnp.dtype(args.dtype), param_sharding(make_mesh(1, 1))
-    tcfg, tparams = target.load(args.target, dtype, place)
-    dcfg, dparams = drafter.load(args.draft, tcfg, dtype, place)
-    codec = TextCodec(args.target)
-    prompts = read_prompts(args.prompts, codec, False, tcfg.vocab_size)[: args.num_prompts]
-    sampling = GREEDY | ({"temperature": args.temperature, "seed": args.seed} if args.temperature else {})
+    pair = load_pair(args.target, args.draft, args.dtype)
+    prompts = read_prompts(args.prompts, pair.codec, False, pair.target.vocab_size)[: args.num_prompts]
+    sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature else {}
 
     runs = []
     for method in args.methods.split(","):
         budgets = [int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]
         for budget in budgets:
-            plan = Plan(
-                target=tcfg,
-                draft=None if method == "ar" else dcfg,
-                method=method,
+            plan = make_plan(
+                pair.target,
+                pair.draft,
+                method,
                 batch_size=args.batch_size,
-                prompt_len=16,
                 max_new_tokens=args.max_new_tokens,
-                budget=budget,
-                branching=min(budget, 32) if method == "ddtree" else 1,
+                budget=budget or None,
                 tempered_draft=args.tempered_draft,
             )
-            gen = Generator(
-                tparams, None if method == "ar" else dparams, plan, tcfg.eos_token_ids, codec=codec
-            )
-            gen.sampling = sampling
+            gen = generator(pair, plan, sampling)
             start = time.perf_counter()
             results = []
             for i in range(0, len(prompts), args.batch_size):

@@ -25,27 +25,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax import drafter, target  # noqa: E402
 from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
-from ddtree_jax.engine import Plan  # noqa: E402
-from ddtree_jax.generation import Generator  # noqa: E402
+from ddtree_jax.pair import Pair, generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import Prompt, read_prompts  # noqa: E402
 from ddtree_jax.sampling import GREEDY  # noqa: E402
 from ddtree_jax.sharding import check_divisible, make_mesh, param_sharding  # noqa: E402
-from ddtree_jax.text import TextCodec  # noqa: E402
 from ddtree_jax.weights import random_params  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "ddtree_jax" / "assets" / "default_pair"
 
 
-def bundled_pair(tp: int, dtype, num_prompts: int):
-    """(target config, params, drafter config, params, prompts) of the bundled pair on a tp mesh."""
-    placement = param_sharding(make_mesh(tp))
-    tcfg, tparams = target.load(ASSETS / "target", dtype, placement)
-    dcfg, dparams = drafter.load(ASSETS / "draft", tcfg, dtype, placement)
-    prompts = read_prompts(ASSETS / "prompts.jsonl", TextCodec(ASSETS / "target"), False, tcfg.vocab_size)
-    return tcfg, tparams, dcfg, dparams, prompts[:num_prompts]
+def bundled_pair(tp: int, dtype, num_prompts: int) -> tuple[Pair, list[Prompt]]:
+    """The bundled pair on a tp mesh (loaded as ddtree-generate loads it) and its first prompts."""
+    pair = load_pair(ASSETS / "target", ASSETS / "draft", jnp.dtype(dtype).name, tp)
+    prompts = read_prompts(ASSETS / "prompts.jsonl", pair.codec, False, pair.target.vocab_size)
+    return pair, prompts[:num_prompts]
 
 
-def random_model(shape: str, draft_layers: int, tp: int, dtype, num_prompts: int):
+def random_model(
+    shape: str, draft_layers: int, tp: int, dtype, num_prompts: int
+) -> tuple[Pair, list[Prompt]]:
     """The same, for random weights of a real shape (identical values at every tp) and random prompts."""
     tcfg = SHAPES[shape]
     dcfg = draft_shape(tcfg, draft_layers, 16)
@@ -58,29 +56,26 @@ def random_model(shape: str, draft_layers: int, tp: int, dtype, num_prompts: int
         Prompt(i, i, rng.integers(0, tcfg.vocab_size, size=int(rng.integers(5, 16))).tolist(), {})
         for i in range(num_prompts)
     ]
-    return tcfg, tparams, dcfg, dparams, prompts
+    return Pair(tcfg, tparams, dcfg, dparams, None, tcfg.eos_token_ids), prompts
 
 
 def run_all(model, tp: int, args, sampling: dict) -> list[dict]:
     """Every method and budget on the model's prompts, one batch each."""
-    tcfg, tparams, dcfg, dparams, prompts = model
+    pair, prompts = model
     runs = []
     for method in args.methods.split(","):
         for budget in [int(b) for b in args.budgets.split(",")] if method == "ddtree" else [0]:
-            plan = Plan(
-                target=tcfg,
-                draft=None if method == "ar" else dcfg,
-                method=method,
+            plan = make_plan(
+                pair.target,
+                pair.draft,
+                method,
                 batch_size=len(prompts),
-                prompt_len=16,
                 max_new_tokens=args.max_new_tokens,
-                budget=budget,
-                branching=min(budget, 32) if method == "ddtree" else 1,
+                budget=budget or None,
                 attention=args.attention,
                 tp=tp,
             )
-            gen = Generator(tparams, None if method == "ar" else dparams, plan, tcfg.eos_token_ids)
-            gen.sampling = sampling
+            gen = generator(pair, plan, sampling)
             results = gen.run_batch(prompts)
             runs.append(
                 {

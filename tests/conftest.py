@@ -73,10 +73,8 @@ def run(
     sampling: default settings {temperature, top_k, top_p, seed} (unset: greedy); options: one dict
     per prompt overriding them, like the JSONL fields. tp, dp: the mesh (batch_size a multiple of dp).
     """
-    import dataclasses
-
-    from ddtree_jax.engine import Plan
     from ddtree_jax.generation import Generator
+    from ddtree_jax.pair import make_plan
     from ddtree_jax.prompts import Prompt
     from ddtree_jax.sampling import GREEDY
 
@@ -84,22 +82,22 @@ def run(
     dcfg = dparams = None
     if draft_name is not None:
         dcfg, dparams = load_drafter(draft_name, tp=tp, dp=dp)
-        if block_size is not None:
-            dcfg = dataclasses.replace(dcfg, block_size=block_size)
     batch_size = batch_size or len(prompts)
-    plan = Plan(
-        target=cfg,
-        draft=dcfg,
-        method=method,
+    plan = make_plan(  # ddtree-generate's plan (branching, block size, ar's padding to two rows)
+        cfg,
+        dcfg,
+        method,
         batch_size=batch_size,
-        prompt_len=16,
         max_new_tokens=max_new_tokens,
-        budget=budget,
-        branching=branching or (min(budget, 32) if method == "ddtree" else 1),
+        budget=budget or None,
+        branching=branching,
+        block_size=block_size,
+        attention="reference",
         tp=tp,
         dp=dp,
         tempered_draft=tempered_draft,
     )
+    dparams = dparams if method != "ar" else None
     gen = Generator(
         params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped, sampling=GREEDY | (sampling or {})
     )

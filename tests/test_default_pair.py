@@ -4,15 +4,10 @@ import functools
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import pytest
 
-from ddtree_jax import drafter, target
-from ddtree_jax.engine import Plan
-from ddtree_jax.generation import Generator
+from ddtree_jax.pair import generator, load_pair, make_plan
 from ddtree_jax.prompts import Prompt
-from ddtree_jax.sharding import make_mesh, param_sharding
-from ddtree_jax.text import TextCodec
 
 PAIR = Path(__file__).parent.parent / "ddtree_jax" / "assets" / "default_pair"
 NUM_PROMPTS, MAX_NEW = 4, 32
@@ -22,38 +17,27 @@ pytestmark = pytest.mark.skipif(not (PAIR / "draft" / "config.json").exists(), r
 
 @functools.cache
 def pair():
-    place = param_sharding(make_mesh(1, 1))
-    tcfg, tparams = target.load(PAIR / "target", jnp.float32, place)
-    dcfg, dparams = drafter.load(PAIR / "draft", tcfg, jnp.float32, place)
-    codec = TextCodec(PAIR / "target")
+    p = load_pair(PAIR / "target", PAIR / "draft", "float32")
     lines = (PAIR / "prompts.jsonl").read_text().splitlines()[:NUM_PROMPTS]
     prompts = [
-        Prompt(r["id"], i + 1, codec.encode(r["prompt"], add_special_tokens=False), {})
+        Prompt(r["id"], i + 1, p.codec.encode(r["prompt"], add_special_tokens=False), {})
         for i, r in enumerate(map(json.loads, lines))
     ]
-    return tcfg, tparams, dcfg, dparams, prompts
+    return p, prompts
 
 
-def generate(method, budget=0):
-    tcfg, tparams, dcfg, dparams, prompts = pair()
-    plan = Plan(
-        target=tcfg,
-        draft=dcfg if method != "ar" else None,
-        method=method,
-        batch_size=len(prompts),
-        prompt_len=16,
-        max_new_tokens=MAX_NEW,
-        budget=budget,
-        branching=min(budget, 32) if method == "ddtree" else 1,
+def generate(method, budget=None):
+    p, prompts = pair()
+    plan = make_plan(
+        p.target, p.draft, method, batch_size=len(prompts), max_new_tokens=MAX_NEW, budget=budget
     )
-    gen = Generator(tparams, dparams if method != "ar" else None, plan, tcfg.eos_token_ids)
-    return gen.run_batch(prompts)
+    return generator(p, plan).run_batch(prompts)
 
 
 def test_bundled_pair_configs():
-    tcfg, _, dcfg, _, prompts = pair()
-    assert tcfg.architecture == "qwen3" and tcfg.eos_token_ids
-    assert dcfg.mask_token_id not in tcfg.eos_token_ids
+    p, prompts = pair()
+    assert p.target.architecture == "qwen3" and p.target.eos_token_ids
+    assert p.draft.mask_token_id not in p.target.eos_token_ids
     assert len(prompts) == NUM_PROMPTS and all(len(p.input_ids) > 16 for p in prompts)
 
 

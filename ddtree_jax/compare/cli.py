@@ -1,0 +1,75 @@
+"""`ddtree-compare SUBCOMMAND`: the parser (ddtree-generate's flags on every sub-command) and main.
+
+A sub-command is a module of this package with `HELP` (one line), `add_arguments(parser)` for its own
+flags and `run(args) -> Report`; listing its name in SUBCOMMANDS plugs it in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+from ddtree_jax.errors import DDTreeError
+
+SUBCOMMANDS = ("lossless",)
+NOT_GENERATION_FLAGS = ("help", "out")  # ddtree-generate's flags every sub-command does not take
+
+
+def subcommand(name: str):
+    """The module that implements sub-command `name`."""
+    return importlib.import_module(f"ddtree_jax.compare.{name}")
+
+
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    """Give `parser` ddtree-generate's model, prompt and generation flags (the same definitions)."""
+    from ddtree_jax.cli import build_parser
+
+    for action in build_parser()._actions:
+        if action.dest not in NOT_GENERATION_FLAGS:
+            parser._add_action(copy.copy(action))  # a copy: sub-commands may change defaults
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-compare's parser: one sub-parser per module in SUBCOMMANDS."""
+    p = argparse.ArgumentParser(
+        prog="ddtree-compare",
+        description="Compare decoders' outputs, acceptance and sampling distributions; write a report.",
+    )
+    subs = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name in SUBCOMMANDS:
+        module = subcommand(name)
+        sub = subs.add_parser(name, help=module.HELP, description=module.HELP)
+        sub.add_argument("--report", required=True, help="directory for report.md, report.json and plots")
+        add_generation_flags(sub)
+        module.add_arguments(sub)
+    return p
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> str:
+    """Run the sub-command and write its report; returns the one-line verdict."""
+    from ddtree_jax.compare.report import check_report_dir, run_metadata, write_report
+
+    report_dir = Path(args.report)
+    check_report_dir(report_dir)
+    report = subcommand(args.command).run(args)
+    write_report(report_dir, report, run_metadata(argv))
+    return f"{args.command}: {report.verdict}: {report.summary}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 when it ran, whatever the verdict)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        print(run(args, argv))
+    except DDTreeError as e:
+        print(f"ddtree-compare: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""`ddtree-compare lossless`: ar, dflash and ddtree at each budget must emit the same tokens.
+
+Greedy, every method's output must equal ar's token for token; with --temperature the Gumbel noise is
+keyed by (seed, position, token), so sampled outputs must be equal as well. Each differing prompt is
+reported at its first divergence with the target's float32 margin there (divergence.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ddtree_jax.compare.divergence import Scorer, divergence
+from ddtree_jax.compare.inputs import (
+    Inputs,
+    check_generation_flags,
+    generate_all,
+    load_inputs,
+    mean_acceptance,
+)
+from ddtree_jax.compare.plots import acceptance_histograms
+from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.pair import generator, make_plan, sampling_from_args
+
+HELP = (
+    "ar, dflash and ddtree (at each of --budgets) on the same prompts: identical tokens, else where and why"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """--budgets."""
+    p.add_argument("--budgets", default="7,15", help="comma list of ddtree budgets (default 7,15)")
+
+
+def parse_budgets(text: str) -> list[int]:
+    """'7,15' -> [7, 15], each >= 1."""
+    try:
+        budgets = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise DDTreeError(f"--budgets {text!r}: expected a comma list of integers") from None
+    if not budgets or min(budgets) < 1:
+        raise DDTreeError(f"--budgets {text!r}: every budget must be >= 1")
+    return budgets
+
+
+def check(args: argparse.Namespace) -> list[int]:
+    """Flags that make no sense here; returns the budgets."""
+    if args.method is not None:
+        raise DDTreeError("--method does not apply: lossless runs ar, dflash and ddtree")
+    if args.budget is not None:
+        raise DDTreeError("--budget does not apply: use --budgets")
+    budgets = parse_budgets(args.budgets)
+    check_generation_flags(args)
+    if not args.draft:
+        raise DDTreeError("lossless needs --draft DIR (dflash and ddtree run the drafter)")
+    return budgets
+
+
+def methods(budgets: list[int]) -> list[tuple[str, str, int | None]]:
+    """(label, method, budget) for every run, ar (the reference) first."""
+    return [("ar", "ar", None), ("dflash", "dflash", None)] + [(f"ddtree-{n}", "ddtree", n) for n in budgets]
+
+
+def run(args: argparse.Namespace) -> Report:
+    """Every method on every prompt, each compared with ar."""
+    budgets = check(args)
+    inputs = load_inputs(args, with_draft=True)
+    sampling = sampling_from_args(args)
+    outputs = {}
+    for label, method, budget in methods(budgets):
+        plan = make_plan(
+            inputs.pair.target,
+            inputs.pair.draft,
+            method,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            budget=budget,
+            branching=args.branching if method == "ddtree" else None,
+            block_size=args.block_size,
+            attention=args.attention,
+            draft_window=args.draft_window,
+            tp=args.tp,
+            dp=args.dp,
+        )
+        gen = generator(inputs.pair, plan, sampling, args.host_stepped)
+        outputs[label] = generate_all(gen, inputs.prompts, args.batch_size)
+    return make_report(args, inputs, outputs, sampling)
+
+
+def make_report(args: argparse.Namespace, inputs: Inputs, outputs: dict, sampling: dict) -> Report:
+    """Compare every method's outputs with ar's."""
+    scorer = None
+    reference = outputs["ar"]
+    comparisons = []
+    for label, results in outputs.items():
+        if label == "ar":
+            continue
+        found = []
+        for prompt, ref, res in zip(inputs.prompts, reference, results, strict=True):
+            if ref.output_ids == res.output_ids:
+                continue
+            scorer = scorer or Scorer.load(args.target)
+            options = sampling | {k: v for k, v in prompt.options.items() if k in sampling}
+            found.append(
+                divergence(
+                    scorer, prompt.id, prompt.input_ids, ref.output_ids, res.output_ids, options, args.dtype
+                )
+            )
+        comparisons.append(
+            Comparison(
+                name=f"{label} vs ar",
+                prompts=len(inputs.prompts),
+                identical=len(inputs.prompts) - len(found),
+                divergences=found,
+                mean_acceptance={label: mean_acceptance(results)},
+            )
+        )
+    verdict = verdict_of(comparisons)
+    return Report(
+        command="lossless",
+        verdict=verdict,
+        summary=summary_line(comparisons, args),
+        comparisons=comparisons,
+        tables=tables(comparisons, outputs),
+        figures={"acceptance": acceptance_histograms({k: v for k, v in outputs.items() if k != "ar"})},
+        details={"settings": settings_of(args, sampling)},
+    )
+
+
+def settings_of(args: argparse.Namespace, sampling: dict) -> dict:
+    """The settings every method ran with."""
+    return {
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "budgets": parse_budgets(args.budgets),
+        "sampling": sampling,
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": args.prompts,
+    }
+
+
+def summary_line(comparisons: list[Comparison], args: argparse.Namespace) -> str:
+    """One line: which methods matched ar on how many prompts, and the first divergence if any."""
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
+    n = comparisons[0].prompts
+    head = ", ".join(f"{c.name.split(' vs ')[0]} {c.identical}/{n}" for c in comparisons)
+    line = f"identical to ar: {head} prompts ({args.dtype}, {mode}, {args.max_new_tokens} new tokens)"
+    first = next((c for c in comparisons if c.divergences), None)
+    if first is not None:
+        d = first.divergences[0]
+        margin = "n/a" if d.margin is None else f"{d.margin:.4g}"
+        line += f"; first divergence: {first.name}, prompt {d.id!r}, position {d.position}, margin {margin}"
+    return line
+
+
+def tables(comparisons: list[Comparison], outputs: dict) -> list[Table]:
+    """Per method: identical prompts and mean acceptance; every divergence with its margin."""
+    n = comparisons[0].prompts
+    rows = [["ar", f"{n}/{n}", "", "1"]]
+    for c in comparisons:
+        label = c.name.split(" vs ")[0]
+        rows.append([label, f"{c.identical}/{n}", len(c.divergences), c.mean_acceptance[label]])
+    div = [
+        [
+            c.name,
+            d.id,
+            d.position,
+            d.margin,
+            d.extra.get("gap"),
+            d.extra.get("near_tie"),
+            d.extra.get("reference_token"),
+            d.extra.get("token"),
+        ]
+        for c in comparisons
+        for d in c.divergences
+    ]
+    out = [Table("Methods against ar", ["method", "identical", "divergences", "mean acceptance"], rows)]
+    if div:
+        header = ["comparison", "prompt", "position", "margin", "gap", "near-tie", "ar token", "token"]
+        out.append(Table("Divergences (first position per prompt)", header, div))
+    return out
