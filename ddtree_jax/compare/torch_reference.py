@@ -217,6 +217,15 @@ def walk(tree: DraftTree, choice: list[int]) -> list[int]:
 # -- the pair and its decoding ------------------------------------------------------------------------
 
 
+class Decoding(NamedTuple):
+    """How a generation decodes: the method and its tree settings."""
+
+    method: str = "ar"
+    budget: int = 0  # ddtree: tree nodes besides the root
+    branching: int = 1  # ddtree: drafter candidates per depth
+    block_size: int | None = None  # a shorter block than the drafter's (None: the drafter's)
+
+
 class TorchPair:
     """A target (HF transformers) and an optional DFlash drafter, run at batch 1 on the CPU."""
 
@@ -252,16 +261,18 @@ class TorchPair:
         return torch.cat([out.hidden_states[i + 1][0] for i in self.drafter.target_layer_ids], dim=-1)
 
     @torch.no_grad()
-    def draft_logits(self, features: torch.Tensor, bonus: int) -> np.ndarray:
-        """float32 drafter logits [D, V] at depths 1..D of the block `[bonus, mask x D]` after the context."""
-        block = [bonus] + [self.drafter.mask_token_id] * (self.drafter.block_size - 1)
+    def draft_logits(self, features: torch.Tensor, bonus: int, block_size: int | None = None) -> np.ndarray:
+        """float32 drafter logits [D, V] at depths 1..D of the block `[bonus, mask x D]` after the context
+        (block_size: a shorter block than the drafter's)."""
+        size = block_size or self.drafter.block_size
+        block = [bonus] + [self.drafter.mask_token_id] * (size - 1)
         embeds = self.target.get_input_embeddings()(torch.tensor(block))
         hidden = self.drafter.hidden(features.to(self.dtype), embeds)
         return self.target.lm_head(hidden).float().numpy()
 
-    def _draft_top_k(self, context: list[int], bonus: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _draft_top_k(self, context: list[int], bonus: int, k: int, block_size: int | None):
         """Per-depth top-k log-probs and tokens [D, k], sorted descending, equal values by lower token id."""
-        logits = torch.from_numpy(self.draft_logits(self.features(context), bonus))
+        logits = torch.from_numpy(self.draft_logits(self.features(context), bonus, block_size))
         logp = torch.log_softmax(logits, dim=-1)
         order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.gather(logp, -1, order).numpy(), order.numpy()
@@ -277,25 +288,25 @@ class TorchPair:
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask[~torch.from_numpy(allowed)] = torch.finfo(self.dtype).min
         positions = list(range(n)) + [n + d for d in tree.depth]
-        out = self.target(
+        out = self.target.model(
             input_ids=torch.tensor([context + tree.tokens]),
             attention_mask=mask[None, None],
             position_ids=torch.tensor([positions]),
             use_cache=False,
         )
-        return out.logits[0, n:].float().argmax(-1).tolist()
+        return self.target.lm_head(out.last_hidden_state[0, n:]).float().argmax(-1).tolist()
 
-    def round(self, context: list[int], bonus: int, method: str, budget: int, branching: int) -> list[int]:
+    def round(self, context: list[int], bonus: int, decoding: Decoding) -> list[int]:
         """One round after `context` (the committed tokens) with root `bonus`: the tokens it emits
         (the target's choices along the accepted path: accepted draft tokens, then the next bonus)."""
-        if method == "ar":
+        if decoding.method == "ar":
             tree = DraftTree([bonus], [-1], [0])
-        elif method == "dflash":
-            _, tok = self._draft_top_k(context, bonus, 1)
+        elif decoding.method == "dflash":
+            _, tok = self._draft_top_k(context, bonus, 1, decoding.block_size)
             tree = chain_tree(bonus, tok[:, 0].tolist())
         else:
-            logp, tok = self._draft_top_k(context, bonus, branching)
-            tree = heap_tree(bonus, logp, tok, budget)
+            logp, tok = self._draft_top_k(context, bonus, decoding.branching, decoding.block_size)
+            tree = heap_tree(bonus, logp, tok, decoding.budget)
         choice = self.verify(context, tree)
         return [choice[node] for node in walk(tree, choice)]
 
@@ -307,25 +318,37 @@ class TorchPair:
         budget: int = 0,
         branching: int = 1,
         stop_ids: tuple[int, ...] = (),
+        block_size: int | None = None,
     ) -> tuple[list[int], list[int]]:
         """Greedy generation: (output ids, the stop id included when hit; acceptance length per round)."""
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if method != "ar" and self.drafter is None:
-            raise ValueError(f"method {method!r} needs a drafter")
-        if method == "ddtree" and (budget < 1 or branching < 1):
-            raise ValueError("ddtree needs budget >= 1 and branching >= 1")
+        decoding = Decoding(method, budget, branching, block_size)
+        self._check(decoding)
         output = [int(self.logits(list(input_ids))[-1].argmax())]  # the prefill's token
         acceptance: list[int] = []
         while output[-1] not in stop_ids and len(output) < max_new_tokens:
             context = list(input_ids) + output[:-1]  # the bonus output[-1] is not committed yet
-            emitted = self.round(context, output[-1], method, budget, branching)
+            emitted = self.round(context, output[-1], decoding)
             stops = [i for i, tok in enumerate(emitted) if tok in stop_ids]
             emitted = emitted[: stops[0] + 1] if stops else emitted
             emitted = emitted[: max_new_tokens - len(output)]
             output += emitted
             acceptance.append(len(emitted))
         return output, acceptance
+
+    def _check(self, decoding: Decoding) -> None:
+        """Reject settings this pair cannot run."""
+        if decoding.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {decoding.method!r}")
+        if decoding.method != "ar" and self.drafter is None:
+            raise ValueError(f"method {decoding.method!r} needs a drafter")
+        if decoding.method == "ddtree" and (decoding.budget < 1 or decoding.branching < 1):
+            raise ValueError("ddtree needs budget >= 1 and branching >= 1")
+        if (
+            decoding.method != "ar"
+            and decoding.block_size is not None
+            and not 2 <= decoding.block_size <= self.drafter.block_size
+        ):
+            raise ValueError(f"block_size must lie in [2, {self.drafter.block_size}]")
 
 
 def read_stop_ids(target_dir: str | Path) -> tuple[int, ...]:
