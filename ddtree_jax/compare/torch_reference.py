@@ -3,11 +3,13 @@ ar / dflash / ddtree greedy decoding at batch 1.
 
 Written by this project from the papers and HF's definitions, sharing no code with the JAX engine (nor
 with the DDTree reference, z-lab or SGLang), so that `ddtree-compare reference` compares two
-implementations. It trades speed for obviousness: every round recomputes the target over the whole
-committed sequence (no K/V cache), the tree is built by a best-first heap over the drafter's top-k
-lattice (the DDTree reference's way, not the engine's per-depth beams), and the tree is verified in one
-target pass over [committed ; tree] with an ancestor-only 4-D attention mask, which transformers 5
-takes as is (`masking_utils`: a 4-D mask is returned unchanged; eager attention adds it to the scores).
+implementations. It trades speed for obviousness: every round starts afresh from the committed tokens
+(one causal target pass gives their K/V and the drafter's features; nothing carries over between
+rounds), the tree is built by a best-first heap over the drafter's top-k lattice (the DDTree
+reference's way, not the engine's per-depth beams), and the tree is verified in one target pass over
+that prefix with an ancestor-only 4-D attention mask, which transformers 5 takes as is
+(`masking_utils`: a 4-D mask is returned unchanged; eager attention adds it to the scores). `ar` is
+plain greedy steps over HF's K/V cache.
 
 The round, as DESIGN.md describes it: draft a block `[bonus, mask x D]`, build the tree, verify it,
 walk from the root along the target's choices, commit the walked path. A round's acceptance length
@@ -18,6 +20,7 @@ or by `max_new_tokens`); the prefill's token belongs to no round.
 from __future__ import annotations
 
 import heapq
+import inspect
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
@@ -244,6 +247,9 @@ class TorchPair:
         self.target = AutoModelForCausalLM.from_pretrained(
             target_dir, dtype=self.dtype, attn_implementation="eager"
         ).eval()
+        # transformers 5.2x renamed `past_key_values` to `cache` (the old name still works, with a warning).
+        params = inspect.signature(self.target.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         num_layers = self.target.config.num_hidden_layers
         self.drafter = None if draft_dir is None else DFlashDrafter.load(draft_dir, num_layers, self.dtype)
 
@@ -253,12 +259,25 @@ class TorchPair:
         out = self.target(input_ids=torch.tensor([input_ids]), use_cache=False)
         return out.logits[0].float().numpy()
 
+    def _features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """HF `hidden_states[i + 1]` per drafter target layer id, concatenated: [T, F]."""
+        return torch.cat([hidden_states[i + 1][0] for i in self.drafter.target_layer_ids], dim=-1)
+
     @torch.no_grad()
     def features(self, input_ids: list[int]) -> torch.Tensor:
-        """The drafter's conditioning [T, F]: HF `hidden_states[i + 1]` per target layer id, concatenated."""
-        ids = torch.tensor([input_ids])
-        out = self.target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        return torch.cat([out.hidden_states[i + 1][0] for i in self.drafter.target_layer_ids], dim=-1)
+        """The drafter's conditioning [T, F] of a sequence (HF's: the last layer's entry is post-norm)."""
+        out = self.target.model(
+            input_ids=torch.tensor([input_ids]), output_hidden_states=True, use_cache=False
+        )
+        return self._features(out.hidden_states)
+
+    @torch.no_grad()
+    def prefix(self, context: list[int]) -> tuple[DynamicCache, torch.Tensor | None]:
+        """One causal pass over the committed tokens: their K/V in a fresh cache, and their features."""
+        out = self.target.model(
+            input_ids=torch.tensor([context]), output_hidden_states=self.drafter is not None, use_cache=True
+        )
+        return _cache_of(out), None if self.drafter is None else self._features(out.hidden_states)
 
     @torch.no_grad()
     def draft_logits(self, features: torch.Tensor, bonus: int, block_size: int | None = None) -> np.ndarray:
@@ -270,44 +289,42 @@ class TorchPair:
         hidden = self.drafter.hidden(features.to(self.dtype), embeds)
         return self.target.lm_head(hidden).float().numpy()
 
-    def _draft_top_k(self, context: list[int], bonus: int, k: int, block_size: int | None):
+    def _draft_top_k(self, features: torch.Tensor, bonus: int, k: int, block_size: int | None):
         """Per-depth top-k log-probs and tokens [D, k], sorted descending, equal values by lower token id."""
-        logits = torch.from_numpy(self.draft_logits(self.features(context), bonus, block_size))
+        logits = torch.from_numpy(self.draft_logits(features, bonus, block_size))
         logp = torch.log_softmax(logits, dim=-1)
         order = torch.sort(logp, dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.gather(logp, -1, order).numpy(), order.numpy()
 
     @torch.no_grad()
-    def verify(self, context: list[int], tree: DraftTree) -> list[int]:
-        """The target's greedy choice at every tree node, from one pass over [context ; tree]."""
-        n, t = len(context), len(tree.tokens)
-        allowed = np.zeros((n + t, n + t), bool)
-        allowed[:n, :n] = np.tril(np.ones((n, n), bool))
-        allowed[n:, :n] = True
-        allowed[n:, n:] = ancestor_mask(tree)
+    def verify(self, cache: DynamicCache, tree: DraftTree) -> list[int]:
+        """The target's greedy choice at every tree node, from one pass over the tree after the cached
+        committed tokens, each node seeing the whole prefix and its own ancestors (a 4-D mask)."""
+        n, t = cache.get_seq_length(), len(tree.tokens)
+        allowed = np.concatenate([np.ones((t, n), bool), ancestor_mask(tree)], axis=1)  # [T, n + T]
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask[~torch.from_numpy(allowed)] = torch.finfo(self.dtype).min
-        positions = list(range(n)) + [n + d for d in tree.depth]
-        out = self.target.model(
-            input_ids=torch.tensor([context + tree.tokens]),
+        out = self.target(
+            input_ids=torch.tensor([tree.tokens]),
             attention_mask=mask[None, None],
-            position_ids=torch.tensor([positions]),
-            use_cache=False,
+            position_ids=torch.tensor([[n + d for d in tree.depth]]),
+            use_cache=True,
+            **{self._cache_arg: cache},
         )
-        return self.target.lm_head(out.last_hidden_state[0, n:]).float().argmax(-1).tolist()
+        return out.logits[0].float().argmax(-1).tolist()
 
     def round(self, context: list[int], bonus: int, decoding: Decoding) -> list[int]:
         """One round after `context` (the committed tokens) with root `bonus`: the tokens it emits
-        (the target's choices along the accepted path: accepted draft tokens, then the next bonus)."""
-        if decoding.method == "ar":
-            tree = DraftTree([bonus], [-1], [0])
-        elif decoding.method == "dflash":
-            _, tok = self._draft_top_k(context, bonus, 1, decoding.block_size)
+        (the target's choices along the accepted path: accepted draft tokens, then the next bonus).
+        Everything is recomputed from `context`: nothing carries over from the previous round."""
+        cache, features = self.prefix(context)
+        if decoding.method == "dflash":
+            _, tok = self._draft_top_k(features, bonus, 1, decoding.block_size)
             tree = chain_tree(bonus, tok[:, 0].tolist())
         else:
-            logp, tok = self._draft_top_k(context, bonus, decoding.branching, decoding.block_size)
+            logp, tok = self._draft_top_k(features, bonus, decoding.branching, decoding.block_size)
             tree = heap_tree(bonus, logp, tok, decoding.budget)
-        choice = self.verify(context, tree)
+        choice = self.verify(cache, tree)
         return [choice[node] for node in walk(tree, choice)]
 
     def generate(
@@ -323,6 +340,9 @@ class TorchPair:
         """Greedy generation: (output ids, the stop id included when hit; acceptance length per round)."""
         decoding = Decoding(method, budget, branching, block_size)
         self._check(decoding)
+        if method == "ar":
+            output = self._ar(list(input_ids), max_new_tokens, stop_ids)
+            return output, [1] * (len(output) - 1)
         output = [int(self.logits(list(input_ids))[-1].argmax())]  # the prefill's token
         acceptance: list[int] = []
         while output[-1] not in stop_ids and len(output) < max_new_tokens:
@@ -334,6 +354,17 @@ class TorchPair:
             output += emitted
             acceptance.append(len(emitted))
         return output, acceptance
+
+    @torch.no_grad()
+    def _ar(self, input_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...]) -> list[int]:
+        """Plain greedy steps, each over HF's K/V cache of everything before it (ar needs no tree)."""
+        out = self.target(input_ids=torch.tensor([input_ids]), use_cache=True)
+        output = [int(out.logits[0, -1].argmax())]
+        while output[-1] not in stop_ids and len(output) < max_new_tokens:
+            step = torch.tensor([[output[-1]]])
+            out = self.target(input_ids=step, use_cache=True, **{self._cache_arg: _cache_of(out)})
+            output.append(int(out.logits[0, -1].argmax()))
+        return output
 
     def _check(self, decoding: Decoding) -> None:
         """Reject settings this pair cannot run."""
@@ -349,6 +380,11 @@ class TorchPair:
             and not 2 <= decoding.block_size <= self.drafter.block_size
         ):
             raise ValueError(f"block_size must lie in [2, {self.drafter.block_size}]")
+
+
+def _cache_of(out) -> DynamicCache:
+    """The K/V cache an HF forward returned (`cache` in recent transformers, `past_key_values` before)."""
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def read_stop_ids(target_dir: str | Path) -> tuple[int, ...]:
