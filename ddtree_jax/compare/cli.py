@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ddtree_jax.errors import DDTreeError
 
-SUBCOMMANDS = ("lossless", "reference")
+SUBCOMMANDS = ("lossless", "reference", "external", "distribution")
 NOT_GENERATION_FLAGS = ("help", "out")  # ddtree-generate's flags every sub-command does not take
 
 

@@ -60,6 +60,19 @@ class Scorer:
             out = _forward(self.params, tokens, cfg=self.cfg)
         return np.asarray(out[0, :n])
 
+    def next_logits(self, rows: list[list[int]], chunk: int = 64) -> np.ndarray:
+        """float32 logits [R, V] of the token after each row (all rows of one length)."""
+        n = len(rows[0])
+        padded = -(-n // 64) * 64
+        out = []
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            part = part + [part[-1]] * (chunk - len(part))  # one shape per length
+            tokens = jnp.asarray([r + [0] * (padded - n) for r in part], jnp.int32)
+            with jax.default_matmul_precision("highest"):
+                out.append(np.asarray(_forward(self.params, tokens, cfg=self.cfg)[:, n - 1]))
+        return np.concatenate(out)[: len(rows)]
+
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _forward(params: Params, tokens: jax.Array, cfg: TargetConfig) -> jax.Array:

@@ -1,0 +1,153 @@
+"""`ddtree-compare external`: another system's outputs against ours on the same prompts.
+
+Ours are generated with the given flags (or read from --ours FILE); theirs come from --theirs FILE in
+any format outputs.py accepts. Per prompt: identical tokens, else the first divergence with our
+target's float32 margin there (over prompt + our output); mean acceptance lengths and histograms side
+by side. Prompts theirs does not cover are listed, not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ddtree_jax.compare import outputs
+from ddtree_jax.compare.divergence import Scorer, divergence
+from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs
+from ddtree_jax.compare.outputs import OutputRecord
+from ddtree_jax.compare.plots import histogram_bars
+from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
+from ddtree_jax.pair import generator, plan_from_args, sampling_from_args
+
+HELP = "another system's outputs (SGLang, the DDTree reference, ours) against ours on the same prompts"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """--theirs, --ours."""
+    p.add_argument(
+        "--theirs", required=True, help="JSONL: their outputs (ours, SGLang or DDTree reference lines)"
+    )
+    p.add_argument("--ours", help="JSONL: our outputs already generated (default: generate with the flags)")
+
+
+def our_records(args: argparse.Namespace, inputs) -> list[OutputRecord]:
+    """Our outputs: read from --ours, or generated with ddtree-generate's flags."""
+    if args.ours is not None:
+        return outputs.read_outputs(args.ours)
+    plan = plan_from_args(inputs.pair, args)
+    gen = generator(inputs.pair, plan, sampling_from_args(args), args.host_stepped)
+    results = generate_all(gen, inputs.prompts, args.batch_size)
+    return [outputs.parse_line(r.to_json(), f"generated:{i + 1}", i) for i, r in enumerate(results)]
+
+
+def run(args: argparse.Namespace) -> Report:
+    """Read theirs, get ours, compare prompt by prompt."""
+    check_generation_flags(args)
+    theirs = outputs.read_outputs(args.theirs)  # bad input fails before any model loads
+    inputs = load_inputs(args, with_draft=args.ours is None and args.method != "ar")
+    their_by_id = outputs.match_prompts(theirs, inputs.prompts, args.prompts)
+    our_by_id = outputs.match_prompts(our_records(args, inputs), inputs.prompts, args.prompts)
+    sampling = sampling_from_args(args)
+    scorer, found, compared, missing = None, [], [], []
+    for prompt in inputs.prompts:
+        if prompt.id not in their_by_id or prompt.id not in our_by_id:
+            missing.append(prompt.id)
+            continue
+        ours = outputs.tokens_of(our_by_id[prompt.id], inputs.pair.codec)
+        other = outputs.tokens_of(their_by_id[prompt.id], inputs.pair.codec)
+        compared.append(prompt.id)
+        if ours == other:
+            continue
+        scorer = scorer or Scorer.load(args.target)
+        options = sampling | {k: v for k, v in prompt.options.items() if k in sampling}
+        found.append(divergence(scorer, prompt.id, prompt.input_ids, ours, other, options, args.dtype))
+    our_list = [our_by_id[i] for i in compared]
+    their_list = [their_by_id[i] for i in compared]
+    ours_name, theirs_name = "ours", Path(args.theirs).stem
+    acceptance = {
+        ours_name: outputs.mean_acceptance(our_list),
+        theirs_name: outputs.mean_acceptance(their_list),
+    }
+    if acceptance[theirs_name][1] == outputs.RATIO:  # counts the prefill's token too: ours by the same rule
+        acceptance[f"{ours_name} (same rule)"] = outputs.mean_acceptance(our_list, outputs.RATIO)
+    comparison = Comparison(
+        name=f"{theirs_name} vs ours",
+        prompts=len(compared),
+        identical=len(compared) - len(found),
+        divergences=found,
+        mean_acceptance={k: v for k, (v, _) in acceptance.items()},
+        extra={
+            "acceptance_source": {k: s for k, (_, s) in acceptance.items()},
+            "not_compared": missing,
+            "text_only": [r.id for r in their_list if r.output_ids is None],
+        },
+    )
+    hists = {ours_name: outputs.histogram(our_list), theirs_name: outputs.histogram(their_list)}
+    return Report(
+        command="external",
+        verdict=verdict_of([comparison]),
+        summary=summary_line(comparison, acceptance, theirs_name),
+        comparisons=[comparison],
+        tables=tables(comparison, acceptance, hists),
+        notes=notes(comparison),
+        figures={"acceptance": histogram_bars(hists, f"acceptance lengths: ours vs {theirs_name}")},
+        details={"theirs": args.theirs, "ours": args.ours or "generated"},
+    )
+
+
+def summary_line(c: Comparison, acceptance: dict, theirs_name: str) -> str:
+    """Match rate, the first divergence, mean acceptance of both."""
+    line = f"{theirs_name} identical to ours on {c.identical}/{c.prompts} prompts"
+    if c.divergences:
+        d = c.divergences[0]
+        margin = "n/a" if d.margin is None else f"{d.margin:.4g}"
+        line += f" (first divergence: prompt {d.id!r}, position {d.position}, margin {margin})"
+    means = ", ".join(f"{k} {v:.3f}" for k, (v, _) in acceptance.items() if v is not None)
+    return line + (f"; mean acceptance {means}" if means else "")
+
+
+def notes(c: Comparison) -> list[str]:
+    """Caveats a reader needs: prompts not compared, outputs re-tokenized from text."""
+    out = []
+    if c.extra["not_compared"]:
+        out.append(f"Not compared (no output on one side): {', '.join(map(repr, c.extra['not_compared']))}.")
+    if c.extra["text_only"]:
+        out.append(
+            "Compared through their text encoded with our tokenizer (no output_ids given): "
+            + ", ".join(map(repr, c.extra["text_only"]))
+            + ". A different tokenization of the same text shows up as a divergence."
+        )
+    return out
+
+
+def tables(c: Comparison, acceptance: dict, hists: dict) -> list[Table]:
+    """Match rate and acceptance side by side; divergences; the histograms as numbers."""
+    side = [[name, mean, source] for name, (mean, source) in acceptance.items()]
+    out = [
+        Table(
+            "Match",
+            ["prompts compared", "identical", "match rate"],
+            [[c.prompts, c.identical, c.identical / max(c.prompts, 1)]],
+        ),
+        Table("Mean acceptance length (tokens per round, bonus included)", ["side", "mean", "from"], side),
+    ]
+    if c.divergences:
+        rows = [
+            [
+                d.id,
+                d.position,
+                d.margin,
+                d.extra.get("gap"),
+                d.extra.get("near_tie"),
+                d.extra.get("reference_token"),
+                d.extra.get("token"),
+            ]
+            for d in c.divergences
+        ]
+        header = ["prompt", "position", "margin", "gap", "near-tie", "our token", "their token"]
+        out.append(Table("Divergences (first position per prompt)", header, rows))
+    lengths = sorted({n for h in hists.values() for n in h})
+    if lengths:
+        rows = [[n, *(h.get(n, 0) for h in hists.values())] for n in lengths]
+        out.append(Table("Rounds per acceptance length", ["length", *hists], rows))
+    return out

@@ -1,0 +1,177 @@
+"""Output lines of any decoder, one JSON object per line: ours, SGLang's and the DDTree reference's.
+
+Accepted fields (anything else is an error, so a misspelt field is never silently ignored):
+- ours (`ddtree-generate --out`): id, output_ids, text, finish_reason, num_output_tokens, rounds,
+  acceptance_lengths;
+- SGLang `Engine.generate` / `/generate`: text, output_ids, meta_info {id, completion_tokens,
+  spec_verify_ct, spec_accept_length, spec_accept_histogram, ...} (meta_info's other fields are read
+  past); spec_accept_histogram[n] counts the verify steps that accepted n draft tokens, i.e. rounds of
+  acceptance length n + 1 in our terms (the bonus token included);
+- the DDTree reference: acceptance_lengths per round (tokens added, the bonus included), as ours.
+The id sits at the top level or in meta_info.id; a line without one takes its line's index among the
+file's non-empty lines (0-based), as a prompt without an id does.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.prompts import Prompt
+from ddtree_jax.text import TextCodec
+
+FIELDS = (
+    "id",
+    "output_ids",
+    "text",
+    "meta_info",
+    "finish_reason",
+    "num_output_tokens",
+    "rounds",
+    "acceptance_lengths",
+)
+
+
+@dataclasses.dataclass
+class OutputRecord:
+    """One line: the prompt id, the generated tokens (or text) and whatever acceptance it reports."""
+
+    id: Any
+    where: str  # FILE:LINE
+    output_ids: list[int] | None
+    text: str | None
+    acceptance_lengths: list[int] | None = None
+    completion_tokens: int | None = None  # SGLang: tokens generated
+    verify_rounds: int | None = None  # SGLang: spec_verify_ct, target verify passes
+    accept_histogram: list[int] | None = None  # SGLang: [n] = verify steps that accepted n draft tokens
+
+
+def _int_list(value: Any, where: str, field: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise DDTreeError(f"{where}: '{field}' must be a list of integers")
+    return value
+
+
+def _count(value: Any, where: str, field: str) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise DDTreeError(f"{where}: '{field}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_line(record: Any, where: str, index: int) -> OutputRecord:
+    """One JSON object -> OutputRecord; errors name the file, line and field."""
+    if not isinstance(record, dict):
+        raise DDTreeError(f"{where}: expected a JSON object")
+    unknown = [k for k in record if k not in FIELDS]
+    if unknown:
+        raise DDTreeError(f"{where}: unknown field '{unknown[0]}' (known: {', '.join(FIELDS)})")
+    meta = record.get("meta_info", {})
+    if not isinstance(meta, dict):
+        raise DDTreeError(f"{where}: 'meta_info' must be an object")
+    if "id" in record and "id" in meta and record["id"] != meta["id"]:
+        raise DDTreeError(f"{where}: 'id' {record['id']!r} and 'meta_info.id' {meta['id']!r} differ")
+    if "output_ids" not in record and "text" not in record:
+        raise DDTreeError(f"{where}: needs 'output_ids' or 'text'")
+    text = record.get("text")
+    if text is not None and not isinstance(text, str):
+        raise DDTreeError(f"{where}: 'text' must be a string")
+    out = OutputRecord(
+        id=record.get("id", meta.get("id", index)),
+        where=where,
+        output_ids=_int_list(record["output_ids"], where, "output_ids") if "output_ids" in record else None,
+        text=text,
+        # ours: num_output_tokens / rounds is the same ratio as SGLang's completion_tokens / spec_verify_ct
+        completion_tokens=_count(
+            meta.get("completion_tokens", record.get("num_output_tokens")), where, "completion_tokens"
+        ),
+        verify_rounds=_count(meta.get("spec_verify_ct", record.get("rounds")), where, "spec_verify_ct"),
+    )
+    if "acceptance_lengths" in record:
+        out.acceptance_lengths = _int_list(record["acceptance_lengths"], where, "acceptance_lengths")
+    if meta.get("spec_accept_histogram") is not None:
+        out.accept_histogram = _int_list(
+            meta["spec_accept_histogram"], where, "meta_info.spec_accept_histogram"
+        )
+    return out
+
+
+def read_outputs(path: str | Path) -> list[OutputRecord]:
+    """Every non-empty line of an outputs file, in order."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise DDTreeError(f"{path}: file not found") from None
+    except UnicodeDecodeError:
+        raise DDTreeError(f"{path}: not UTF-8 text") from None
+    records = []
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DDTreeError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        records.append(parse_line(record, f"{path}:{n}", len(records)))
+    if not records:
+        raise DDTreeError(f"{path}: no output lines")
+    return records
+
+
+def match_prompts(
+    records: list[OutputRecord], prompts: list[Prompt], prompts_path: str
+) -> dict[Any, OutputRecord]:
+    """Prompt id -> its record; an id that matches no prompt, or appears twice, is an error."""
+    known = {p.id for p in prompts}
+    by_id: dict[Any, OutputRecord] = {}
+    for r in records:
+        if r.id not in known:
+            raise DDTreeError(f"{r.where}: id {r.id!r} matches no prompt in {prompts_path}")
+        if r.id in by_id:
+            raise DDTreeError(f"{r.where}: duplicate id {r.id!r} (first at {by_id[r.id].where})")
+        by_id[r.id] = r
+    return by_id
+
+
+def tokens_of(record: OutputRecord, codec: TextCodec | None) -> list[int]:
+    """The record's output ids, or its text encoded with our tokenizer (no special tokens added)."""
+    if record.output_ids is not None:
+        return record.output_ids
+    if codec is None:
+        raise DDTreeError(f"{record.where}: only 'text' given, and the target has no tokenizer.json")
+    return codec.encode(record.text, add_special_tokens=False)
+
+
+RATIO = "completion_tokens / spec_verify_ct"
+
+
+def mean_acceptance(
+    records: list[OutputRecord], source: str | None = None
+) -> tuple[float | None, str | None]:
+    """Tokens per round over all records and where it came from: acceptance_lengths (every record has
+    them), else completion_tokens / spec_verify_ct summed over records (RATIO; forced by `source`, to
+    compare like with like), else (None, None)."""
+    if source != RATIO and all(r.acceptance_lengths is not None for r in records):
+        rounds = [a for r in records for a in r.acceptance_lengths]
+        return (sum(rounds) / len(rounds), "acceptance_lengths") if rounds else (None, None)
+    if all(r.completion_tokens is not None and r.verify_rounds for r in records):
+        total = sum(r.completion_tokens for r in records) / sum(r.verify_rounds for r in records)
+        return total, RATIO
+    return None, None
+
+
+def histogram(records: list[OutputRecord]) -> dict[int, int]:
+    """Rounds per acceptance length (bonus included): from acceptance_lengths, else SGLang's histogram."""
+    hist: collections.Counter = collections.Counter()
+    for r in records:
+        if r.acceptance_lengths is not None:
+            hist.update(r.acceptance_lengths)
+        elif r.accept_histogram is not None:
+            hist.update({n + 1: c for n, c in enumerate(r.accept_histogram) if c})
+    return dict(hist)

@@ -1,0 +1,117 @@
+"""ddtree-compare lossless: agreement on the fixtures, and an injected tree-verify bug found at its
+prompt and position (with the target's margin there); bad flags."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import FIXTURES
+
+from ddtree_jax import engine
+from ddtree_jax.compare.cli import main
+
+TP, DRAFT = "qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp"
+# Fixture prompts of lengths 1, 12 and 30: absolute position 17 is output position 5 of the 12-token
+# prompt only (16 outputs: position 17 is past the 1-token prompt's last output, before the 30's prompt).
+PROMPT_IDS, BUG_POSITION, BUGGY_PROMPT, BUGGY_OUTPUT = ("golden-0", "golden-2", "golden-4"), 17, "golden-2", 5
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    lines = [json.loads(s) for s in (FIXTURES / "prompts.jsonl").read_text().splitlines()]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines if r["id"] in PROMPT_IDS))
+    return path
+
+
+def argv(prompts, report, *flags):
+    return [
+        "lossless",
+        "--target",
+        str(FIXTURES / TP),
+        "--draft",
+        str(FIXTURES / DRAFT),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--budgets",
+        "7",
+        "--report",
+        str(report),
+        *flags,
+    ]
+
+
+def report_of(path):
+    return json.loads((path / "report.json").read_text())
+
+
+def buggy_choose(real):
+    """The target's choice shifted by one at BUG_POSITION, in tree verify passes only (T > 1)."""
+
+    def choose(logits, sampling=None, position=None, model_axis=None):
+        token = real(logits, sampling, position, model_axis)
+        if logits.shape[1] == 1:  # prefill and ar rounds
+            return token
+        return jnp.where(position == BUG_POSITION, (token + 1) % logits.shape[-1], token)
+
+    return choose
+
+
+@pytest.mark.parametrize(
+    "flags", [["--dtype", "float32"], ["--dtype", "float32", "--temperature", "0.8", "--seed", "3"]]
+)
+def test_agrees_then_finds_injected_bug(tmp_path, prompts, capsys, monkeypatch, flags):
+    assert main(argv(prompts, tmp_path / "ok", *flags)) == 0
+    ok = report_of(tmp_path / "ok")
+    assert ok["verdict"] == "agree" and capsys.readouterr().out.startswith("lossless: agree")
+    assert [c["name"] for c in ok["comparisons"]] == ["dflash vs ar", "ddtree-7 vs ar"]
+    assert all(c["prompts"] == c["identical"] == 3 and not c["divergences"] for c in ok["comparisons"])
+    assert (tmp_path / "ok" / "report.md").read_text().startswith("# ddtree-compare lossless: agree")
+    assert (tmp_path / "ok" / "acceptance.png").stat().st_size > 1000
+
+    jax.clear_caches()  # the programs above were traced with the real choose
+    monkeypatch.setattr(engine, "choose", buggy_choose(engine.choose))
+    assert main(argv(prompts, tmp_path / "bug", *flags)) == 0  # it ran: exit 0 whatever the verdict
+    bug = report_of(tmp_path / "bug")
+    assert bug["verdict"] == "differ"
+    for c in bug["comparisons"]:
+        assert c["identical"] == 2
+        (d,) = c["divergences"]
+        assert (d["id"], d["position"]) == (BUGGY_PROMPT, BUGGY_OUTPUT)
+        assert d["token"] == (d["reference_token"] + 1) % 256 and d["reference_is_top1"]
+        assert d["margin"] > 0 and not d["near_tie"]
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--method", "ddtree"], "--method does not apply"),
+        (["--budget", "7"], "--budget does not apply: use --budgets"),
+        (["--budgets", "7,x"], "--budgets '7,x': expected a comma list of integers"),
+        (["--budgets", "0"], "every budget must be >= 1"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+    ],
+)
+def test_bad_flags(tmp_path, prompts, capsys, flags, needle):
+    assert main(argv(prompts, tmp_path / "r", *flags)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ddtree-compare: error: ") and needle in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists() and not list(tmp_path.glob(".r.*"))
+
+
+def test_missing_prompts_file(tmp_path, capsys):
+    assert main(argv(tmp_path / "nope.jsonl", tmp_path / "r")) == 1
+    assert f"{tmp_path / 'nope.jsonl'}: file not found" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_report_dir_that_is_not_a_report_is_kept(tmp_path, prompts, capsys):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "mine.txt").write_text("x")
+    assert main(argv(prompts, tmp_path / "r")) == 1
+    assert "holds no report.json" in capsys.readouterr().err
+    assert (tmp_path / "r" / "mine.txt").exists()
