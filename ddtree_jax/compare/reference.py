@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from ddtree_jax import drafter, target
 from ddtree_jax.compare.divergence import NEAR_TIE, Scorer, first_divergence
@@ -267,7 +269,7 @@ def run(args: argparse.Namespace) -> Report:
             ref.generate(
                 p.input_ids, r.method, args.max_new_tokens, plan.budget, plan.branching, ref_stops, block
             )
-            for p in inputs.prompts
+            for p in tqdm(inputs.prompts, desc=f"reference {r.label}", unit="prompt", file=sys.stderr)
         ]
     first = theirs[runs[0].label]
     sequences = [p.input_ids + out for p, (out, _) in zip(inputs.prompts, first, strict=True)]
