@@ -28,6 +28,7 @@ class LogitStats:
     top1: float  # share of rows with the same argmax
     first_bad: int | None  # first row that fails (top-1 differs or relative error over tolerance)
     row_abs: np.ndarray  # [n] largest |ours - reference| per row (for plots)
+    at_first_bad: dict | None = None  # that row's top-1 tokens, the reference's top-2 margin, their gap
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -48,6 +49,7 @@ def logit_stats(ours: np.ndarray, reference: np.ndarray, tolerance: float) -> Lo
     kl = (np.exp(lp_ref) * (lp_ref - lp_ours)).sum(-1)
     same = ours.argmax(-1) == reference.argmax(-1)
     bad = np.flatnonzero(~same | (row_rel > tolerance))
+    first_bad = int(bad[0]) if len(bad) else None
     return LogitStats(
         rows=len(ours),
         max_abs=float(row_abs.max(initial=0.0)),
@@ -55,9 +57,18 @@ def logit_stats(ours: np.ndarray, reference: np.ndarray, tolerance: float) -> Lo
         kl_mean=float(kl.mean()) if len(kl) else 0.0,
         kl_max=float(kl.max(initial=0.0)),
         top1=float(same.mean()) if len(same) else 1.0,
-        first_bad=int(bad[0]) if len(bad) else None,
+        first_bad=first_bad,
         row_abs=row_abs,
+        at_first_bad=None if first_bad is None else row_detail(ours[first_bad], reference[first_bad]),
     )
+
+
+def row_detail(ours: np.ndarray, reference: np.ndarray) -> dict:
+    """Both sides' top-1 tokens in one row, the reference's top-2 margin, and the gap between the two
+    tokens in the reference's logits (0 when they agree)."""
+    ref_token, token = int(reference.argmax()), int(ours.argmax())
+    gap = float(reference[ref_token] - reference[token])
+    return {"reference_token": ref_token, "token": token, "margin": top2_margin(reference), "gap": gap}
 
 
 def top2_margin(row: np.ndarray) -> float:

@@ -148,7 +148,6 @@ class PromptLogits:
     id: object
     target: LogitStats
     draft: LogitStats | None
-    target_margin: float | None  # the reference's top-2 margin at target.first_bad
 
 
 def compare_logits(
@@ -161,41 +160,39 @@ def compare_logits(
     for prompt, seq in zip(inputs.prompts, sequences, strict=True):
         ref_logits = ref.logits(seq)
         stats = logit_stats(scorer.logits(seq), ref_logits, tolerance)
-        margin = None if stats.first_bad is None else top2_margin(ref_logits[stats.first_bad])
         draft = None
         if dcfg is not None:
             bonus = seq[len(prompt.input_ids)]  # the reference's first output token
             ours = our_draft_logits(inputs.pair, dcfg, prompt.input_ids, bonus)
             theirs = ref.draft_logits(ref.features(prompt.input_ids), bonus, dcfg.block_size)
             draft = logit_stats(ours, theirs, tolerance)
-        found.append(PromptLogits(prompt.id, stats, draft, margin))
+        found.append(PromptLogits(prompt.id, stats, draft))
     return found
 
 
-def logit_comparisons(found: list[PromptLogits]) -> list[Comparison]:
+def logit_comparisons(found: list[PromptLogits], dtype: str) -> list[Comparison]:
     """'target logits' (position = index into prompt + output) and 'drafter logits' (position = depth)."""
 
-    def extra(s: LogitStats) -> dict:
-        return {"max_abs": s.max_abs, "max_rel": s.max_rel, "kl_max": s.kl_max, "top1": s.top1}
+    def divergence(id_, s: LogitStats, offset: int) -> Divergence:
+        detail = dict(s.at_first_bad)
+        margin = detail.pop("margin")
+        flipped = detail["token"] != detail["reference_token"]
+        detail["near_tie"] = flipped and detail["gap"] <= NEAR_TIE.get(dtype, NEAR_TIE["float32"])
+        stats = {"max_abs": s.max_abs, "max_rel": s.max_rel, "kl_max": s.kl_max, "top1": s.top1}
+        return Divergence(id_, s.first_bad + offset, margin, detail | stats)
 
-    target_div = [
-        Divergence(f.id, f.target.first_bad, f.target_margin, extra(f.target))
-        for f in found
-        if f.target.first_bad is not None
-    ]
+    target_div = [divergence(f.id, f.target, 0) for f in found if f.target.first_bad is not None]
     out = [Comparison("target logits", len(found), len(found) - len(target_div), target_div)]
     drafts = [f for f in found if f.draft is not None]
     if drafts:
-        div = [
-            Divergence(f.id, f.draft.first_bad + 1, None, extra(f.draft))
-            for f in drafts
-            if f.draft.first_bad is not None
-        ]
+        div = [divergence(f.id, f.draft, 1) for f in drafts if f.draft.first_bad is not None]
         out.append(Comparison("drafter logits", len(drafts), len(drafts) - len(div), div))
     return out
 
 
-def output_divergence(ref, id_, prompt_ids: list[int], theirs: list[int], ours: list[int]) -> Divergence:
+def output_divergence(
+    ref, id_, prompt_ids: list[int], theirs: list[int], ours: list[int], dtype: str
+) -> Divergence:
     """Where our output leaves the reference's, with the reference target's top-2 margin there."""
     pos = first_divergence(theirs, ours)
     extra = {"reference_token": theirs[pos] if pos < len(theirs) else None}
@@ -205,18 +202,18 @@ def output_divergence(ref, id_, prompt_ids: list[int], theirs: list[int], ours: 
     row = ref.logits(prompt_ids + theirs[:pos])[-1]
     if extra["token"] is not None:
         extra["gap"] = float(abs(row[theirs[pos]] - row[extra["token"]]))
-        extra["near_tie"] = extra["gap"] <= NEAR_TIE["float32"]
+        extra["near_tie"] = extra["gap"] <= NEAR_TIE.get(dtype, NEAR_TIE["float32"])
     return Divergence(id_, pos, top2_margin(row), extra)
 
 
 def run_comparisons(
-    run: Run, inputs: Inputs, ref, ours: list[Result], theirs: list[tuple[list[int], list[int]]]
+    run: Run, inputs: Inputs, ref, ours: list[Result], theirs: list[tuple[list[int], list[int]]], dtype: str
 ) -> list[Comparison]:
     """Tokens, then (speculative methods) acceptance lengths, of one run: ours against the reference."""
     tokens, rounds = [], []
     for prompt, res, (out, acc) in zip(inputs.prompts, ours, theirs, strict=True):
         if res.output_ids != out:
-            tokens.append(output_divergence(ref, prompt.id, prompt.input_ids, out, res.output_ids))
+            tokens.append(output_divergence(ref, prompt.id, prompt.input_ids, out, res.output_ids, dtype))
         if res.acceptance_lengths != acc:
             r = first_divergence(acc, res.acceptance_lengths)
             extra = {"ours": res.acceptance_lengths[r : r + 1], "reference": acc[r : r + 1]}
@@ -277,9 +274,9 @@ def run(args: argparse.Namespace) -> Report:
     if dcfg is not None and args.block_size is not None:
         dcfg = dataclasses.replace(dcfg, block_size=args.block_size)
     found = compare_logits(inputs, ref, sequences, args.dtype, dcfg)
-    comparisons = logit_comparisons(found)
+    comparisons = logit_comparisons(found, args.dtype)
     for r in runs:
-        comparisons += run_comparisons(r, inputs, ref, ours[r.label], theirs[r.label])
+        comparisons += run_comparisons(r, inputs, ref, ours[r.label], theirs[r.label], args.dtype)
     return make_report(args, runs, found, comparisons, ours, theirs)
 
 
@@ -352,23 +349,28 @@ def summary_line(found: list[PromptLogits], comparisons: list[Comparison], args)
 
 
 def tables(found: list[PromptLogits], comparisons: list[Comparison]) -> list[Table]:
-    """Runs, then logits per prompt, then every difference."""
-    n = len(found)
-    run_rows = []
+    """Runs, then logits per prompt, then every difference (when there is one)."""
+    out = [run_table(comparisons, len(found)), logit_table(found)]
+    diffs = difference_table(comparisons)
+    return out + ([diffs] if diffs.rows else [])
+
+
+def run_table(comparisons: list[Comparison], n: int) -> Table:
+    """Per run: outputs and acceptance identical, rounds identical, mean acceptance of both sides."""
+    rows = []
     for c in comparisons:
-        if c.name.endswith("tokens"):
-            label = c.name.removesuffix(" tokens")
-            acc = next((a for a in comparisons if a.name == f"{label} acceptance"), None)
-            run_rows.append(
-                [
-                    label,
-                    f"{c.identical}/{n}",
-                    "" if acc is None else f"{acc.identical}/{n}",
-                    "" if acc is None else f"{acc.extra['rounds_identical']}/{acc.extra['rounds']}",
-                    None if acc is None else acc.mean_acceptance["ours"],
-                    None if acc is None else acc.mean_acceptance["reference"],
-                ]
-            )
+        if not c.name.endswith(" tokens"):
+            continue
+        label = c.name.removesuffix(" tokens")
+        acc = next((a for a in comparisons if a.name == f"{label} acceptance"), None)
+        if acc is None:
+            rows.append([label, f"{c.identical}/{n}", "", "", None, None])
+            continue
+        rounds = f"{acc.extra['rounds_identical']}/{acc.extra['rounds']}"
+        means = acc.mean_acceptance
+        rows.append(
+            [label, f"{c.identical}/{n}", f"{acc.identical}/{n}", rounds, means["ours"], means["reference"]]
+        )
     header = [
         "run",
         "outputs identical",
@@ -377,41 +379,36 @@ def tables(found: list[PromptLogits], comparisons: list[Comparison]) -> list[Tab
         "mean acc. ours",
         "ref.",
     ]
-    out = [Table("Generation: ours against the reference", header, run_rows)]
-    logit_rows = [
-        [
-            f.id,
-            f.target.rows,
-            f.target.max_abs,
-            f.target.max_rel,
-            f.target.kl_mean,
-            f.target.kl_max,
-            f.target.top1,
-        ]
-        + ([] if f.draft is None else [f.draft.max_abs, f.draft.max_rel, f.draft.top1])
-        for f in found
-    ]
+    return Table("Generation: ours against the reference", header, rows)
+
+
+def logit_table(found: list[PromptLogits]) -> Table:
+    """Per prompt: the target's logit agreement, and the drafter's where there is one."""
     header = ["prompt", "positions", "max abs err", "max rel err", "mean KL", "max KL", "top-1"]
-    if any(f.draft is not None for f in found):
+    with_draft = any(f.draft is not None for f in found)
+    if with_draft:
         header += ["drafter max abs", "drafter max rel", "drafter top-1"]
-    out.append(Table("Logits, teacher-forced", header, logit_rows))
-    diffs = [
-        [
-            c.name,
-            d.id,
-            d.position,
-            d.margin,
-            d.extra.get("gap"),
+    rows = []
+    for f in found:
+        t = f.target
+        row = [f.id, t.rows, t.max_abs, t.max_rel, t.kl_mean, t.kl_max, t.top1]
+        rows.append(row + ([f.draft.max_abs, f.draft.max_rel, f.draft.top1] if with_draft else []))
+    return Table("Logits, teacher-forced", header, rows)
+
+
+def difference_table(comparisons: list[Comparison]) -> Table:
+    """Every comparison's first difference per prompt, with the reference's margin there."""
+    rows = [
+        [c.name, d.id, d.position, d.margin, d.extra.get("gap"), d.extra.get("near_tie")]
+        + [
             d.extra.get("reference_token", d.extra.get("reference")),
             d.extra.get("token", d.extra.get("ours")),
         ]
         for c in comparisons
         for d in c.divergences
     ]
-    if diffs:
-        header = ["comparison", "prompt", "position", "margin", "gap", "reference", "ours"]
-        out.append(Table("Differences (first per prompt)", header, diffs))
-    return out
+    header = ["comparison", "prompt", "position", "margin", "gap", "near-tie", "reference", "ours"]
+    return Table("Differences (first per prompt)", header, rows)
 
 
 def logits_json(f: PromptLogits) -> dict:
@@ -420,7 +417,7 @@ def logits_json(f: PromptLogits) -> dict:
     def stats(s: LogitStats | None) -> dict | None:
         if s is None:
             return None
-        return {k: v for k, v in dataclasses.asdict(s).items() if k != "row_abs"}
+        return {k: v for k, v in dataclasses.asdict(s).items() if k not in ("row_abs", "at_first_bad")}
 
     return {"id": f.id, "target": stats(f.target), "draft": stats(f.draft)}
 
