@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from ddtree_jax.errors import DDTreeError
@@ -52,16 +54,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> str:
     """Run the sub-command and write its report; returns the one-line verdict."""
     from ddtree_jax.compare.report import check_report_dir, run_metadata, write_report
 
+    start = time.perf_counter()
     report_dir = Path(args.report)
     check_report_dir(report_dir)
     report = subcommand(args.command).run(args)
-    write_report(report_dir, report, run_metadata(argv))
+    write_report(report_dir, report, run_metadata(argv, time.perf_counter() - start))
     return f"{args.command}: {report.verdict}: {report.summary}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 when it ran, whatever the verdict)."""
     argv = sys.argv[1:] if argv is None else argv
+    if importlib.util.find_spec("matplotlib") is None:
+        print("ddtree-compare: error: needs matplotlib: pip install 'ddtree-jax[compare]'", file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)
     try:
         print(run(args, argv))

@@ -15,7 +15,7 @@ import numpy as np
 
 from ddtree_jax.compare import stats
 from ddtree_jax.compare.divergence import Scorer
-from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs
+from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
 from ddtree_jax.compare.report import Comparison, Divergence, Report, Table, verdict_of
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.pair import generator, make_plan, sampling_from_args
@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> Report:
         tables=[table(per_prompt)],
         notes=[NOTE],
         figures={"p_values": p_value_plot(per_prompt, args.alpha)},
+        details={"settings": settings_of(args, max_new_tokens=args.positions, samples=args.samples)},
     )
 
 

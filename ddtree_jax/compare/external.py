@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ddtree_jax.compare import outputs
 from ddtree_jax.compare.divergence import Scorer, divergence
-from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs
+from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
 from ddtree_jax.compare.outputs import OutputRecord
 from ddtree_jax.compare.plots import histogram_bars
 from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> Report:
         tables=tables(comparison, acceptance, hists),
         notes=notes(comparison),
         figures={"acceptance": histogram_bars(hists, f"acceptance lengths: ours vs {theirs_name}")},
-        details={"theirs": args.theirs, "ours": args.ours or "generated"},
+        details={"settings": settings_of(args, theirs=args.theirs, ours=args.ours or "generated")},
     )
 
 

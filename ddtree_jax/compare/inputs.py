@@ -48,3 +48,23 @@ def mean_acceptance(results: list[Result]) -> float | None:
     """Tokens per round over every round of `results` (None when there were no rounds)."""
     accepted = [a for r in results for a in r.acceptance_lengths]
     return sum(accepted) / len(accepted) if accepted else None
+
+
+def settings_of(args: argparse.Namespace, **extra) -> dict:
+    """The generation settings a report records (the flags as checked, defaults filled in)."""
+    from ddtree_jax.pair import sampling_from_args
+
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "prompts": args.prompts,
+        "method": args.method,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "budget": args.budget,
+        "branching": args.branching,
+        "block_size": args.block_size,
+        "sampling": sampling_from_args(args),
+        **extra,
+    }

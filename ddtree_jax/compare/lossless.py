@@ -16,6 +16,7 @@ from ddtree_jax.compare.inputs import (
     generate_all,
     load_inputs,
     mean_acceptance,
+    settings_of,
 )
 from ddtree_jax.compare.plots import acceptance_histograms
 from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
@@ -123,22 +124,8 @@ def make_report(args: argparse.Namespace, inputs: Inputs, outputs: dict, samplin
         comparisons=comparisons,
         tables=tables(comparisons, outputs),
         figures={"acceptance": acceptance_histograms({k: v for k, v in outputs.items() if k != "ar"})},
-        details={"settings": settings_of(args, sampling)},
+        details={"settings": settings_of(args, method="ar, dflash, ddtree", budgets=args.budgets)},
     )
-
-
-def settings_of(args: argparse.Namespace, sampling: dict) -> dict:
-    """The settings every method ran with."""
-    return {
-        "dtype": args.dtype,
-        "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size,
-        "budgets": parse_budgets(args.budgets),
-        "sampling": sampling,
-        "target": args.target,
-        "draft": args.draft,
-        "prompts": args.prompts,
-    }
 
 
 def summary_line(comparisons: list[Comparison], args: argparse.Namespace) -> str:

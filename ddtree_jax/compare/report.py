@@ -98,6 +98,9 @@ class Report:
         """report.md: verdict, summary, notes, tables, plots, then how it was made."""
         parts = [f"# ddtree-compare {self.command}: {self.verdict}", "", self.summary, ""]
         parts += [n + "\n" for n in self.notes]
+        if "settings" in self.details:
+            settings = ", ".join(f"{k} {v}" for k, v in self.details["settings"].items())
+            parts += [f"Settings: {settings}.\n"]
         parts += [t.markdown() + "\n" for t in self.tables]
         parts += [f"![{stem}]({stem}.png)\n" for stem in self.figures]
         parts += ["## Run", "", f"- command: `{meta['command']}`"]
@@ -121,14 +124,24 @@ def verdict_of(comparisons: list[Comparison]) -> str:
     return "agree" if all(c.agrees for c in comparisons) else "differ"
 
 
-def run_metadata(argv: list[str]) -> dict[str, Any]:
-    """The exact command, date, machine and versions."""
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else the platform's word for it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def run_metadata(argv: list[str], seconds: float) -> dict[str, Any]:
+    """The exact command, date, wall time, machine and versions."""
     import jax
 
     return {
         "command": " ".join(["ddtree-compare", *argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "wall_seconds": round(seconds, 1),
+        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
         "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
         "python": platform.python_version(),
         "jax": jax.__version__,

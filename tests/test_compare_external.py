@@ -1,0 +1,193 @@
+"""ddtree-compare external: our outputs in SGLang's and the DDTree reference's formats agree; one
+shifted token is found at its prompt and position; bad input files give clear errors."""
+
+import json
+
+import pytest
+from conftest import FIXTURES, run
+
+from ddtree_jax.compare.cli import main
+
+TP, DRAFT = "qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp"
+SHIFTED_PROMPT, SHIFTED_POSITION = "golden-3", 6
+
+
+@pytest.fixture(scope="module")
+def ours():
+    """Our ddtree-7 outputs (float32, 12 tokens) for the fixture prompts, as output-line dicts."""
+    lines = [json.loads(s) for s in (FIXTURES / "prompts.jsonl").read_text().splitlines()]
+    results = run(
+        TP, [r["input_ids"] for r in lines], method="ddtree", draft_name=DRAFT, budget=7, max_new_tokens=12
+    )
+    return [r.to_json() | {"id": line["id"]} for r, line in zip(results, lines, strict=True)]
+
+
+def sglang(line: dict) -> dict:
+    """The same output as an SGLang /generate object (id in meta_info, acceptance as a histogram)."""
+    hist = [0] * max(line["acceptance_lengths"])
+    for a in line["acceptance_lengths"]:
+        hist[a - 1] += 1  # SGLang counts accepted draft tokens, without the bonus
+    meta = {
+        "id": line["id"],
+        "completion_tokens": line["num_output_tokens"],
+        "spec_verify_ct": line["rounds"],
+        "spec_accept_histogram": hist,
+        "e2e_latency": 0.5,
+    }
+    return {"text": line.get("text", ""), "output_ids": line["output_ids"], "meta_info": meta}
+
+
+def reference(line: dict) -> dict:
+    """The same output as the DDTree reference reports it: ids and acceptance lengths."""
+    return {
+        "id": line["id"],
+        "output_ids": line["output_ids"],
+        "acceptance_lengths": line["acceptance_lengths"],
+    }
+
+
+def write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def argv(tmp_path, theirs, *flags, prompts=FIXTURES / "prompts.jsonl"):
+    return [
+        "external",
+        "--target",
+        str(FIXTURES / TP),
+        "--prompts",
+        str(prompts),
+        "--dtype",
+        "float32",
+        "--ours",
+        str(tmp_path / "ours.jsonl"),
+        "--theirs",
+        str(theirs),
+        "--report",
+        str(tmp_path / "r"),
+        *flags,
+    ]
+
+
+@pytest.fixture
+def setup(tmp_path, ours):
+    write(tmp_path / "ours.jsonl", ours)
+    return tmp_path
+
+
+def report_of(tmp_path):
+    return json.loads((tmp_path / "r" / "report.json").read_text())
+
+
+@pytest.mark.parametrize("form", [sglang, reference])
+def test_agrees_then_finds_shifted_token(setup, ours, capsys, form):
+    tmp_path = setup
+    assert main(argv(tmp_path, write(tmp_path / "theirs.jsonl", [form(r) for r in ours]))) == 0
+    rep = report_of(tmp_path)
+    (c,) = rep["comparisons"]
+    assert rep["verdict"] == "agree" and c["prompts"] == c["identical"] == 5 and not c["divergences"]
+    ours_mean = sum(a for r in ours for a in r["acceptance_lengths"]) / sum(r["rounds"] for r in ours)
+    ratio = sum(r["num_output_tokens"] for r in ours) / sum(r["rounds"] for r in ours)
+    if form is sglang:  # no per-round lengths: SGLang's ratio, and ours by the same rule beside it
+        assert c["acceptance_source"]["theirs"] == "completion_tokens / spec_verify_ct"
+        assert c["mean_acceptance"]["theirs"] == pytest.approx(ratio)
+        assert c["mean_acceptance"]["ours (same rule)"] == pytest.approx(ratio)
+    else:
+        assert c["acceptance_source"]["theirs"] == "acceptance_lengths"
+        assert c["mean_acceptance"]["theirs"] == pytest.approx(ours_mean)
+    assert c["mean_acceptance"]["ours"] == pytest.approx(ours_mean)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert md.startswith("# ddtree-compare external: agree") and "Rounds per acceptance length" in md
+    assert (tmp_path / "r" / "acceptance.png").exists()
+
+    shifted = [dict(r, output_ids=list(r["output_ids"])) for r in ours]
+    row = next(r for r in shifted if r["id"] == SHIFTED_PROMPT)
+    row["output_ids"][SHIFTED_POSITION] = (row["output_ids"][SHIFTED_POSITION] + 1) % 256
+    capsys.readouterr()
+    assert main(argv(tmp_path, write(tmp_path / "theirs.jsonl", [form(r) for r in shifted]))) == 0
+    assert capsys.readouterr().out.startswith("external: differ: theirs identical to ours on 4/5 prompts")
+    rep = report_of(tmp_path)
+    (c,) = rep["comparisons"]
+    (d,) = c["divergences"]
+    assert rep["verdict"] == "differ" and c["identical"] == 4
+    assert (d["id"], d["position"], d["token"]) == (
+        SHIFTED_PROMPT,
+        SHIFTED_POSITION,
+        row["output_ids"][SHIFTED_POSITION],
+    )
+    assert d["reference_is_top1"] and d["margin"] > 0  # ours is the target's greedy token there
+
+
+def test_ours_generated_from_the_flags(tmp_path, ours):
+    """Without --ours, ours come from ddtree-generate's flags: the library run above, token for token."""
+    theirs = write(tmp_path / "theirs.jsonl", [reference(r) for r in ours])
+    flags = ["--draft", str(FIXTURES / DRAFT), "--budget", "7", "--max-new-tokens", "12"]
+    args = argv(tmp_path, theirs, *flags)
+    i = args.index("--ours")
+    assert main(args[:i] + args[i + 2 :]) == 0
+    rep = report_of(tmp_path)
+    assert rep["verdict"] == "agree" and rep["comparisons"][0]["identical"] == 5
+    assert rep["settings"]["ours"] == "generated" and rep["settings"]["budget"] == 7
+
+
+def test_partial_coverage(setup, ours):
+    tmp_path = setup
+    theirs = [reference(ours[3]), sglang(ours[1])]
+    assert main(argv(tmp_path, write(tmp_path / "theirs.jsonl", theirs))) == 0
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert c["prompts"] == c["identical"] == 2
+    assert c["not_compared"] == [ours[i]["id"] for i in (0, 2, 4)]
+
+
+def test_text_only_needs_a_tokenizer(setup, capsys):
+    tmp_path = setup
+    theirs = write(tmp_path / "theirs.jsonl", [{"meta_info": {"id": "golden-1"}, "text": "abc"}])
+    assert main(argv(tmp_path, theirs)) == 1
+    assert (
+        "theirs.jsonl:1: only 'text' given, and the target has no tokenizer.json" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    "lines,needle",
+    [
+        ([{"id": "nobody", "output_ids": [1]}], "theirs.jsonl:1: id 'nobody' matches no prompt in"),
+        (
+            [{"id": "golden-1", "output_ids": [1]}, {"meta_info": {"id": "golden-1"}, "output_ids": [2]}],
+            "theirs.jsonl:2: duplicate id 'golden-1' (first at",
+        ),
+        (
+            [{"id": "golden-1", "meta_info": {"completion_tokens": 3}}],
+            "theirs.jsonl:1: needs 'output_ids' or 'text'",
+        ),
+        ([{"id": "golden-1", "output_ids": [1], "logprobs": []}], "theirs.jsonl:1: unknown field 'logprobs'"),
+        (
+            [{"id": "golden-1", "output_ids": [1, "a"]}],
+            "theirs.jsonl:1: 'output_ids' must be a list of integers",
+        ),
+        (
+            [{"id": "golden-1", "meta_info": {"id": "golden-2"}, "output_ids": [1]}],
+            "theirs.jsonl:1: 'id' 'golden-1' and",
+        ),
+        (["not json"], "theirs.jsonl:1: not valid JSON"),
+    ],
+)
+def test_bad_their_lines(setup, capsys, lines, needle):
+    tmp_path = setup
+    path = tmp_path / "theirs.jsonl"
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    assert main(argv(tmp_path, path)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ddtree-compare: error: ") and needle in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists() and not list(tmp_path.glob(".r.*"))
+
+
+def test_missing_files(setup, capsys):
+    tmp_path = setup
+    assert main(argv(tmp_path, tmp_path / "none.jsonl")) == 1
+    assert f"{tmp_path / 'none.jsonl'}: file not found" in capsys.readouterr().err
+    theirs = write(tmp_path / "theirs.jsonl", [{"id": "golden-1", "output_ids": [1]}])
+    assert main(argv(tmp_path, theirs, prompts=tmp_path / "no_prompts.jsonl")) == 1
+    assert f"{tmp_path / 'no_prompts.jsonl'}: file not found" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
