@@ -26,8 +26,15 @@ from tqdm import tqdm
 
 from ddtree_jax import drafter, target
 from ddtree_jax.compare.divergence import NEAR_TIE, Scorer, first_divergence
-from ddtree_jax.compare.inputs import Inputs, check_generation_flags, generate_all, load_inputs
+from ddtree_jax.compare.inputs import (
+    Inputs,
+    check_generation_flags,
+    generate_all,
+    load_inputs,
+    settings_of,
+)
 from ddtree_jax.compare.logits import TOLERANCE, LogitStats, logit_stats, top2_margin
+from ddtree_jax.compare.lossless import parse_budgets
 from ddtree_jax.compare.report import Comparison, Divergence, Report, Table, verdict_of
 from ddtree_jax.config import DraftConfig
 from ddtree_jax.errors import DDTreeError
@@ -54,17 +61,6 @@ class Run:
     label: str
     method: str
     budget: int | None = None
-
-
-def parse_budgets(text: str) -> list[int]:
-    """'7,15' -> [7, 15], each >= 1."""
-    try:
-        budgets = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise DDTreeError(f"--budgets {text!r}: expected a comma list of integers") from None
-    if not budgets or min(budgets) < 1:
-        raise DDTreeError(f"--budgets {text!r}: every budget must be >= 1")
-    return budgets
 
 
 def check(args: argparse.Namespace) -> list[Run]:
@@ -300,7 +296,7 @@ def make_report(args, runs: list[Run], found: list[PromptLogits], comparisons, o
         tables=tables(found, comparisons),
         notes=[NOTE.format(first=runs[0].label)],
         figures=figures,
-        details={"settings": settings_of(args, runs), "logits": [logits_json(f) for f in found]},
+        details={"settings": settings(args, runs), "logits": [logits_json(f) for f in found]},
     )
 
 
@@ -422,18 +418,14 @@ def logits_json(f: PromptLogits) -> dict:
     return {"id": f.id, "target": stats(f.target), "draft": stats(f.draft)}
 
 
-def settings_of(args: argparse.Namespace, runs: list[Run]) -> dict:
+def settings(args: argparse.Namespace, runs: list[Run]) -> dict:
     """What both sides ran with."""
-    return {
-        "dtype": args.dtype,
-        "reference_dtype": "float32",
-        "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size,
-        "runs": [r.label for r in runs],
-        "target": args.target,
-        "draft": args.draft,
-        "reference_target": args.reference_target or args.target,
-        "reference_draft": args.reference_draft or args.draft,
-        "prompts": args.prompts,
-        "tolerance": TOLERANCE.get(args.dtype, TOLERANCE["float32"]),
-    }
+    return settings_of(
+        args,
+        method=", ".join(r.label for r in runs),
+        budgets=args.budgets,
+        reference_target=args.reference_target or args.target,
+        reference_draft=args.reference_draft or args.draft,
+        reference_dtype="float32",
+        tolerance=TOLERANCE.get(args.dtype, TOLERANCE["float32"]),
+    )
