@@ -117,15 +117,17 @@ def make_plan(
     )
 
 
-def plan_from_args(pair: Pair, args, method: str | None = None, budget: int | None = None) -> Plan:
-    """make_plan from ddtree-generate's flags (`method`, `budget`: override the flags')."""
+def plan_from_args(
+    pair: Pair, args, method: str | None = None, budget: int | None = None, max_new_tokens: int | None = None
+) -> Plan:
+    """make_plan from ddtree-generate's flags (`method`, `budget`, `max_new_tokens` override the flags')."""
     method = method or args.method
     return make_plan(
         pair.target,
         pair.draft,
         method,
         batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new_tokens or args.max_new_tokens,
         budget=budget if budget is not None else args.budget,
         branching=args.branching if method == "ddtree" else None,
         block_size=args.block_size,

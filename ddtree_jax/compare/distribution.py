@@ -18,7 +18,7 @@ from ddtree_jax.compare.divergence import Scorer
 from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
 from ddtree_jax.compare.report import Comparison, Divergence, Report, Table, verdict_of
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.pair import generator, make_plan, sampling_from_args
+from ddtree_jax.pair import generator, plan_from_args, sampling_from_args
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.sampling import MAX_SEED
 
@@ -48,20 +48,7 @@ def check(args: argparse.Namespace) -> None:
 
 def sample(args: argparse.Namespace, inputs, prompt: Prompt) -> list[list[int]]:
     """The first --positions tokens of --samples runs of `prompt`, one seed each."""
-    plan = make_plan(
-        inputs.pair.target,
-        inputs.pair.draft,
-        args.method,
-        batch_size=args.batch_size,
-        max_new_tokens=args.positions,
-        budget=args.budget,
-        branching=args.branching if args.method == "ddtree" else None,
-        block_size=args.block_size,
-        attention=args.attention,
-        draft_window=args.draft_window,
-        tp=args.tp,
-        dp=args.dp,
-    )
+    plan = plan_from_args(inputs.pair, args, max_new_tokens=args.positions)
     gen = generator(inputs.pair, plan, sampling_from_args(args), args.host_stepped)
     copies = [
         Prompt(
@@ -181,6 +168,7 @@ def p_value_plot(per_prompt: dict, alpha: float):
         ax.plot([t.position for t in tests], [max(t.p_value, 1e-300) for t in tests], "o-", label=str(pid))
     ax.axhline(alpha, color="red", linestyle="--", label=f"alpha {alpha:g}")
     ax.set_yscale("log")
+    ax.set_xticks(sorted({t.position for tests, _ in per_prompt.values() for t in tests}))
     ax.set_xlabel("output position")
     ax.set_ylabel("p-value")
     ax.set_title("sampled tokens vs exact target distribution")

@@ -141,10 +141,20 @@ def tables(c: Comparison, acceptance: dict, hists: dict) -> list[Table]:
                 d.extra.get("near_tie"),
                 d.extra.get("reference_token"),
                 d.extra.get("token"),
+                d.extra.get("reference_is_top1"),
             ]
             for d in c.divergences
         ]
-        header = ["prompt", "position", "margin", "gap", "near-tie", "our token", "their token"]
+        header = [
+            "prompt",
+            "position",
+            "margin",
+            "gap",
+            "near-tie",
+            "our token",
+            "their token",
+            "ours top-1 in f32",
+        ]
         out.append(Table("Divergences (first position per prompt)", header, rows))
     lengths = sorted({n for h in hists.values() for n in h})
     if lengths:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from ddtree_jax.generation import Result
 from ddtree_jax.pair import Pair, load_pair
@@ -50,14 +51,22 @@ def mean_acceptance(results: list[Result]) -> float | None:
     return sum(accepted) / len(accepted) if accepted else None
 
 
+def shown_path(path: str | None) -> str | None:
+    """A path as a report shows it: relative to the working directory when inside it."""
+    if path is None:
+        return None
+    here, full = Path.cwd(), Path(path).resolve()
+    return str(full.relative_to(here)) if full.is_relative_to(here) else str(path)
+
+
 def settings_of(args: argparse.Namespace, **extra) -> dict:
     """The generation settings a report records (the flags as checked, defaults filled in)."""
     from ddtree_jax.pair import sampling_from_args
 
     return {
-        "target": args.target,
-        "draft": args.draft,
-        "prompts": args.prompts,
+        "target": shown_path(args.target),
+        "draft": shown_path(args.draft),
+        "prompts": shown_path(args.prompts),
         "method": args.method,
         "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,

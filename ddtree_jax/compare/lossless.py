@@ -21,7 +21,7 @@ from ddtree_jax.compare.inputs import (
 from ddtree_jax.compare.plots import acceptance_histograms
 from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.pair import generator, make_plan, sampling_from_args
+from ddtree_jax.pair import generator, plan_from_args, sampling_from_args
 
 HELP = (
     "ar, dflash and ddtree (at each of --budgets) on the same prompts: identical tokens, else where and why"
@@ -69,20 +69,7 @@ def run(args: argparse.Namespace) -> Report:
     sampling = sampling_from_args(args)
     outputs = {}
     for label, method, budget in methods(budgets):
-        plan = make_plan(
-            inputs.pair.target,
-            inputs.pair.draft,
-            method,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            budget=budget,
-            branching=args.branching if method == "ddtree" else None,
-            block_size=args.block_size,
-            attention=args.attention,
-            draft_window=args.draft_window,
-            tp=args.tp,
-            dp=args.dp,
-        )
+        plan = plan_from_args(inputs.pair, args, method=method, budget=budget)
         gen = generator(inputs.pair, plan, sampling, args.host_stepped)
         outputs[label] = generate_all(gen, inputs.prompts, args.batch_size)
     return make_report(args, inputs, outputs, sampling)
@@ -130,7 +117,9 @@ def make_report(args: argparse.Namespace, inputs: Inputs, outputs: dict, samplin
 
 def summary_line(comparisons: list[Comparison], args: argparse.Namespace) -> str:
     """One line: which methods matched ar on how many prompts, and the first divergence if any."""
-    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seed {args.seed}"
+    mode = "greedy"
+    if args.temperature > 0:
+        mode = f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}"
     n = comparisons[0].prompts
     head = ", ".join(f"{c.name.split(' vs ')[0]} {c.identical}/{n}" for c in comparisons)
     line = f"identical to ar: {head} prompts ({args.dtype}, {mode}, {args.max_new_tokens} new tokens)"
@@ -159,12 +148,23 @@ def tables(comparisons: list[Comparison], outputs: dict) -> list[Table]:
             d.extra.get("near_tie"),
             d.extra.get("reference_token"),
             d.extra.get("token"),
+            d.extra.get("reference_is_top1"),
         ]
         for c in comparisons
         for d in c.divergences
     ]
     out = [Table("Methods against ar", ["method", "identical", "divergences", "mean acceptance"], rows)]
     if div:
-        header = ["comparison", "prompt", "position", "margin", "gap", "near-tie", "ar token", "token"]
+        header = [
+            "comparison",
+            "prompt",
+            "position",
+            "margin",
+            "gap",
+            "near-tie",
+            "ar token",
+            "token",
+            "ar token top-1 in f32",
+        ]
         out.append(Table("Divergences (first position per prompt)", header, div))
     return out
