@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ddtree_jax.errors import DDTreeError
 
-SUBCOMMANDS = ("lossless", "external", "distribution")
+SUBCOMMANDS = ("lossless", "reference", "external", "distribution")
 NOT_GENERATION_FLAGS = (  # ddtree-generate's flags no sub-command takes: the output file and processes
     "help",
     "out",

@@ -36,3 +36,18 @@ def acceptance_histograms(outputs: dict) -> Figure:
         for label, results in outputs.items()
     }
     return histogram_bars(hists, "acceptance lengths")
+
+
+def logit_errors(errors: dict) -> Figure:
+    """Largest |ours - reference| logit error at every position, one line per prompt (log scale)."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for label, row_abs in errors.items():
+        ax.plot(range(len(row_abs)), [max(float(e), 1e-12) for e in row_abs], lw=0.8, label=str(label))
+    ax.set_yscale("log")
+    ax.set_xlabel("position (prompt + output)")
+    ax.set_ylabel("max |logit error|")
+    ax.set_title("target logits: ours against the reference")
+    if len(errors) <= 8:
+        ax.legend(fontsize=7)
+    plt.close(fig)
+    return fig
