@@ -22,11 +22,22 @@ from ddtree_jax.prompts import KNOWN_KEYS, MAX_LINE_BYTES, id_key, scan_prompts,
 # batch size"): from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32). At batch 1, 15,
 # 31 and 63 project within 2% of each other (31 highest, by 0.8%); the smallest tree is kept.
 DEFAULT_BUDGETS = {1: 15, 16: 7}
+# Mixture-of-experts targets: a tree's tokens select many more distinct experts than one token, so a
+# verify reads far more weight bytes than an ar step. Qwen3-30B-A3B-shaped rounds on one H200 at batch
+# 1 (results/h200/moe/moe_batch1.json, results/notes.md): ar 8.20 ms, ddtree 7 / 15 / 63 21.4 / 24.5 /
+# 49.9 ms, projecting 1.18x / 1.15x / 0.65x with the bundled pair's curve: 7, at every batch size (the
+# MoE batch-16 rows are not measured yet).
+MOE_DEFAULT_BUDGETS = {1: 7}
 
 
-def default_budget(batch_size: int) -> int:
-    """The ddtree budget used for `batch_size` rows when --budget is not given."""
-    return DEFAULT_BUDGETS[max(b for b in DEFAULT_BUDGETS if b <= batch_size)]
+def default_budget(batch_size: int, target_cfg=None) -> int:
+    """The ddtree budget used for `batch_size` rows when --budget is not given (`target_cfg`: the
+    target's config, whose family says whether it routes tokens to experts; None: dense)."""
+    from ddtree_jax import models
+
+    routed = target_cfg is not None and models.family(target_cfg).ROUTED_EXPERTS
+    table = MOE_DEFAULT_BUDGETS if routed else DEFAULT_BUDGETS
+    return table[max(b for b in table if b <= batch_size)]
 
 
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
@@ -108,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="ddtree: tree nodes besides the root (default by rows per --dp device: "
         + ", ".join(f"{n} from batch {b}" for b, n in DEFAULT_BUDGETS.items())
+        + "; mixture-of-experts targets: "
+        + ", ".join(f"{n} from batch {b}" for b, n in MOE_DEFAULT_BUDGETS.items())
         + ")",
     )
     p.add_argument(

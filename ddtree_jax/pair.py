@@ -106,7 +106,7 @@ def make_plan(
         if block_size > draft_cfg.block_size:
             raise DDTreeError(f"--block-size {block_size} exceeds the drafter's {draft_cfg.block_size}")
         draft_cfg = dataclasses.replace(draft_cfg, block_size=block_size)
-    budget = (budget or default_budget(rows_per_device)) if method == "ddtree" else 0
+    budget = (budget or default_budget(rows_per_device, target_cfg)) if method == "ddtree" else 0
     branching = branching or default_branching(method, budget)
     return Plan(
         target=target_cfg,

@@ -234,6 +234,19 @@ def test_default_budget_follows_batch_size():
     assert make_generator(args).plan_template.budget == 5
 
 
+def test_default_budget_of_moe_targets():
+    """A MoE target's default budget is cli.MOE_DEFAULT_BUDGETS' (a tree's tokens select many more experts)."""
+    from ddtree_jax.cli import MOE_DEFAULT_BUDGETS, build_parser, check_args, make_generator
+
+    base = ["--target", str(FIXTURES / "qwen3_moe_tp"), "--draft", str(FIXTURES / "dflash_qwen3_moe_tp")]
+    base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl", "--dtype", "float32"]
+    for batch in (1, 16):
+        args = build_parser().parse_args([*base, "--batch-size", str(batch)])
+        check_args(args)
+        want = MOE_DEFAULT_BUDGETS[max(b for b in MOE_DEFAULT_BUDGETS if b <= batch)]
+        assert make_generator(args).plan_template.budget == want == 7, batch
+
+
 def test_one_ar_row_runs_as_two():
     """ar at one row per device compiles a two-row program (the faster matmul path); others do not."""
     from ddtree_jax.cli import build_parser, check_args, make_generator

@@ -13,7 +13,8 @@ A family module provides `config_from_hf(raw, path, arch, eos, **options)`, `wei
 dropout)` -> `common.ForwardOutput`, `Entry` (its cache entry type: a pytree whose cached leaves share
 one time axis, `Entry.time_axis`, with `cache_spec()` / `new_spec()` PartitionSpecs),
 `cache_shapes(cfg, batch, capacity, tp, dtype)`, `unread_weight_bytes` (the benchmark's floor),
-`PAD_ONE_ROW_AR` (whether a one-row ar step runs as two rows), `check_divisible(cfg, tp)` (its mesh
+`PAD_ONE_ROW_AR` (whether a one-row ar step runs as two rows), `ROUTED_EXPERTS` (whether tokens are
+routed to experts: the CLI then takes the MoE default budgets), `check_divisible(cfg, tp)` (its mesh
 rules), and `embed` / `logits` (the drafter reads the target's through them). The engine, the
 benchmark, sharding and training reach a family only through `family(cfg)`.
 """

@@ -43,6 +43,7 @@ Entry = mla.LatentEntry
 embed, logits = common.embed, common.logits
 MOE_SHARDINGS = ("ep", "tp")
 PAD_ONE_ROW_AR = False  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
+ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of cli.MOE_DEFAULT_BUDGETS
 WRAPPERS = ("KimiK25ForConditionalGeneration",)  # multimodal classes whose text model we load
 
 
