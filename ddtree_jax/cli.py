@@ -473,7 +473,7 @@ def generate_all(args: argparse.Namespace, gen, prompts: list, writer: Writer) -
             if is_writer(args):
                 writer.write([result.to_json()])
     except Interrupted as e:
-        e.add_note(f"{writer.written} new results written to {args.out}")
+        e.kept = f"{writer.written} new results written to {args.out}"  # not a note: JAX adds its own
         raise
     finally:
         writer.close()
@@ -510,8 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddtree-generate: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except Interrupted as e:
-        kept = "; ".join(getattr(e, "__notes__", []))
-        where = f" ({kept}; --resume continues)" if kept else ""
+        where = f" ({e.kept}; --resume continues)" if e.kept else ""
         print(f"ddtree-generate: interrupted by {e}{where}", file=sys.stderr)
         return EXIT_SIGNAL + e.signum
     except OSError as e:  # an unreadable file the checks above did not foresee: one line, no traceback

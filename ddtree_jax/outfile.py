@@ -44,6 +44,7 @@ class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.kept: str | None = None  # what was written before it (set by the writer's caller)
 
 
 def settings_path(out: Path) -> Path:

@@ -235,7 +235,7 @@ def test_default_budget_follows_batch_size():
 
 
 def test_default_budget_of_moe_targets():
-    """A MoE target's default budget is cli.MOE_DEFAULT_BUDGETS' (a tree's tokens select many more experts)."""
+    """A MoE target's default budget comes from cli.MOE_DEFAULT_BUDGETS (trees select many experts)."""
     from ddtree_jax.cli import MOE_DEFAULT_BUDGETS, build_parser, check_args, make_generator
 
     base = ["--target", str(FIXTURES / "qwen3_moe_tp"), "--draft", str(FIXTURES / "dflash_qwen3_moe_tp")]

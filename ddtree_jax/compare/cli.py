@@ -40,6 +40,8 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     for action in build_parser()._actions:
         if action.dest not in NOT_GENERATION_FLAGS:
             parser._add_action(copy.copy(action))  # a copy: sub-commands may change defaults
+        elif action.dest != "help":
+            parser.set_defaults(**{action.dest: action.default})  # ddtree-generate's checks read them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,7 +39,7 @@ from ddtree_jax.compare.report import Comparison, Divergence, Report, Table, ver
 from ddtree_jax.config import DraftConfig
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.generation import Result
-from ddtree_jax.kv_cache import empty_cache, write
+from ddtree_jax.kv_cache import from_prefill
 from ddtree_jax.pair import Pair, generator, plan_from_args
 from ddtree_jax.sampling import GREEDY
 from ddtree_jax.weights import Params
@@ -115,10 +115,7 @@ def _draft_logits(
     out = target.forward(params, cfg, tokens, positions, mask, None, feature_layers=dcfg.target_layer_ids)
     dtype = params["embed"].dtype
     kv = drafter.context_kv(dparams, dcfg, out.features.astype(dtype), positions)
-    d = dcfg.dims
-    cache = empty_cache(dcfg.num_layers, 1, d.num_kv_heads, p + dcfg.block_size, d.head_dim, dtype)
-    cache = write(cache, kv, jnp.zeros((1,), jnp.int32))
-    cache.lengths = length
+    cache = from_prefill(kv, p + dcfg.block_size, length)
     return drafter.draft_logits(dparams, dcfg, params, bonus, cache)
 
 
