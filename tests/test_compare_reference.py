@@ -31,9 +31,10 @@ def prompts(tmp_path):
 
 
 def argv(prompts, report, *flags):
+    draft = () if "ar" in flags else ("--draft", str(FIXTURES / DRAFT))  # ar takes no drafter
     return [
         "reference",
-        *("--target", str(FIXTURES / TP), "--draft", str(FIXTURES / DRAFT), "--prompts", str(prompts)),
+        *("--target", str(FIXTURES / TP), *draft, "--prompts", str(prompts)),
         *("--max-new-tokens", "8", "--budgets", "7", "--dtype", "float32", "--report", str(report)),
         *flags,
     ]

@@ -51,6 +51,15 @@ class Scorer:
         cfg, params = target.load(target_dir, jnp.float32, param_sharding(make_mesh(1, 1)))
         return cls(cfg, params)
 
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """float32 logits [n, V] at every position of one sequence `ids` (row i predicts token i + 1)."""
+        n = len(ids)
+        padded = -(-n // 64) * 64  # few shapes to compile
+        tokens = jnp.asarray([ids + [0] * (padded - n)], jnp.int32)
+        with jax.default_matmul_precision("highest"):
+            out = _all_logits(self.params, tokens, cfg=self.cfg)
+        return np.asarray(out[0, :n])
+
     def next_logits(self, rows: list[list[int]], chunk: int = 64) -> np.ndarray:
         """float32 logits [R, V] of the token after each row (all rows of one length)."""
         n = len(rows[0])
@@ -63,6 +72,17 @@ class Scorer:
             with jax.default_matmul_precision("highest"):
                 out.append(np.asarray(_next_logits(self.params, tokens, jnp.int32(n - 1), cfg=self.cfg)))
         return np.concatenate(out)[: len(rows)]
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _all_logits(params: Params, tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """Causal forward over tokens [1, n]; the logits [1, n, V] at every position."""
+    from ddtree_jax import target
+
+    n = tokens.shape[1]
+    positions = jnp.arange(n)[None]
+    mask = jnp.tril(jnp.ones((n, n), bool))[None]
+    return target.logits(params, target.forward(params, cfg, tokens, positions, mask, None).hidden)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
