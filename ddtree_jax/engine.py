@@ -126,6 +126,15 @@ def _write_tokens(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
     return jax.vmap(lambda row, n, s: jax.lax.dynamic_update_slice(row, n, (s,)))(buf, new, start)
 
 
+def first_token(
+    params: Params, last: jax.Array, prompt_lengths: jax.Array, sampling: SamplingParams | None, plan: Plan
+) -> jax.Array:
+    """The target's choice [B] after each prompt from its last hidden state [B, H]: the token at
+    position L (the prompt's length), which is also its noise position (sampling.py)."""
+    head = target.logits(params, last[:, None], plan.target.vocab_size, plan.model_axis)
+    return choose(head, sampling, prompt_lengths[:, None], plan.model_axis)[:, 0]
+
+
 def prefill(
     params: Params,
     draft_params: Params | None,
@@ -151,9 +160,7 @@ def prefill(
     )
     dtype = params["embed"].dtype
     cache = kv_cache.from_prefill(out.kv, plan.capacity, prompt_lengths)
-    last = out.hidden[jnp.arange(b), prompt_lengths - 1]
-    head = target.logits(params, last[:, None], cfg.vocab_size, axis)
-    first = choose(head, sampling, prompt_lengths[:, None], axis)[:, 0]
+    first = first_token(params, out.hidden[jnp.arange(b), prompt_lengths - 1], prompt_lengths, sampling, plan)
 
     draft_cache = None
     if plan.method != "ar":

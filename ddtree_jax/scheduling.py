@@ -26,13 +26,14 @@ from ddtree_jax.engine import (
     DecodeState,
     Plan,
     decode_round,
+    first_token,
     initial_state,
     on_mesh,
     param_specs,
     state_specs,
 )
 from ddtree_jax.kv_cache import KVCache
-from ddtree_jax.sampling import SamplingParams, choose
+from ddtree_jax.sampling import SamplingParams
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import Params
 
@@ -152,7 +153,7 @@ def chunked_prefill(
     cache = _with_lengths(cache, prompt_lengths)
     if draft_cache is not None:
         draft_cache = _with_lengths(draft_cache, prompt_lengths)
-    first = choose(target.logits(params, last[:, None]), sampling, prompt_lengths[:, None], axis)[:, 0]
+    first = first_token(params, last, prompt_lengths, sampling, plan)
     return initial_state(cache, draft_cache, first, active, stop_ids, sampling, plan)
 
 

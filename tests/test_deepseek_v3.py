@@ -283,7 +283,8 @@ def test_cli_kimi_wrapper_and_yarn_switch(tmp_path):
         return path
 
     def outputs(path):
-        return [json.loads(line)["output_ids"] for line in path.read_text().splitlines()]
+        rows = sorted(map(json.loads, path.read_text().splitlines()), key=lambda r: r["id"])  # finish order
+        return [r["output_ids"] for r in rows]
 
     common = ["--dtype", "float32", "--max-new-tokens", "8", "--batch-size", "5"]
     kimi = [
