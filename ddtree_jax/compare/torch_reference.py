@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -103,6 +104,18 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def use_legacy_yarn(cfg) -> None:
+    """A yarn drafter's cos/sin factor as older transformers computed it, 0.1 ln(factor) + 1, unless its
+    config gives `attention_factor` or `dflash_config.yarn_scaling` says "hf" (the convention the
+    published Kimi-K2.5 drafter was trained with; README "Drafter RoPE"). Written into the config's
+    rope parameters, which HF's rotary embedding reads."""
+    for params in {id(p): p for p in (getattr(cfg, "rope_parameters", None), cfg.rope_scaling) if p}.values():
+        legacy = cfg.dflash_config.get("yarn_scaling", "legacy") == "legacy"
+        if params.get("rope_type") == "yarn" and params.get("attention_factor") is None and legacy:
+            factor = params.get("factor") or cfg.max_position_embeddings / params["original_max_position_embeddings"]
+            params["attention_factor"] = 0.1 * math.log(factor) + 1.0
+
+
 class DFlashDrafter(nn.Module):
     """A z-lab layout DFlash drafter: `fc`, `hidden_norm`, `layers.{i}`, `norm` (no embedding, no head)."""
 
@@ -119,6 +132,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, cfg.rms_norm_eps)
+        use_legacy_yarn(cfg)
         self.rotary = Qwen3RotaryEmbedding(cfg)
 
     @classmethod
