@@ -112,7 +112,8 @@ def use_legacy_yarn(cfg) -> None:
     for params in {id(p): p for p in (getattr(cfg, "rope_parameters", None), cfg.rope_scaling) if p}.values():
         legacy = cfg.dflash_config.get("yarn_scaling", "legacy") == "legacy"
         if params.get("rope_type") == "yarn" and params.get("attention_factor") is None and legacy:
-            factor = params.get("factor") or cfg.max_position_embeddings / params["original_max_position_embeddings"]
+            original = params["original_max_position_embeddings"]
+            factor = params.get("factor") or cfg.max_position_embeddings / original
             params["attention_factor"] = 0.1 * math.log(factor) + 1.0
 
 
