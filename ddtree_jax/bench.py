@@ -30,7 +30,7 @@ from ddtree_jax import drafter, engine, models, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
-from ddtree_jax.models import common
+from ddtree_jax.models import common, moe
 from ddtree_jax.models.deepseek_v3 import DeepseekV3Config
 from ddtree_jax.models.mla import MLADims
 from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
@@ -460,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         help="MoE shapes under --tp: whole experts per device (ep) or columns of every expert (tp)",
     )
     p.add_argument(
+        "--moe-dispatch",
+        choices=[*moe.DISPATCHES, *moe.GPU_DISPATCHES],
+        default=None,
+        help="MoE shapes: force moe.run_experts' dispatch (moe.DISPATCHES, moe.GPU_DISPATCHES); "
+        "default: by token count and backend (moe.choose_dispatch)",
+    )
+    p.add_argument(
         "--drop-layer-all-reduce",
         action="store_true",
         help="timing only, outputs are wrong: skip the all-reduce after o_proj and down_proj (its cost "
@@ -475,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
     if isinstance(cfg, Qwen3MoeConfig | DeepseekV3Config):
-        cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding)
+        cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding, moe_dispatch=args.moe_dispatch)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
     models.family(cfg).check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
@@ -505,6 +512,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         "shape": args.shape,
         "tp": args.tp,
         "moe_sharding": getattr(cfg, "moe_sharding", None),
+        "moe_dispatch": getattr(cfg, "moe_dispatch", None),
         "devices": [str(d) for d in jax.devices()[: args.tp]],
         "layer_all_reduce": not args.drop_layer_all_reduce,
         "read_ceiling_gbs": ceiling,

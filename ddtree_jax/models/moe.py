@@ -50,12 +50,14 @@ DISPATCHES = ("gather", "sorted", "dense")  # any backend
 GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu")  # CUDA GPUs (sorted_mgpu: Hopper)
 INTERPRETED_DISPATCHES = ("grouped_interpret", "grouped_split_interpret")  # the Pallas ones, tests only
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
-# Off the GPU, token counts up to this use `gather`, above it `sorted` (H200 figures of the jnp paths,
-# results/notes.md: gather 5.6x / 2.9x the distinct-expert floor at 1 / 8 tokens, sort + ragged_dot
-# 18.2x / 3.0x). On a GPU the Pallas `grouped` kernel takes every count above GPU_GATHER_MAX_TOKENS:
-# a prediction (results/notes.md, Qwen3-MoE section) that scripts/h200_moe.sh's rows decide.
+# Token counts up to GATHER_MAX_TOKENS use `gather`; above it `sorted` (ragged_dot) off the GPU and the
+# Pallas `grouped` kernel on a GPU. H200 figures (results/notes.md): gather 5.6x / 2.9x the
+# distinct-expert floor at 1 / 8 tokens, sort + ragged_dot 18.2x / 3.0x; the grouped kernel 3.5x / 4.1x
+# / 24x faster than ragged_dot at 16 / 64 / 512 tokens but 1.7x slower than gather at one token (Kimi
+# expert shape). GPU_GATHER_MAX_TOKENS is the GPU's threshold, which scripts/h200_moe.sh's one-token
+# rows (gather, grouped, grouped_split) decide for the Qwen3-30B-A3B shape.
 GATHER_MAX_TOKENS = 4
-GPU_GATHER_MAX_TOKENS = 0
+GPU_GATHER_MAX_TOKENS = 4
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 
 
