@@ -17,19 +17,20 @@ import dataclasses
 import functools
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.checkpoint import Checkpoint
+from ddtree_jax.checkpoint import Checkpoint, active_params_cache, place_tensor
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.quant import formats
 from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, fp8_host, int4_host
 from ddtree_jax.quant.formats import Form, Fp8Block, Int4Group, blocks
 from ddtree_jax.sharding import SPLIT_AXES, Placement
-from ddtree_jax.weights import WeightSpec
+from ddtree_jax.weights import Params, WeightSpec, assemble
 
 Read = Callable[[str], np.ndarray]
 Fields = dict[str, np.ndarray]
@@ -200,3 +201,59 @@ def abstract(spec: WeightSpec, form: Form, placement: Placement, dtype) -> Weigh
     if isinstance(form, Int4Group):
         return Int4Weight(sds("q", np.int32), sds("scale", dtype), form.group)
     return sds("w", dtype)
+
+
+def spec_form(scheme: formats.Scheme, spec: WeightSpec, names: Container[str]) -> Form:
+    """The stored form of a spec'd weight; a stacked one (experts) must store every piece alike."""
+    if not spec.hf_name.endswith(".weight"):  # biases and buffers are never quantized
+        return formats.PLAIN
+    forms = {formats.stored_form(scheme, piece.hf_name, names) for piece in spec.pieces()}
+    if len(forms) > 1:
+        raise DDTreeError(f"{spec.hf_name}: the experts of '{spec.path}' are stored in different forms")
+    return forms.pop()
+
+
+def _dequantized_host(read: Read, spec: WeightSpec, form: Form) -> np.ndarray:
+    """The whole weight [..., in, out] expanded on the host (float32 for fp8, the scale's dtype for int4)."""
+    n_in, n_out = _in_out(spec)
+    pieces = [read_dequantized(read, p.hf_name, form, n_out, n_in) for p in spec.pieces()]
+    host = np.stack(pieces) if spec.stack else pieces[0]
+    return np.swapaxes(host, -1, -2)
+
+
+def load_params(
+    directory: str | Path,
+    specs: list[WeightSpec],
+    scheme: formats.Scheme,
+    dtype: jnp.dtype,
+    placement: Placement,
+    dequantize: bool = False,
+) -> Params:
+    """A quantized checkpoint's parameters: weights stored quantized become Fp8Weight / Int4Weight
+    placed like their bf16 counterparts (or, with `dequantize`, expanded to `dtype` at load); every
+    other tensor as `checkpoint.load_params` loads it. The params cache does not hold these."""
+    if active_params_cache() is not None:
+        raise DDTreeError(
+            f"--params-cache: {directory} is a quantized checkpoint ({type(scheme).__name__}); the cache "
+            "stores converted bf16/f32 parameters only: load it without --params-cache (it is already small)"
+        )
+    ckpt = Checkpoint(directory)
+    read = reader(ckpt)
+
+    def make(spec: WeightSpec) -> Weight:
+        form = spec_form(scheme, spec, ckpt.where)
+        if isinstance(form, formats.Plain):
+            return place_tensor(ckpt, spec, dtype, placement)
+        if dequantize:
+            host = _dequantized_host(read, spec, form)
+            sharding = placement(spec)
+
+            def block(index):
+                return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
+
+            return jax.make_array_from_callback(placement.placed_shape(spec), sharding, block)
+        n_in, n_out = _in_out(spec)
+        fields = [read_fields(read, p.hf_name, form, n_out, n_in) for p in spec.pieces()]
+        return place(stack_fields(fields) if spec.stack else fields[0], spec, form, placement)
+
+    return assemble(specs, make)
