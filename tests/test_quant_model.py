@@ -146,3 +146,31 @@ def test_params_cache_refuses_quantized_checkpoints(tmp_path, dequantize):
     with params_cache(tmp_path / "cache"), pytest.raises(DDTreeError, match="params-cache.*quantized"):
         target.load(FIXTURES / TP_QUANT[1], jnp.float32, param_sharding(make_mesh()), dequantize)
     assert not (tmp_path / "cache").exists()
+
+
+def test_cli_dequantize_flag(tmp_path):
+    """ddtree-generate (ddtree on tp 2) on the INT4 target, kept quantized and with --dequantize: the same
+    greedy tokens (float32); load_pair's --dequantize gives plain arrays."""
+    from ddtree_jax.cli import main
+    from ddtree_jax.pair import load_pair
+
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": i, "input_ids": p} for i, p in enumerate(golden_prompts("deepseek_v3_tp")[:3])]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--dtype", "float32", "--max-new-tokens", "6", "--batch-size", "3", "--budget", "5", "--tp", "2"]
+    base += [
+        "--target",
+        str(FIXTURES / TP_QUANT[1]),
+        "--draft",
+        str(FIXTURES / DRAFT),
+        "--prompts",
+        str(prompts),
+    ]
+    outs = []
+    for extra in ([], ["--dequantize"]):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        assert main([*base, *extra, "--out", str(out)]) == 0
+        outs.append(sorted((r["id"], r["output_ids"]) for r in map(json.loads, out.read_text().splitlines())))
+    assert outs[0] == outs[1]
+    pair = load_pair(FIXTURES / TP_QUANT[1], None, "float32", dequantize=True)
+    assert isinstance(pair.params["layers"][1]["experts_up"], jax.Array)
