@@ -30,7 +30,7 @@ from ddtree_jax.quant import formats
 from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, fp8_host, int4_host
 from ddtree_jax.quant.formats import Form, Fp8Block, Int4Group, blocks
 from ddtree_jax.sharding import SPLIT_AXES, Placement
-from ddtree_jax.weights import Params, WeightSpec, assemble
+from ddtree_jax.weights import Params, WeightSpec, assemble, set_path
 
 Read = Callable[[str], np.ndarray]
 Fields = dict[str, np.ndarray]
@@ -257,3 +257,57 @@ def load_params(
         return place(stack_fields(fields) if spec.stack else fields[0], spec, form, placement)
 
     return assemble(specs, make)
+
+
+EXPERT_FIELDS = ("experts_gate", "experts_up", "experts_down")  # models.moe.EXPERT_WEIGHTS
+
+
+def published_form(scheme: formats.Scheme | None, spec: WeightSpec) -> Form:
+    """The form the published checkpoints store a weight in: FP8 (DeepSeek-V3, Kimi-K2) every linear
+    projection but the router, embedding and head; INT4 (Kimi-K2.5/K2.6) the routed experts only."""
+    if scheme is None or not spec.transpose or "vocab" in spec.axes or spec.path[-1] == "router":
+        return formats.PLAIN
+    if isinstance(scheme, Int4Group) and spec.path[-1] not in EXPERT_FIELDS:
+        return formats.PLAIN
+    return scheme
+
+
+def random_params(
+    specs: list[WeightSpec], scheme: formats.Scheme | None, seed: int, dtype: jnp.dtype, placement: Placement
+) -> Params:
+    """Random weights made on the device in their published forms (`published_form`), for benchmarks
+    of shapes: fp8 values N(0, 1) with block scales near 0.02, int4 words of random bits with group
+    scales near 0.02 / 4.6 (the values' spread), the plain weights as weights.random_params makes them."""
+    from ddtree_jax.weights import random_params as plain_random
+
+    keys = iter(jax.random.split(jax.random.key(seed), 2 * len(specs)))
+
+    def field(fspec: WeightSpec, make) -> jax.Array:
+        fn = jax.jit(lambda k: make(k, fspec.shape), out_shardings=placement(fspec))
+        return fn(next(keys))
+
+    def fp8(k, shape):
+        return jax.random.normal(k, shape, jnp.bfloat16).astype(formats.E4M3)
+
+    def int4(k, shape):
+        return jax.lax.bitcast_convert_type(jax.random.bits(k, shape, jnp.uint32), jnp.int32)
+
+    def scale(value: float, dt):
+        return lambda k, shape: (value * jax.random.uniform(k, shape, jnp.float32, 0.5, 1.5)).astype(dt)
+
+    def make(spec: WeightSpec, form: Form) -> Weight:
+        check_placeable(spec, form, placement)
+        f = field_specs(spec, form)
+        if isinstance(form, Fp8Block):
+            w, s = field(f["w"], fp8), field(f["scale"], scale(0.02, jnp.float32))
+            return Fp8Weight(w, s, _in_out(spec), form.block[::-1])
+        q, s = field(f["q"], int4), field(f["scale"], scale(0.02 / 4.6, dtype))
+        return Int4Weight(q, s, form.group)
+
+    forms = {spec.path: published_form(scheme, spec) for spec in specs}
+    plain = [spec for spec in specs if isinstance(forms[spec.path], formats.Plain)]
+    tree = plain_random(plain, seed, dtype, place=placement.place)
+    for spec in specs:
+        if not isinstance(forms[spec.path], formats.Plain):
+            set_path(tree, spec.path, make(spec, forms[spec.path]))
+    return tree
