@@ -70,11 +70,13 @@ def test_some_experts_unselected():
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_dispatches_agree(tokens, normalize):
-    """gather, sorted (ragged_dot) and dense give the same expert mix for any token count."""
+    """gather, sorted (ragged_dot), dense and the Pallas grouped kernel (interpreted) give the same
+    expert mix for any token count."""
     _, params = load_target(NORM)
     p = params["layers"][2]
     x = jax.random.normal(jax.random.key(tokens), (tokens, 32))
-    outs = [np.asarray(moe.experts_ffn(p, x, 2, normalize, dispatch=d)) for d in moe.DISPATCHES]
+    names = moe.DISPATCHES + moe.INTERPRETED_DISPATCHES
+    outs = [np.asarray(moe.experts_ffn(p, x, 2, normalize, dispatch=d)) for d in names]
     for out in outs[1:]:
         np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5 * np.abs(outs[0]).max())
 

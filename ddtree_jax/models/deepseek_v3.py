@@ -73,6 +73,7 @@ class DeepseekV3Config(TargetConfig):
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     moe_sharding: str = "ep"
+    moe_dispatch: str | None = None  # moe.run_experts' dispatch; None: by token count and backend
     weight_prefix: str = ""  # "language_model." for wrapped (Kimi-K2.5-style) checkpoints
     quantization: formats.Scheme | None = None  # how the checkpoint stores its weights (None: plain)
 
@@ -253,7 +254,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: DeepseekV3Config, model_axis: Axis = Non
     """Routed plus shared experts of one sparse layer on normed x [B, T, H] -> [B, T, H], all-reduced."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    out = moe.run_experts(p, flat, route(p, flat, cfg), cfg.moe_sharding, model_axis)
+    out = moe.run_experts(p, flat, route(p, flat, cfg), cfg.moe_sharding, model_axis, cfg.moe_dispatch)
     if cfg.n_shared_experts:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
     return all_reduce(out.reshape(shape), model_axis)

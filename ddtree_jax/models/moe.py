@@ -1,38 +1,62 @@
-"""Routed experts without dropping tokens: a softmax top-k router and three expert dispatches.
+"""Routed experts without dropping tokens: a softmax top-k router and the expert dispatches.
 
 Shapes: x [N, H] (N = B x T tokens, flattened); the router [H, E]; experts stacked as gate / up
-[E, H, I] and down [E, I, H]. On a mesh the experts split over "model" one of two ways (the family's
-`moe_sharding`): "ep" gives each device E / tp whole experts (expert parallelism: a device computes
-its experts' share of every token it holds; the other experts' slots count zero), "tp" gives each
-device I / tp columns of every expert (tensor parallelism inside experts). Either way each device
-returns a partial sum that the layer's all-reduce completes, as for a dense MLP.
+[E, H, I] and down [E, I, H], each any `quant.Weight` (a plain array, `Fp8Weight`, `Int4Weight`): the
+matmuls are `ddtree_jax.quant.arrays`' (or the Pallas kernel of the same contract), which read the
+stored bytes, so a quantized family hands its experts over unchanged. On a mesh the experts split over
+"model" one of two ways (the family's `moe_sharding`): "ep" gives each device E / tp whole experts
+(expert parallelism: a device computes its experts' share of every token it holds; the other experts'
+slots count zero), "tp" gives each device I / tp columns of every expert (tensor parallelism inside
+experts). Either way each device returns a partial sum that the layer's all-reduce completes, as for a
+dense MLP.
 
-Dispatches (each exact; which is fastest depends on N, see `choose_dispatch`):
-  gather  per token and slot, gather the chosen experts' weights and multiply ([N, k] small matmuls):
-          reads k expert matrices per token, the least work for one or a few tokens
-  sorted  sort the N x k (token, expert) pairs by expert, then grouped matmuls (`jax.lax.ragged_dot`);
-          `sorted_mgpu` the same with JAX's bundled Hopper kernel (Mosaic GPU, H100/H200 only)
-  dense   every local expert on every token, weighted by the routing weights (zero where not chosen):
-          E / k times the FLOPs of the routed work, but plain batched matmuls
+Dispatches (each exact; which is fastest depends on N and the backend, see `choose_dispatch`):
+  gather   per token and slot, gather the chosen experts' weights and multiply (`gather_matmul`):
+           reads k expert matrices per token, the least work for one or a few tokens
+  sorted   sort the N x k (token, expert) pairs by expert, then grouped matmuls through
+           `jax.lax.ragged_dot` (`ragged_matmul`); any backend
+  grouped  the same sort, grouped matmuls by the Pallas Triton kernel
+           `pallas_kernels.quant_matmul.grouped_matmul` (CUDA GPUs; reads only the experts that own
+           rows, K split over programs for few rows); `grouped_split` the same with more K splits
+           (block_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
+           in interpret mode (tests, any backend)
+  sorted_mgpu  the sort with JAX's bundled Hopper kernel (Mosaic GPU, H100/H200, plain arrays only)
+  dense    every local expert on every token, weighted by the routing weights (zero where not chosen):
+           E / k times the FLOPs of the routed work, but plain batched matmuls
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ddtree_jax.collectives import Axis
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.quant.arrays import (
+    Fp8Weight,
+    Int4Weight,
+    Weight,
+    dequantize,
+    gather_matmul,
+    num_experts,
+    ragged_matmul,
+)
 from ddtree_jax.weights import WeightSpec, stacked_linear
 
 DISPATCHES = ("gather", "sorted", "dense")  # any backend
-GPU_DISPATCHES = ("sorted_mgpu",)  # Hopper GPUs only
+GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu")  # CUDA GPUs (sorted_mgpu: Hopper)
+INTERPRETED_DISPATCHES = ("grouped_interpret", "grouped_split_interpret")  # the Pallas ones, tests only
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
-# Token counts up to this use `gather`, above it `sorted`: a prediction from DESIGN.md's H200 figures
-# (gather 4.8x / 3.3x the distinct-expert floor at 1 / 8 tokens, sort + ragged_dot 16.2x / 2.9x);
-# scripts/bench_moe.py measures the crossover (results/notes.md).
+# Off the GPU, token counts up to this use `gather`, above it `sorted` (H200 figures of the jnp paths,
+# results/notes.md: gather 5.6x / 2.9x the distinct-expert floor at 1 / 8 tokens, sort + ragged_dot
+# 18.2x / 3.0x). On a GPU the Pallas `grouped` kernel takes every count above GPU_GATHER_MAX_TOKENS:
+# a prediction (results/notes.md, Qwen3-MoE section) that scripts/h200_moe.sh's rows decide.
 GATHER_MAX_TOKENS = 4
+GPU_GATHER_MAX_TOKENS = 0
+Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 
 
 class Routing(NamedTuple):
@@ -89,16 +113,22 @@ def _combine(out: jax.Array, weights: jax.Array, here: jax.Array) -> jax.Array:
 
 
 def _gather(p: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
-    """[N, k, H] expert outputs, each token multiplying its own gathered expert matrices."""
-    gate, up, down = p["experts_gate"][experts], p["experts_up"][experts], p["experts_down"][experts]
-    act = jax.nn.silu(jnp.einsum("nh,nkhi->nki", x, gate)) * jnp.einsum("nh,nkhi->nki", x, up)
-    return jnp.einsum("nki,nkih->nkh", act, down)
+    """[N, k, H] expert outputs, each (token, slot) multiplying its own gathered expert matrices."""
+    n, k = experts.shape
+    chosen = experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # [N k, H], row n k + j = token n
+    act = jax.nn.silu(gather_matmul(rows, p["experts_gate"], chosen)) * gather_matmul(
+        rows, p["experts_up"], chosen
+    )
+    return gather_matmul(act, p["experts_down"], chosen).reshape(n, k, -1)
 
 
-def _mgpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+def _mgpu_ragged_dot(lhs: jax.Array, rhs: Weight, sizes: jax.Array) -> jax.Array:
     """`jax.lax.ragged_dot` by JAX's bundled Hopper kernel (blocks as DESIGN.md measured them best)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+    if not isinstance(rhs, jax.Array):
+        raise DDTreeError("the sorted_mgpu dispatch reads plain expert arrays only; use grouped")
     return ragged_dot_mgpu.ragged_dot(
         lhs,
         rhs,
@@ -111,29 +141,105 @@ def _mgpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Ar
     )
 
 
-def _sorted(p: dict, x: jax.Array, experts: jax.Array, here: jax.Array, ragged_dot=jax.lax.ragged_dot):
-    """[N, k, H] expert outputs from grouped matmuls over the (token, slot) pairs sorted by expert."""
+def _power_of_two_block(size: int, largest: int) -> int | None:
+    """The largest power of two in [16, largest] dividing `size` (Triton: loads of 2^n elements, dots
+    of at least 16), or None."""
+    block = largest
+    while block >= 16:
+        if size % block == 0:
+            return block
+        block //= 2
+    return None
+
+
+def _stored(w: Weight) -> jax.Array:
+    """The stored values of a weight (int4 words or values, e4m3 or a plain array) [E, rows, out]."""
+    return w.q if isinstance(w, Int4Weight) else w.w if isinstance(w, Fp8Weight) else w
+
+
+def _stored_rows(w: Weight) -> int:
+    """Rows per expert as stored (fp8: padded to whole blocks; int4: 8 per int32 word)."""
+    rows = _stored(w).shape[-2]
+    return rows * 8 if isinstance(w, Int4Weight) and w.q.dtype == jnp.int32 else rows
+
+
+def grouped_blocks(w: Weight, largest_k: int = 128) -> tuple[int, int] | None:
+    """(block_k, block_n) of the Pallas grouped kernel for this expert weight [E, in, out] (local
+    shapes under shard_map), or None where no legal pair exists (the dispatch then uses ragged_dot).
+    Qwen3-30B-A3B: (128, 128) for gate / up [128, 2048, 768] and down [128, 768, 2048]; 768 / tp columns
+    under "tp" experts give block 128 / 64 / 32 at tp 2 / 4 / 8."""
+    rows, n = _stored_rows(w), _stored(w).shape[-1]
+    if isinstance(w, Int4Weight):  # the kernel reads int32 words, 8 dots of block_k / 8 >= 16 rows
+        ok = w.q.dtype == jnp.int32
+        block_k = (256 if rows % 256 == 0 else 128 if rows % 128 == 0 else None) if ok else None
+    elif isinstance(w, Fp8Weight):
+        block_k = _power_of_two_block(rows, min(largest_k, w.block[0]))  # nests in the scale block
+    else:
+        block_k = _power_of_two_block(rows, largest_k)
+    block_n = _power_of_two_block(n, 128)
+    return None if block_k is None or block_n is None else (block_k, block_n)
+
+
+def pallas_grouped(dispatch: str) -> Grouped:
+    """The grouped matmul (the contract of `quant.arrays.ragged_matmul`) of a Pallas dispatch: the
+    Triton kernel, with more K splits for `grouped_split`, interpreted for `grouped_interpret`; weights
+    whose shapes the kernel's blocks cannot tile go through `ragged_matmul`."""
+    from pallas_kernels.quant_matmul import grouped_matmul
+
+    def grouped(x: jax.Array, w: Weight, sizes: jax.Array) -> jax.Array:
+        split = dispatch.startswith("grouped_split")
+        blocks = grouped_blocks(w, 64 if split else 128)
+        if blocks is None:
+            return ragged_matmul(x, w, sizes)
+        block_k, block_n = blocks
+        splits = None
+        if split:  # up to 8 splits of K: more programs for a few rows
+            k_blocks = _stored_rows(w) // block_k
+            splits = max(s for s in range(1, 9) if k_blocks % s == 0)
+        return grouped_matmul(
+            x,
+            w,
+            sizes,
+            block_k=block_k,
+            block_n=block_n,
+            splits=splits,
+            interpret=dispatch.endswith("_interpret"),
+        )
+
+    return grouped
+
+
+def _grouped_fn(dispatch: str) -> Grouped:
+    """The grouped matmul a sorted dispatch runs."""
+    if dispatch == "sorted":
+        return ragged_matmul
+    if dispatch == "sorted_mgpu":
+        return _mgpu_ragged_dot
+    return pallas_grouped(dispatch)
+
+
+def _sorted(p: dict, x: jax.Array, experts: jax.Array, here: jax.Array, grouped: Grouped) -> jax.Array:
+    """[N, k, H] expert outputs from grouped matmuls over the (token, slot) pairs sorted by expert.
+    Slots whose expert is not held here sort last, past every group: the grouped matmul gives them 0."""
     n, k = experts.shape
-    num_local = p["experts_gate"].shape[0]
-    key = jnp.where(here, experts, num_local).reshape(-1)  # absent experts sort last, in no group
+    num_local = num_experts(p["experts_gate"])
+    key = jnp.where(here, experts, num_local).reshape(-1)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     rows = x[order // k]  # [N k, H]
-    act = jax.nn.silu(ragged_dot(rows, p["experts_gate"], sizes)) * ragged_dot(rows, p["experts_up"], sizes)
-    out = ragged_dot(act, p["experts_down"], sizes)
-    out = jnp.where((key[order] < num_local)[:, None], out, jnp.zeros((), out.dtype))
+    act = jax.nn.silu(grouped(rows, p["experts_gate"], sizes)) * grouped(rows, p["experts_up"], sizes)
+    out = grouped(act, p["experts_down"], sizes)
     return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
 
 def _dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: jax.Array) -> jax.Array:
     """[N, H] from every local expert on every token, weighted by the routing (0 where not chosen)."""
-    num_local = p["experts_gate"].shape[0]
+    gate, up, down = (dequantize(p[name], x.dtype) for name in EXPERT_WEIGHTS)
+    num_local = gate.shape[0]
     chosen = (experts[..., None] == jnp.arange(num_local)) & here[..., None]  # [N, k, E_local]
     per_expert = jnp.sum(jnp.where(chosen, weights[..., None], jnp.zeros((), weights.dtype)), axis=1)
-    act = jax.nn.silu(jnp.einsum("nh,ehi->nei", x, p["experts_gate"])) * jnp.einsum(
-        "nh,ehi->nei", x, p["experts_up"]
-    )
-    out = jnp.einsum("nei,eih->neh", act, p["experts_down"])
+    act = jax.nn.silu(jnp.einsum("nh,ehi->nei", x, gate)) * jnp.einsum("nh,ehi->nei", x, up)
+    out = jnp.einsum("nei,eih->neh", act, down)
     return jnp.einsum("neh,ne->nh", out, per_expert)
 
 
@@ -145,8 +251,12 @@ def expected_distinct(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def choose_dispatch(num_tokens: int) -> str:
-    """The dispatch for a static token count N (GATHER_MAX_TOKENS)."""
+def choose_dispatch(num_tokens: int, backend: str | None = None) -> str:
+    """The dispatch for a static token count N on `backend` (default: jax.default_backend() at trace
+    time): on a GPU `grouped` above GPU_GATHER_MAX_TOKENS, elsewhere `sorted` above GATHER_MAX_TOKENS;
+    `gather` below."""
+    if (backend or jax.default_backend()) == "gpu":
+        return "gather" if num_tokens <= GPU_GATHER_MAX_TOKENS else "grouped"
     return "gather" if num_tokens <= GATHER_MAX_TOKENS else "sorted"
 
 
@@ -160,17 +270,19 @@ def run_experts(
 ) -> jax.Array:
     """The experts' weighted mix for x [N, H] routed by `routing` -> this device's partial sum [N, H].
 
-    Any router can feed it (a family's own scores, groups or bias); no all-reduce here: the caller adds
-    the layer's. `dispatch` None picks one by token count.
+    Expert weights are any `quant.Weight`. Any router can feed it (a family's own scores, groups or
+    bias); no all-reduce here: the caller adds the layer's. `dispatch` None picks one by token count.
     """
-    experts, here = _local(routing, p["experts_gate"].shape[0], model_axis, sharding)
+    experts, here = _local(routing, num_experts(p["experts_gate"]), model_axis, sharding)
     dispatch = dispatch or choose_dispatch(x.shape[0])
+    names = DISPATCHES + GPU_DISPATCHES + INTERPRETED_DISPATCHES
+    if dispatch not in names:
+        raise DDTreeError(f"MoE dispatch must be one of {names}, got {dispatch!r}")
     if dispatch == "dense":
         return _dense(p, x, experts, routing.weights, here)
     if dispatch == "gather":
         return _combine(_gather(p, x, experts), routing.weights, here)
-    ragged = _mgpu_ragged_dot if dispatch == "sorted_mgpu" else jax.lax.ragged_dot
-    return _combine(_sorted(p, x, experts, here, ragged), routing.weights, here)
+    return _combine(_sorted(p, x, experts, here, _grouped_fn(dispatch)), routing.weights, here)
 
 
 def experts_ffn(

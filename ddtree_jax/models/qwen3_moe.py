@@ -42,6 +42,7 @@ class Qwen3MoeConfig(TargetConfig):
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     moe_sharding: str = "ep"  # experts over "model": "ep" whole experts, "tp" columns of every expert
+    moe_dispatch: str | None = None  # moe.run_experts' dispatch; None: by token count and backend
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (else a dense MLP)."""
@@ -111,7 +112,9 @@ def forward(
     """The dense forward (models/dense.py) with the routed experts in the sparse layers."""
 
     def experts(p: dict, h: jax.Array) -> jax.Array:
-        out = moe.experts_ffn(p, h, cfg.top_k, cfg.norm_topk_prob, cfg.moe_sharding, model_axis)
+        out = moe.experts_ffn(
+            p, h, cfg.top_k, cfg.norm_topk_prob, cfg.moe_sharding, model_axis, cfg.moe_dispatch
+        )
         return all_reduce(out, model_axis)
 
     return dense.forward(
