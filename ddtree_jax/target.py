@@ -5,6 +5,7 @@ Pure functions over a parameter dict; the family modules (models/) hold the laye
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -81,4 +82,6 @@ def load(
         if formats.parse_quantization(read_json(Path(directory) / "config.json")) is not None:
             raise DDTreeError(f"{directory}: quantized checkpoints load for DeepseekV3 targets only")
         return cfg, load_params(directory, specs, dtype, sharding)
-    return cfg, quant_load.load_params(directory, specs, scheme, dtype, sharding, dequantize)
+    params = quant_load.load_params(directory, specs, scheme, dtype, sharding, dequantize)
+    # expanded: the config says so (plans compiled for quantized params are keyed by it)
+    return (dataclasses.replace(cfg, quantization=None) if dequantize else cfg), params

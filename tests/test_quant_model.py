@@ -78,7 +78,7 @@ def test_params_are_quantized_and_smaller(name):
     experts = sum(stored_bytes(layer[k]) for k in ("experts_gate", "experts_up", "experts_down"))
     as_bf16 = 2 * sum(plain["layers"][1][k].size for k in ("experts_gate", "experts_up", "experts_down"))
     assert experts < (0.65 if kind is Fp8Weight else 0.35) * as_bf16  # 1 or 1/2 byte per weight + scales
-    assert cfg.quantization is not None
+    assert cfg.quantization is not None and load(name, dequantize=True)[0].quantization is None
 
 
 @pytest.mark.parametrize("name", TP_QUANT)
@@ -96,7 +96,7 @@ def test_logits_identical_across_meshes(name, tp):
     assert rel(logits_on_mesh(name, tp), logits_on_mesh(name)) < 1e-5
 
 
-@pytest.mark.parametrize("name", TP_QUANT)
+@pytest.mark.parametrize("name", TP_QUANT[:1])  # fp8: every projection and its scales split
 def test_ddtree_on_tp8_equals_one_device(name):
     prompts = golden_prompts("deepseek_v3_tp")[:2]
     kw = dict(method="ddtree", draft_name=DRAFT, budget=7, max_new_tokens=8)
@@ -149,23 +149,16 @@ def test_params_cache_refuses_quantized_checkpoints(tmp_path, dequantize):
 
 
 def test_cli_dequantize_flag(tmp_path):
-    """ddtree-generate (ddtree on tp 2) on the INT4 target, kept quantized and with --dequantize: the same
-    greedy tokens (float32); load_pair's --dequantize gives plain arrays."""
+    """ddtree-generate on the INT4 target, kept quantized and with --dequantize: the same greedy tokens
+    (float32); load_pair's --dequantize gives plain arrays."""
     from ddtree_jax.cli import main
     from ddtree_jax.pair import load_pair
 
     prompts = tmp_path / "p.jsonl"
     rows = [{"id": i, "input_ids": p} for i, p in enumerate(golden_prompts("deepseek_v3_tp")[:3])]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = ["--dtype", "float32", "--max-new-tokens", "6", "--batch-size", "3", "--budget", "5", "--tp", "2"]
-    base += [
-        "--target",
-        str(FIXTURES / TP_QUANT[1]),
-        "--draft",
-        str(FIXTURES / DRAFT),
-        "--prompts",
-        str(prompts),
-    ]
+    base = ["--dtype", "float32", "--max-new-tokens", "6", "--batch-size", "3", "--method", "ar"]
+    base += ["--target", str(FIXTURES / TP_QUANT[1]), "--prompts", str(prompts)]
     outs = []
     for extra in ([], ["--dequantize"]):
         out = tmp_path / f"out{len(extra)}.jsonl"
