@@ -297,7 +297,9 @@ def random_params(
 
     def make(spec: WeightSpec, form: Form) -> Weight:
         if isinstance(form, Int4Group) and _in_out(spec)[0] % form.group:
-            raise DDTreeError(f"{spec.hf_name}: {_in_out(spec)[0]} inputs are not whole groups of {form.group}")
+            raise DDTreeError(
+                f"{spec.hf_name}: {_in_out(spec)[0]} inputs are not whole groups of {form.group}"
+            )
         check_placeable(spec, form, placement)
         f = field_specs(spec, form)
         if isinstance(form, Fp8Block):
