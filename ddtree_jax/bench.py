@@ -35,6 +35,8 @@ from ddtree_jax.models.deepseek_v3 import DeepseekV3Config
 from ddtree_jax.models.mla import MLADims
 from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
 from ddtree_jax.pair import make_plan
+from ddtree_jax.quant import load as quant_load
+from ddtree_jax.quant.formats import Fp8Block, Int4Group
 from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
@@ -125,6 +127,10 @@ SHAPES["tiny-mla"] = dataclasses.replace(
     top_k=2,
     moe_intermediate_size=16,
 )
+
+
+# --quantize: the target's weights as the published checkpoints store them (quant.load.published_form)
+QUANTIZE = {"none": None, "fp8": Fp8Block((128, 128)), "int4-experts": Int4Group(32)}
 
 
 def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
@@ -346,6 +352,12 @@ def _device_bytes(x: jax.Array) -> int:
     return x.addressable_shards[0].data.nbytes
 
 
+def device_memory() -> dict | None:
+    """bytes_in_use and peak_bytes_in_use of the first device (None where the backend has no stats)."""
+    stats = jax.devices()[0].memory_stats()
+    return None if stats is None else {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use")}
+
+
 def step_weight_bytes(params, cfg: TargetConfig, tokens: int = 1) -> float:
     """Weight bytes a pass over `tokens` tokens (per device) must read on one device: all it holds,
     less what the family says such a pass need not read (the embedding table when lm_head is
@@ -472,6 +484,13 @@ def main(argv: list[str] | None = None) -> int:
         help="timing only, outputs are wrong: skip the all-reduce after o_proj and down_proj (its cost "
         "is the difference to a run without this flag)",
     )
+    p.add_argument(
+        "--quantize",
+        choices=sorted(QUANTIZE),
+        default="none",
+        help="DeepSeek-V3 shapes: the target's weights in a published quantized form: fp8 (128x128 blocks, "
+        "every projection, as DeepSeek-V3/Kimi-K2) or int4-experts (group 32, routed experts, as Kimi-K2.5)",
+    )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -487,7 +506,15 @@ def main(argv: list[str] | None = None) -> int:
     models.family(cfg).check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
-    params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16, place=place)
+    if args.quantize != "none":
+        if not isinstance(cfg, DeepseekV3Config):
+            p.error("--quantize needs a DeepSeek-V3 shape (kimi-k2, tiny-mla)")
+        placement = param_sharding(make_mesh(args.tp))
+        params = quant_load.random_params(
+            target.weight_specs(cfg), QUANTIZE[args.quantize], 0, jnp.bfloat16, placement
+        )
+    else:
+        params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16, place=place)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16, place=place)
     psum = common.psum
     if args.drop_layer_all_reduce:
@@ -518,6 +545,8 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         "read_ceiling_gbs": ceiling,
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),
+        "quantize": args.quantize,
+        "device_memory": device_memory(),
     }
     rows = []
 
@@ -557,6 +586,7 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
                 "sampling": sampling,
                 "error": f"{type(e).__name__}: {e}"[:500],
             }
+        row["device_memory"] = device_memory()
         rows.append(row)
         save()
         print(json.dumps(row), flush=True)

@@ -196,17 +196,19 @@ def _load_safetensors(
 ) -> Params:
     """`load_params` from the HF files."""
     ckpt = Checkpoint(directory)
+    return assemble(specs, lambda spec: place_tensor(ckpt, spec, dtype, placement))
 
-    def make(spec: WeightSpec) -> jax.Array:
-        host = read_stacked(ckpt, spec)  # read block by block
 
-        def block(index):
-            block_dtype = np.float32 if spec.float32 else dtype
-            return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=block_dtype)
+def place_tensor(ckpt: Checkpoint, spec: WeightSpec, dtype: jnp.dtype, placement: Placement) -> jax.Array:
+    """One spec'd tensor converted to `dtype` (float32 where the spec says) and placed, each device's
+    block read on its own."""
+    host = read_stacked(ckpt, spec)  # read block by block
 
-        return jax.make_array_from_callback(placement.placed_shape(spec), placement(spec), block)
+    def block(index):
+        block_dtype = np.float32 if spec.float32 else dtype
+        return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=block_dtype)
 
-    return assemble(specs, make)
+    return jax.make_array_from_callback(placement.placed_shape(spec), placement(spec), block)
 
 
 # -- the params cache --------------------------------------------------------------------------
@@ -223,6 +225,11 @@ def params_cache(directory: str | Path | None) -> Iterator[None]:
         yield
     finally:
         _PARAMS_CACHE.reset(token)
+
+
+def active_params_cache() -> Path | None:
+    """The `params_cache` directory in effect (None: off)."""
+    return _PARAMS_CACHE.get()
 
 
 def fingerprint(directory: Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement) -> dict:

@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="ep",
         help="MoE targets under --tp: whole experts per device (ep) or columns of every expert (tp)",
     )
+    p.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="a quantized target (FP8 block-scaled, INT4 experts): expand its weights to --dtype at load, "
+        "for comparison (default: kept quantized in device memory)",
+    )
     return p
 
 

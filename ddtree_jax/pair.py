@@ -56,9 +56,11 @@ def load_pair(
     *,
     moe_sharding: str = "ep",
     draft_yarn_scaling: str | None = None,
+    dequantize: bool = False,
 ) -> Pair:
     """Load the target (and the drafter when `draft_dir` is given) onto a tp x dp mesh
-    (`moe_sharding`: how a MoE target's experts split; `draft_yarn_scaling`: a yarn drafter's factor)."""
+    (`moe_sharding`: how a MoE target's experts split; `draft_yarn_scaling`: a yarn drafter's factor;
+    `dequantize`: a quantized target's weights expanded to `dtype` at load instead of kept quantized)."""
     from ddtree_jax import drafter, models, target
     from ddtree_jax.config import load_draft_config, load_target_config
     from ddtree_jax.sharding import make_mesh, param_sharding
@@ -70,7 +72,7 @@ def load_pair(
     models.family(cfg).check_divisible(cfg, tp)
     if draft_dir is not None:
         drafter.check_divisible(load_draft_config(draft_dir, cfg, draft_yarn_scaling), tp)
-    cfg, params = target.load(target_dir, jdtype, sharding, moe_sharding=moe_sharding)
+    cfg, params = target.load(target_dir, jdtype, sharding, dequantize, moe_sharding=moe_sharding)
     dcfg = draft_params = None
     if draft_dir is not None:
         dcfg, draft_params = drafter.load(draft_dir, cfg, jdtype, sharding, draft_yarn_scaling)
@@ -185,6 +187,7 @@ def load_generator(args):
         args.dp,
         moe_sharding=args.moe_sharding,
         draft_yarn_scaling=args.draft_yarn_scaling,
+        dequantize=args.dequantize,
     )
     plan = plan_from_args(pair, args)
     schedule = Schedule(chunk=args.prefill_chunk, batch_invariant=args.batch_invariant)

@@ -5,6 +5,7 @@ Pure functions over a parameter dict; the family modules (models/) hold the laye
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -60,11 +61,27 @@ def forward(
     )
 
 
-def load(directory, dtype: jnp.dtype, sharding, **options) -> tuple[TargetConfig, Params]:
+def load(
+    directory, dtype: jnp.dtype, sharding, dequantize: bool = False, **options
+) -> tuple[TargetConfig, Params]:
     """Config and parameters of an HF target directory, converted to `dtype` and placed (`options`:
-    family settings, e.g. `moe_sharding`)."""
+    family settings, e.g. `moe_sharding`). A quantized checkpoint keeps its quantized weights as
+    stored (ddtree_jax.quant), or expands them to `dtype` with `dequantize`."""
+    from pathlib import Path
+
     from ddtree_jax.checkpoint import load_params
-    from ddtree_jax.config import load_target_config
+    from ddtree_jax.config import load_target_config, read_json
+    from ddtree_jax.errors import DDTreeError
+    from ddtree_jax.quant import formats
+    from ddtree_jax.quant import load as quant_load
 
     cfg = load_target_config(directory, **options)
-    return cfg, load_params(directory, weight_specs(cfg), dtype, sharding)
+    specs = weight_specs(cfg)
+    scheme = getattr(cfg, "quantization", None)  # only families that read quantized weights have it
+    if scheme is None:
+        if formats.parse_quantization(read_json(Path(directory) / "config.json")) is not None:
+            raise DDTreeError(f"{directory}: quantized checkpoints load for DeepseekV3 targets only")
+        return cfg, load_params(directory, specs, dtype, sharding)
+    params = quant_load.load_params(directory, specs, scheme, dtype, sharding, dequantize)
+    # expanded: the config says so (plans compiled for quantized params are keyed by it)
+    return (dataclasses.replace(cfg, quantization=None) if dequantize else cfg), params

@@ -13,6 +13,10 @@ One tiny random DeepseekV3ForCausalLM (2 layers, the first dense, 4 routed exper
     norms, router and lm_head stay bf16.
   * deepseek_int4/: routed experts as compressed-tensors pack-quantized int4 (W4A16, group 32),
     packed by compressed-tensors' own compressor; the rest bf16, with the ignore list Kimi-K2.5 uses.
+and, from the golden DeepseekV3 fixture tests/fixtures/deepseek_v3_tp (whose DFlash drafter,
+dflash_deepseek_v3_tp, fits it: speculative tests run on these), the same two formats at block sizes
+that split over 2, 4 and 8 devices: deepseek_v3_tp_fp8/ (4 x 4 blocks: every split dim holds whole
+blocks at --tp 8) and deepseek_v3_tp_int4/ (routed experts in groups of 16, the experts 16 wide).
 Each directory holds expected.npz: the dequantised weights of a few tensors as the reference code
 computes them (fp8: DeepSeek's `fp8 * scale` in float32; int4: compressed-tensors' own
 `decompress`), the HF logits of the dequantised model for one prompt (float32), and whether HF
@@ -52,7 +56,19 @@ REFERENCE_TENSORS = {
         "model.layers.1.mlp.experts.2.up_proj.weight",
         "model.layers.1.mlp.experts.3.down_proj.weight",
     ],
+    "deepseek_v3_tp_fp8": [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",
+        "model.layers.1.mlp.shared_experts.down_proj.weight",
+        "model.layers.2.mlp.experts.5.up_proj.weight",
+    ],
+    "deepseek_v3_tp_int4": [
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.2.mlp.experts.7.down_proj.weight",
+    ],
 }
+TP_SOURCE = Path(__file__).parents[1] / "tests/fixtures/deepseek_v3_tp"  # the golden DeepseekV3 fixture
+TP_BLOCK, TP_GROUP = 4, 16
 INT4_IGNORE = [
     "lm_head",
     "re:.*self_attn.*",
@@ -115,60 +131,60 @@ def is_linear(name: str) -> bool:
     return name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (e4m3 [out, in], float32 scale [ceil(out/128), ceil(in/128)]): amax / 448 per block."""
+def quantize_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (e4m3 [out, in], float32 scale [ceil(out/b), ceil(in/b)]): amax / 448 per block."""
     out, inp = w.shape
-    nbo, nbi = -(-out // BLOCK), -(-inp // BLOCK)
-    padded = torch.zeros(nbo * BLOCK, nbi * BLOCK, dtype=torch.float32)
+    nbo, nbi = -(-out // block), -(-inp // block)
+    padded = torch.zeros(nbo * block, nbi * block, dtype=torch.float32)
     padded[:out, :inp] = w.float()
-    blocks = padded.reshape(nbo, BLOCK, nbi, BLOCK)
+    blocks = padded.reshape(nbo, block, nbi, block)
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
     q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp].to(torch.float8_e4m3fn)
     return q, scale
 
 
-def dequant_fp8_torch(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequant_fp8_torch(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     """DeepSeek's dequantisation: fp8 value * its block's scale in float32."""
-    s = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: q.shape[0], : q.shape[1]]
+    s = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[: q.shape[0], : q.shape[1]]
     return q.float() * s
 
 
-def int4_scheme() -> QuantizationScheme:
-    """W4A16 symmetric int4 with one scale per 32 inputs (Kimi-K2.5's experts)."""
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+def int4_scheme(group: int) -> QuantizationScheme:
+    """W4A16 symmetric int4 with one scale per `group` inputs (Kimi-K2.5's experts: 32)."""
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
-def quantize_int4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_int4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
     """[out, in] -> compressed-tensors' weight_packed / weight_scale / weight_shape (its compressor)."""
-    groups = w.float().reshape(w.shape[0], -1, GROUP)
+    groups = w.float().reshape(w.shape[0], -1, group)
     scale = (groups.abs().amax(dim=-1) / 7.0).clamp(min=1e-6).to(torch.bfloat16)
     state = {"weight": w.to(torch.bfloat16), "weight_scale": scale}
-    return PackedQuantizationCompressor.compress(state, int4_scheme())
+    return PackedQuantizationCompressor.compress(state, int4_scheme(group))
 
 
-def dequant_int4_lib(fields: dict[str, torch.Tensor]) -> torch.Tensor:
+def dequant_int4_lib(fields: dict[str, torch.Tensor], group: int) -> torch.Tensor:
     """compressed-tensors' own decompression of one packed weight."""
-    return PackedQuantizationCompressor.decompress(dict(fields), int4_scheme())["weight"]
+    return PackedQuantizationCompressor.decompress(dict(fields), int4_scheme(group))["weight"]
 
 
-def fp8_config() -> dict:
+def fp8_config(block: int) -> dict:
     """DeepSeek-V3's quantization_config."""
     return {
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
         "quant_method": "fp8",
-        "weight_block_size": [BLOCK, BLOCK],
+        "weight_block_size": [block, block],
     }
 
 
-def int4_config() -> dict:
+def int4_config(group: int) -> dict:
     """compressed-tensors' quantization_config as Kimi-K2.5 publishes it (one W4A16 group)."""
     weights = {
         "actorder": None,
         "block_structure": None,
         "dynamic": False,
-        "group_size": GROUP,
+        "group_size": group,
         "num_bits": 4,
         "observer": "minmax",
         "observer_kwargs": {},
@@ -187,39 +203,39 @@ def int4_config() -> dict:
     }
 
 
-def write_fp8(tensors: dict, config: dict, out: Path) -> dict[str, torch.Tensor]:
+def write_fp8(tensors: dict, config: dict, out: Path, block: int = BLOCK) -> dict[str, torch.Tensor]:
     """The fp8 directory; returns the dequantised weights of every tensor (checkpoint names)."""
     stored, deq = {}, {}
     for name, w in tensors.items():
         if is_linear(name):
-            q, s = quantize_fp8(w)
+            q, s = quantize_fp8(w, block)
             stored[name], stored[name[: -len("weight")] + "weight_scale_inv"] = q, s
-            deq[name] = dequant_fp8_torch(q, s)
+            deq[name] = dequant_fp8_torch(q, s, block)
         else:
             stored[name] = w
             deq[name] = w.float()
     save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(
-        json.dumps(config | {"quantization_config": fp8_config()}, indent=2) + "\n"
+        json.dumps(config | {"quantization_config": fp8_config(block)}, indent=2) + "\n"
     )
     return deq
 
 
-def write_int4(tensors: dict, config: dict, out: Path) -> dict[str, torch.Tensor]:
+def write_int4(tensors: dict, config: dict, out: Path, group: int = GROUP) -> dict[str, torch.Tensor]:
     """The int4 directory (routed experts packed); returns the dequantised weights."""
     stored, deq = {}, {}
     for name, w in tensors.items():
         if ".mlp.experts." in name and is_linear(name):
-            fields = quantize_int4(w)
+            fields = quantize_int4(w, group)
             module = name[: -len(".weight")]
             stored |= {f"{module}.{k}": v.contiguous() for k, v in fields.items()}
-            deq[name] = dequant_int4_lib(fields).float()
+            deq[name] = dequant_int4_lib(fields, group).float()
         else:
             stored[name] = w
             deq[name] = w.float()
     save_file(stored, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(
-        json.dumps(config | {"quantization_config": int4_config()}, indent=2) + "\n"
+        json.dumps(config | {"quantization_config": int4_config(group)}, indent=2) + "\n"
     )
     return deq
 
@@ -250,6 +266,25 @@ def hf_quantized_logits(directory: Path, reference: np.ndarray) -> dict:
     return {"hf_loads_quantized": True, "hf_max_abs_diff": float(np.abs(logits - reference).max())}
 
 
+def golden_tp_tensors() -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and config.json of tests/fixtures/deepseek_v3_tp (its generation config copied too)."""
+    config = json.loads((TP_SOURCE / "config.json").read_text())
+    return load_file(TP_SOURCE / "model.safetensors"), config
+
+
+def write_fixture(name: str, write, tensors: dict, config: dict, out: Path) -> None:
+    """One quantized directory with its expected.npz and hf_load.json."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    deq = write(tensors, config, out)
+    logits = dequantised_logits(deq, config)
+    info = hf_quantized_logits(out, logits)
+    (out / "hf_load.json").write_text(json.dumps(info, indent=2) + "\n")
+    ref = {f"deq:{k}": deq[k].numpy() for k in REFERENCE_TENSORS[name]}
+    np.savez_compressed(out / "expected.npz", prompt=np.array(PROMPT), logits=logits, **ref)
+    print(name, info, {k: v.shape for k, v in ref.items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parents[1] / "tests/fixtures/quant"))
@@ -258,16 +293,16 @@ def main() -> None:
     tensors, config = checkpoint_tensors(args.seed)
     config.pop("quantization_config", None)
     for name, write in (("deepseek_fp8", write_fp8), ("deepseek_int4", write_int4)):
+        write_fixture(name, write, tensors, config, Path(args.out) / name)
+    tensors, config = golden_tp_tensors()
+    tp_writers = {
+        "deepseek_v3_tp_fp8": lambda t, c, o: write_fp8(t, c, o, TP_BLOCK),
+        "deepseek_v3_tp_int4": lambda t, c, o: write_int4(t, c, o, TP_GROUP),
+    }
+    for name, write in tp_writers.items():
         out = Path(args.out) / name
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir(parents=True)
-        deq = write(tensors, config, out)
-        logits = dequantised_logits(deq, config)
-        info = hf_quantized_logits(out, logits)
-        (out / "hf_load.json").write_text(json.dumps(info, indent=2) + "\n")
-        ref = {f"deq:{k}": deq[k].numpy() for k in REFERENCE_TENSORS[name]}
-        np.savez_compressed(out / "expected.npz", prompt=np.array(PROMPT), logits=logits, **ref)
-        print(name, info, {k: v.shape for k, v in ref.items()})
+        write_fixture(name, write, tensors, config, out)
+        shutil.copy(TP_SOURCE / "generation_config.json", out / "generation_config.json")
 
 
 if __name__ == "__main__":

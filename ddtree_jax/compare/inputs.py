@@ -39,6 +39,7 @@ def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
         args.dp,
         moe_sharding=args.moe_sharding,
         draft_yarn_scaling=args.draft_yarn_scaling,
+        dequantize=args.dequantize,
     )
     prompts = read_prompts(args.prompts, pair.codec, not args.no_chat_template, pair.target.vocab_size)
     check_lengths(prompts, pair.target.max_position_embeddings, args.max_new_tokens)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.collectives import Axis, axis_size, psum, vocab_offset
+from ddtree_jax.quant import arrays as quant_arrays
 from ddtree_jax.weights import Params, WeightSpec, norm
 
 # layer(i, p, x) -> (x, the layer's new cache entry): one decoder layer, closed over mask and cache.
@@ -63,9 +64,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-    """silu(x @ gate) * (x @ up) @ down, without any all-reduce: x [..., H] -> [..., H]."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., in] @ w [in, out]: a plain array as `@` does, a quantized weight (quant.Fp8Weight,
+    quant.Int4Weight) dequantised inside the computation (`quant.arrays.matmul`)."""
+    return x @ w if isinstance(w, jax.Array) else quant_arrays.matmul(x, w)
+
+
+def dense_weight(w, dtype: jnp.dtype) -> jax.Array:
+    """A weight as an array: plain ones as they are, quantized ones dequantised to `dtype` (for code
+    that reshapes the weight, e.g. MLA's kv_b_proj split per head)."""
+    return w if isinstance(w, jax.Array) else quant_arrays.dequantize(w, dtype)
+
+
+def swiglu(x: jax.Array, gate, up, down) -> jax.Array:
+    """silu(x @ gate) * (x @ up) @ down, without any all-reduce: x [..., H] -> [..., H] (weights plain
+    or quantized)."""
+    return matmul(jax.nn.silu(matmul(x, gate)) * matmul(x, up), down)
 
 
 def head_specs(vocab_size: int, hidden_size: int, tied: bool) -> list[WeightSpec]:

@@ -10,6 +10,12 @@ are models/moe.py's. The multi-token-prediction layer (model.layers.{num_hidden_
 
 Kimi-K2.5-style wrappers (a top-level class with `text_config`, weights under `language_model.`) load
 their text model; the vision tower is not loaded (a notice says so) and no input can reach it.
+
+Quantized checkpoints as published (config `quantization_config`, ddtree_jax/quant): FP8 block-scaled
+(DeepSeek-V3, Kimi-K2) and compressed-tensors INT4 routed experts (Kimi-K2.5/K2.6). Their weights stay
+quantized on the device (quant.Fp8Weight / quant.Int4Weight, split like their bf16 counterparts); the
+projections and the shared experts compute through `common.matmul`, the routed experts through
+`moe.run_experts`, each dequantising inside the computation. Any other method is refused by name.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ddtree_jax.config import (
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.models import common, dense, mla, moe
 from ddtree_jax.models.common import ForwardOutput, all_reduce, rms_norm, rope_tables, swiglu
+from ddtree_jax.quant import formats
 from ddtree_jax.sharding import check_divisible as check_dims
 from ddtree_jax.weights import Params, WeightSpec, linear
 
@@ -68,6 +75,7 @@ class DeepseekV3Config(TargetConfig):
     moe_sharding: str = "ep"
     moe_dispatch: str | None = None  # moe.run_experts' dispatch; None: by token count and backend
     weight_prefix: str = ""  # "language_model." for wrapped (Kimi-K2.5-style) checkpoints
+    quantization: formats.Scheme | None = None  # how the checkpoint stores its weights (None: plain)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (else a dense MLP)."""
@@ -103,12 +111,6 @@ def _softmax_scale(raw: dict[str, Any], qk_head_dim: int) -> float:
 
 def _check_supported(raw: dict[str, Any], path: Path) -> None:
     """Clear errors for what this family does not implement."""
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", quant.get("format", "?"))
-        raise DDTreeError(
-            f"{path}: quantized weights ({method}) are not supported: convert the checkpoint to bfloat16"
-        )
     if raw.get("scoring_func", "sigmoid") != "sigmoid":
         raise DDTreeError(f"{path}: scoring_func '{raw['scoring_func']}' is not supported (sigmoid is)")
     for flag in ("attention_bias", "mlp_bias"):
@@ -168,7 +170,17 @@ def config_from_hf(
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         moe_sharding=moe_sharding,
         weight_prefix=prefix,
+        quantization=_quantization(raw, path),
     )
+
+
+def _quantization(raw: dict[str, Any], path: Path) -> formats.Scheme | None:
+    """The checkpoint's quantization scheme (a wrapper's may sit in its text config); unsupported
+    methods are refused by name."""
+    try:
+        return formats.parse_quantization(raw)
+    except DDTreeError as e:
+        raise DDTreeError(f"{path}: {e}") from None
 
 
 def _eos(text: dict[str, Any]) -> tuple[int, ...]:
@@ -315,8 +327,8 @@ def unread_weight_bytes(
     unread = common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes)
     idle = 1.0 - moe.expected_distinct(cfg.num_experts, cfg.top_k, tokens) / max(cfg.num_experts, 1)
     for i, p in enumerate(params["layers"]):
-        if cfg.is_sparse(i):
-            unread += idle * sum(nbytes(p[name]) for name in moe.EXPERT_WEIGHTS)
+        if cfg.is_sparse(i):  # quantized experts: their stored values and scales
+            unread += idle * sum(nbytes(a) for name in moe.EXPERT_WEIGHTS for a in jax.tree.leaves(p[name]))
     return unread
 
 

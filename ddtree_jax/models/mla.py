@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.collectives import Axis
-from ddtree_jax.models.common import all_reduce, apply_rope, rms_norm
+from ddtree_jax.models.common import all_reduce, apply_rope, dense_weight, matmul, rms_norm
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import WeightSpec, linear, norm
 from pallas_kernels.mla_attention import mla_attention, mla_attention_reference
@@ -138,25 +138,27 @@ def project_q(p: dict, x: jax.Array, dims: MLADims, rope: Rope) -> tuple[jax.Arr
     """q_nope [B, T, h, N] and rotated q_rope [B, T, h, R] of normed x [B, T, H] (h: local heads)."""
     b, t, _ = x.shape
     if dims.q_lora_rank is None:
-        q = x @ p["q_proj"]
+        q = matmul(x, p["q_proj"])
     else:
-        q = rms_norm(x @ p["q_a_proj"], p["q_a_layernorm"], dims.rms_norm_eps) @ p["q_b_proj"]
+        q = matmul(rms_norm(matmul(x, p["q_a_proj"]), p["q_a_layernorm"], dims.rms_norm_eps), p["q_b_proj"])
     q = q.reshape(b, t, -1, dims.qk_head_dim)
     return q[..., : dims.qk_nope_head_dim], rotate(q[..., dims.qk_nope_head_dim :], dims, rope)
 
 
 def project_latent(p: dict, x: jax.Array, dims: MLADims, rope: Rope) -> LatentEntry:
     """The cache entry of normed x [B, T, H]: normalised latent [B, T, C], rotated RoPE key [B, T, R]."""
-    kv = x @ p["kv_a_proj_with_mqa"]
+    kv = matmul(x, p["kv_a_proj_with_mqa"])
     c = dims.kv_lora_rank
     latent = rms_norm(kv[..., :c], p["kv_a_layernorm"], dims.rms_norm_eps)
     k_rope = rotate(kv[..., None, c:], dims, rope)[:, :, 0]
     return LatentEntry(latent, k_rope)
 
 
-def kv_b(p: dict, dims: MLADims) -> tuple[jax.Array, jax.Array]:
-    """kv_b_proj split per local head: W_uk [C, h, N] (key half) and W_uv [C, h, V] (value half)."""
-    w = p["kv_b_proj"].reshape(dims.kv_lora_rank, -1, dims.qk_nope_head_dim + dims.v_head_dim)
+def kv_b(p: dict, dims: MLADims, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """kv_b_proj split per local head: W_uk [C, h, N] (key half) and W_uv [C, h, V] (value half); a
+    quantized kv_b_proj dequantised to `dtype` (it is small: C x H (N + V))."""
+    w = dense_weight(p["kv_b_proj"], dtype)
+    w = w.reshape(dims.kv_lora_rank, -1, dims.qk_nope_head_dim + dims.v_head_dim)
     return w[..., : dims.qk_nope_head_dim], w[..., dims.qk_nope_head_dim :]
 
 
@@ -168,7 +170,7 @@ def attention(
     q_nope, q_rope = project_q(p, h, dims, rope)
     entry = project_latent(p, h, dims, rope)
     out = attend(p, q_nope, q_rope, entry).reshape(b, t, -1)
-    return all_reduce(out @ p["o_proj"], model_axis), entry
+    return all_reduce(matmul(out, p["o_proj"]), model_axis), entry
 
 
 def absorbed_attend(
@@ -184,7 +186,7 @@ def absorbed_attend(
     fn = mla_attention if impl == "pallas" else mla_attention_reference
 
     def attend(p: dict, q_nope: jax.Array, q_rope: jax.Array, new: LatentEntry) -> jax.Array:
-        w_uk, w_uv = kv_b(p, dims)
+        w_uk, w_uv = kv_b(p, dims, q_nope.dtype)
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
         o = fn(
             q_latent,
@@ -207,7 +209,7 @@ def expanded_attend(mask: jax.Array, dims: MLADims) -> Attend:
     """attend over the new tokens only (prefill) in the expanded form: per-head keys and values."""
 
     def attend(p: dict, q_nope: jax.Array, q_rope: jax.Array, new: LatentEntry) -> jax.Array:
-        w_uk, w_uv = kv_b(p, dims)
+        w_uk, w_uv = kv_b(p, dims, new.latent.dtype)
         k_nope = jnp.einsum("bjc,chn->bjhn", new.latent, w_uk)
         v = jnp.einsum("bjc,chv->bjhv", new.latent, w_uv)
         f32 = jnp.float32

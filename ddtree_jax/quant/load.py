@@ -17,19 +17,20 @@ import dataclasses
 import functools
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.checkpoint import Checkpoint
+from ddtree_jax.checkpoint import Checkpoint, active_params_cache, place_tensor
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.quant import formats
 from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, fp8_host, int4_host
 from ddtree_jax.quant.formats import Form, Fp8Block, Int4Group, blocks
 from ddtree_jax.sharding import SPLIT_AXES, Placement
-from ddtree_jax.weights import WeightSpec
+from ddtree_jax.weights import Params, WeightSpec, assemble, set_path
 
 Read = Callable[[str], np.ndarray]
 Fields = dict[str, np.ndarray]
@@ -200,3 +201,117 @@ def abstract(spec: WeightSpec, form: Form, placement: Placement, dtype) -> Weigh
     if isinstance(form, Int4Group):
         return Int4Weight(sds("q", np.int32), sds("scale", dtype), form.group)
     return sds("w", dtype)
+
+
+def spec_form(scheme: formats.Scheme, spec: WeightSpec, names: Container[str]) -> Form:
+    """The stored form of a spec'd weight; a stacked one (experts) must store every piece alike."""
+    if not spec.hf_name.endswith(".weight"):  # biases and buffers are never quantized
+        return formats.PLAIN
+    forms = {formats.stored_form(scheme, piece.hf_name, names) for piece in spec.pieces()}
+    if len(forms) > 1:
+        raise DDTreeError(f"{spec.hf_name}: the experts of '{spec.path}' are stored in different forms")
+    return forms.pop()
+
+
+def _dequantized_host(read: Read, spec: WeightSpec, form: Form) -> np.ndarray:
+    """The whole weight [..., in, out] expanded on the host (float32 for fp8, the scale's dtype for int4)."""
+    n_in, n_out = _in_out(spec)
+    pieces = [read_dequantized(read, p.hf_name, form, n_out, n_in) for p in spec.pieces()]
+    host = np.stack(pieces) if spec.stack else pieces[0]
+    return np.swapaxes(host, -1, -2)
+
+
+def load_params(
+    directory: str | Path,
+    specs: list[WeightSpec],
+    scheme: formats.Scheme,
+    dtype: jnp.dtype,
+    placement: Placement,
+    dequantize: bool = False,
+) -> Params:
+    """A quantized checkpoint's parameters: weights stored quantized become Fp8Weight / Int4Weight
+    placed like their bf16 counterparts (or, with `dequantize`, expanded to `dtype` at load); every
+    other tensor as `checkpoint.load_params` loads it. The params cache does not hold these."""
+    if active_params_cache() is not None:
+        raise DDTreeError(
+            f"--params-cache: {directory} is a quantized checkpoint ({type(scheme).__name__}); the cache "
+            "stores converted bf16/f32 parameters only: load it without --params-cache (it is already small)"
+        )
+    ckpt = Checkpoint(directory)
+    read = reader(ckpt)
+
+    def make(spec: WeightSpec) -> Weight:
+        form = spec_form(scheme, spec, ckpt.where)
+        if isinstance(form, formats.Plain):
+            return place_tensor(ckpt, spec, dtype, placement)
+        if dequantize:
+            host = _dequantized_host(read, spec, form)
+            sharding = placement(spec)
+
+            def block(index):
+                return np.ascontiguousarray(placement.host_block(spec, host, index), dtype=dtype)
+
+            return jax.make_array_from_callback(placement.placed_shape(spec), sharding, block)
+        n_in, n_out = _in_out(spec)
+        fields = [read_fields(read, p.hf_name, form, n_out, n_in) for p in spec.pieces()]
+        return place(stack_fields(fields) if spec.stack else fields[0], spec, form, placement)
+
+    return assemble(specs, make)
+
+
+EXPERT_FIELDS = ("experts_gate", "experts_up", "experts_down")  # models.moe.EXPERT_WEIGHTS
+
+
+def published_form(scheme: formats.Scheme | None, spec: WeightSpec) -> Form:
+    """The form the published checkpoints store a weight in: FP8 (DeepSeek-V3, Kimi-K2) every linear
+    projection but the router, embedding and head; INT4 (Kimi-K2.5/K2.6) the routed experts only."""
+    if scheme is None or not spec.transpose or "vocab" in spec.axes or spec.path[-1] == "router":
+        return formats.PLAIN
+    if isinstance(scheme, Int4Group) and spec.path[-1] not in EXPERT_FIELDS:
+        return formats.PLAIN
+    return scheme
+
+
+def random_params(
+    specs: list[WeightSpec], scheme: formats.Scheme | None, seed: int, dtype: jnp.dtype, placement: Placement
+) -> Params:
+    """Random weights made on the device in their published forms (`published_form`), for benchmarks
+    of shapes: fp8 values N(0, 1) with block scales near 0.02, int4 words of random bits with group
+    scales near 0.02 / 4.6 (the values' spread), the plain weights as weights.random_params makes them."""
+    from ddtree_jax.weights import random_params as plain_random
+
+    keys = iter(jax.random.split(jax.random.key(seed), 2 * len(specs)))
+
+    def field(fspec: WeightSpec, make) -> jax.Array:
+        fn = jax.jit(lambda k: make(k, fspec.shape), out_shardings=placement(fspec))
+        return fn(next(keys))
+
+    def fp8(k, shape):
+        return jax.random.normal(k, shape, jnp.bfloat16).astype(formats.E4M3)
+
+    def int4(k, shape):
+        return jax.lax.bitcast_convert_type(jax.random.bits(k, shape, jnp.uint32), jnp.int32)
+
+    def scale(value: float, dt):
+        return lambda k, shape: (value * jax.random.uniform(k, shape, jnp.float32, 0.5, 1.5)).astype(dt)
+
+    def make(spec: WeightSpec, form: Form) -> Weight:
+        if isinstance(form, Int4Group) and _in_out(spec)[0] % form.group:
+            raise DDTreeError(
+                f"{spec.hf_name}: {_in_out(spec)[0]} inputs are not whole groups of {form.group}"
+            )
+        check_placeable(spec, form, placement)
+        f = field_specs(spec, form)
+        if isinstance(form, Fp8Block):
+            w, s = field(f["w"], fp8), field(f["scale"], scale(0.02, jnp.float32))
+            return Fp8Weight(w, s, _in_out(spec), form.block[::-1])
+        q, s = field(f["q"], int4), field(f["scale"], scale(0.02 / 4.6, dtype))
+        return Int4Weight(q, s, form.group)
+
+    forms = {spec.path: published_form(scheme, spec) for spec in specs}
+    plain = [spec for spec in specs if isinstance(forms[spec.path], formats.Plain)]
+    tree = plain_random(plain, seed, dtype, place=placement.place)
+    for spec in specs:
+        if not isinstance(forms[spec.path], formats.Plain):
+            set_path(tree, spec.path, make(spec, forms[spec.path]))
+    return tree
