@@ -210,7 +210,7 @@ def _mla_attention_kernel(
         pltriton.store(l_ref.at[rows], l, mask=first_part)
 
 
-MAX_SPLITS = 128
+MAX_SPLITS = 256
 
 
 def default_splits(
@@ -225,19 +225,21 @@ def default_splits(
 ) -> int:
     """Cache splits (flash-decoding): the fewest within 10% of the least waves x blocks per program.
 
-    `row_tiles` counts the programs of one sequence and split (row tiles x value splits). One
-    program per SM (not two, as in `tree_attention`): the 64-row tiles hold a float32 accumulator
-    of 64 to 128 registers per thread, and a split's float32 partial is 2 kB per row (C = 512), so
-    more splits than SMs only add partial traffic. Counting waves matters when few sequences give
-    many row tiles: at B = 1, T = 64, H = 64 (64 tiles) 3 splits make 192 programs, two waves of a
-    third of the cache each (the first H200 run), where 2 splits make one wave of half.
+    `row_tiles` counts the programs of one sequence and split (row tiles x value splits). The first
+    H200 run fits time = waves x blocks per program x 3.2 us (+ ~30 us of launches and combine) on
+    every row, whatever the tile (16 or 64 rows, 4 or 8 warps): a program's loop step has a fixed
+    latency, so what counts is the steps of the longest program, not bytes or FLOPs. Hence splits
+    until the programs fill the SMs' slots (`programs_per_sm`: 2 for 4-warp 16-row tiles, 1 for the
+    8-warp 64-row ones), counted in whole waves: at B = 1, T = 64, H = 64 (64 tiles) 3 splits make
+    192 programs, two waves of a third of the cache each (2.2 ms measured), 2 splits one wave of
+    half. A split's float32 partial is 2 kB per row, written and re-read: ties go to fewer splits.
     """
     num_blocks = _cdiv(cache_len, block_k)
     cap = max(1, min(MAX_SPLITS, _cdiv(num_blocks, min_blocks_per_split)))
     slots = num_sms * programs_per_sm
     cost = {sp: _cdiv(batch * row_tiles * sp, slots) * _cdiv(num_blocks, sp) for sp in range(1, cap + 1)}
     least = min(cost.values())
-    return min(sp for sp in cost if cost[sp] <= 1.1 * least)  # each split adds float32 partials
+    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
 
 
 def resolve_tuning(
@@ -254,27 +256,26 @@ def resolve_tuning(
 ) -> dict:
     """The tuning `mla_attention` uses for q_latent's shape [B, T, H, C]; None picks the default.
 
-    Defaults from counting (results/notes.md, "The MLA kernel, second pass"), to be replaced by the
-    H200 sweep of scripts/bench_mla_attention.py. Packed rows (T x H) of one sequence:
-    - up to 16 (a TP8 shard's decode, 8 heads): memory bound (15 FLOP per cache byte); one
-      16-row tile, 4 warps (the float32 accumulator, 16 x 512, is 64 registers per thread).
-    - 17 to 64 (TP1 decode, 64 heads): all rows in ONE tile, so each cache block is read once per
-      sequence and split (16-row tiles read it 4 times) and the score matmul has M = 64, a Hopper
-      warpgroup's MMA; its output columns are split in 2 programs (`value_splits`) so that the
-      float32 accumulator (64 x 256) is 64 registers per thread at 8 warps beside the 64-row
-      queries (72): the score matmul (576 of the 1088 FLOPs per row and key) is done twice, which
-      this shape (121 FLOPs per byte, at the H200's balance) affords better than register spills.
-    - above (a tree verify, compute bound: 1.9 x block_q FLOPs per byte loaded): 64-row tiles,
-      8 warps, the 512 columns in one program (no recomputed scores).
-    32-row cache blocks of 576 keys, 2 stages (36 kB of bf16 per stage). `value_splits` divides
-    the latent width C (default 2 only from C = 256 on); C / value_splits must stay a power of two
-    >= 16.
+    Defaults from the first H200 run's fit (see `default_splits` and results/notes.md, "The MLA
+    kernel, second pass"), to be replaced by the sweep of scripts/bench_mla_attention.py. Packed
+    rows (T x H) of one sequence:
+    - up to 16 (a TP8 shard's decode, 8 heads): one 16-row tile, 4 warps (the float32
+      accumulator, 16 x 512, is 64 registers per thread), two programs per SM.
+    - above: 64-row tiles with 8 warps (the configuration the first run compiled and measured at
+      T = 64): at TP1 decode (64 heads) ALL rows in ONE tile, so each cache block is loaded once per
+      sequence and split where 16-row tiles loaded it 4 times, and a loop step does 4x the work in
+      the same measured time.
+    32-row cache blocks of 576 keys, 2 stages (36 kB of bf16 per stage); larger cache blocks halve
+    the steps but need 72 kB per stage (the sweep tries them). `value_splits` (default 1) splits
+    the C output columns over programs sharing a row tile, each recomputing the scores: smaller
+    accumulators at the price of the score matmul done again; C / value_splits must be a power of
+    two >= 16.
     """
     b, t, h, c = q_shape
     rows = t * h
     block_q = block_q or (16 if rows <= 16 else 64)
     block_k = block_k or 32
-    value_splits = value_splits or (2 if 16 < rows <= 64 and c >= 256 else 1)
+    value_splits = value_splits or 1
     num_warps = num_warps or (4 if block_q <= 16 else 8)
     num_stages = num_stages or 2
     for name, v in (("block_q", block_q), ("block_k", block_k), ("C / value_splits", c // value_splits)):
@@ -284,7 +285,9 @@ def resolve_tuning(
         raise ValueError(f"value_splits = {value_splits} must divide the latent width {c}")
     row_tiles = _cdiv(rows, block_q)
     if splits is None:
-        splits = default_splits(b, row_tiles * value_splits, cache_len, block_k, num_sms=num_sms)
+        per_sm = 2 if block_q <= 16 and num_warps <= 4 else 1
+        programs = row_tiles * value_splits
+        splits = default_splits(b, programs, cache_len, block_k, num_sms=num_sms, programs_per_sm=per_sm)
     return dict(
         block_q=block_q,
         block_k=block_k,

@@ -213,17 +213,21 @@ def sweep_tunings(quick: bool) -> list[tuple[dict, list[dict]]]:
     at T = 64), so the sweep also says what the new defaults gained."""
     if quick:
         return [(dict(H=4, B=1, S=256, T=4), [dict(block_k=16), dict(block_q=32, splits=2, value_splits=2)])]
-    # TP1 decode: default 64-row tile (all heads), 2 value parts, 8 warps, 61 splits.
-    ar = [dict(block_q=16, value_splits=1, num_warps=4, splits=33), dict(value_splits=1)]
-    ar += [dict(value_splits=4, num_warps=4), dict(num_warps=4), dict(block_k=64)]
-    ar += [dict(block_k=16, num_stages=3), dict(num_stages=3), dict(splits=128), dict(splits=32)]
-    ar += [dict(block_q=32, num_warps=4)]
-    # TP8 shard decode (8 heads, memory bound): default one 16-row tile, 4 warps, 128 splits.
-    shard_ar = [dict(splits=33), dict(block_k=64, splits=64), dict(value_splits=2), dict(num_stages=3)]
-    shard_ar += [dict(block_k=16, num_stages=3), dict(splits=64), dict(value_splits=4)]
+    # TP1 decode: default one 64-row tile (all heads), 8 warps, 128 splits of 8 blocks.
+    ar = [dict(block_q=16, num_warps=4, splits=33), dict(block_k=64), dict(value_splits=2)]
+    ar += [dict(splits=64), dict(block_k=64, num_stages=1)]
+    ar += [dict(value_splits=2, num_warps=4), dict(value_splits=4, num_warps=4), dict(num_stages=3)]
+    ar += [dict(block_k=16, num_stages=3), dict(block_q=32, num_warps=4)]
+    # TP8 shard decode (8 heads, memory bound): default one 16-row tile, 4 warps, 256 splits of 4.
+    shard_ar = [dict(splits=128), dict(block_k=64, splits=128), dict(splits=64), dict(num_stages=3)]
+    shard_ar += [dict(value_splits=2), dict(block_k=16, num_stages=3), dict(value_splits=4)]
     # TP1 verify (compute bound): default 64-row tiles, 8 warps, 2 splits (one wave of 128).
-    verify = [dict(splits=3), dict(block_q=32, num_warps=4), dict(block_q=128, value_splits=2)]
-    verify += [dict(num_stages=3), dict(block_k=64), dict(value_splits=2, num_warps=4)]
+    verify = [dict(splits=3), dict(block_k=64), dict(block_q=128, value_splits=2), dict(num_stages=3)]
+    verify += [
+        dict(block_q=32, num_warps=4),
+        dict(value_splits=2, num_warps=4),
+        dict(block_k=64, num_stages=1),
+    ]
     verify += [
         dict(block_q=32, num_warps=8),
         dict(block_k=16, num_stages=3),
@@ -231,8 +235,8 @@ def sweep_tunings(quick: bool) -> list[tuple[dict, list[dict]]]:
         dict(num_warps=4),
     ]
     # TP8 shard verify: default 64-row tiles, 8 warps, 15 splits.
-    shard_verify = [dict(splits=17), dict(block_q=32, num_warps=4), dict(block_q=128, value_splits=2)]
-    shard_verify += [dict(num_stages=3), dict(block_k=64), dict(splits=8)]
+    shard_verify = [dict(splits=17), dict(block_k=64), dict(block_q=128, value_splits=2)]
+    shard_verify += [dict(num_stages=3), dict(block_q=32, num_warps=4), dict(splits=8)]
     return [
         (dict(H=64, B=1, S=32768, T=1), ar),
         (dict(H=8, B=1, S=32768, T=1), shard_ar),
