@@ -144,7 +144,9 @@ def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
         RopeConfig(cfg.rope.theta, d.head_dim),
         block_size,
         cfg.vocab_size - 1,
-        default_target_layer_ids(cfg.num_layers, layers),
+        # DFlash's spacing over [1, L - 3] runs below 0 for targets cut to 2 or 3 layers: clamp
+        # (the drafter still reads `layers` feature vectors, as the full-depth one does)
+        tuple(min(max(i, 0), cfg.num_layers - 1) for i in default_target_layer_ids(cfg.num_layers, layers)),
         cfg.vocab_size,
         cfg.architecture,
     )

@@ -16,13 +16,15 @@ lengths [B] int32; latent_new [B, T, C], rope_new [B, T, R]; mask [B, T, T] bool
 in-flight token j) -> o [B, T, H, C] in q_latent's dtype. `softmax_scale` is explicit: yarn's
 mscale changes it (DeepSeek-V3: 192**-0.5 * mscale**2).
 
-Kernel layout (`mla_attention`): grid (row tiles, B, splits). Every head shares one cache entry, so
-a program packs heads and nodes into rows `node * H + head` (q_latent reshaped to [B, T * H, C]
-for free) and takes a tile of `block_q` of them; it streams its share of the visible cache in
+Kernel layout (`mla_attention`): grid (row tiles x value splits, B, splits). Every head shares one
+cache entry, so a program packs heads and nodes into rows `node * H + head` (q_latent reshaped to
+[B, T * H, C] for free) and takes a tile of `block_q` of them; it streams its share of the visible cache in
 blocks of `block_k` entries (C + R = 576 values each), using the latent part of each block twice:
 as key (with q_latent) and as value. Online softmax in float32, base 2, as in `tree_attention`; the last split
 also attends to the in-flight tokens under `mask`. Several splits write float32 partials (acc, max,
-sum) that the jnp combine of `tree_attention` merges.
+sum) that the jnp combine of `tree_attention` merges. With value splits, adjacent programs share a
+row tile: each computes the same scores and accumulates its 1 / value_splits of the C output
+columns (a smaller float32 accumulator, at the price of the score matmul done again).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def _mla_attention_kernel(
     heads: int,
     cache_len: int,
     block_q: int,
+    value_splits: int,
     block_k: int,
     block_new: int,
     num_new_blocks: int,
@@ -110,14 +113,18 @@ def _mla_attention_kernel(
     window: int | None,
     scale_log2: float,
 ):
-    row_tile, split = pl.program_id(0), pl.program_id(2)
+    tile, split = pl.program_id(0), pl.program_id(2)
+    row_tile, part = tile // value_splits, tile % value_splits  # the parts of one row tile are adjacent
     latent_dim, rope_dim = ql_ref.shape[-1], qr_ref.shape[-1]
+    value_dim = latent_dim // value_splits  # output columns of this program: [v0, v0 + value_dim)
+    v0 = part * value_dim
     masked = MASK_VALUE / scale_log2  # a raw score that scales to MASK_VALUE
     rows = row_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
     row_ok = rows < num_nodes * heads
     node = rows // heads
     ccol = jnp.arange(latent_dim, dtype=jnp.int32)
     rcol = jnp.arange(rope_dim, dtype=jnp.int32)
+    vcol = v0 + jnp.arange(value_dim, dtype=jnp.int32)
     ql = pltriton.load(ql_ref.at[rows[:, None], ccol[None, :]], mask=row_ok[:, None], other=0)
     qr = pltriton.load(qr_ref.at[rows[:, None], rcol[None, :]], mask=row_ok[:, None], other=0)
 
@@ -125,8 +132,16 @@ def _mla_attention_kernel(
         """Raw scores [block_q, K] of the tile's rows against K latents [K, C] and RoPE keys [K, R]."""
         return _qk(ql, c) + _qk(qr, kr)
 
+    def values(ref, start, c, mask=None):
+        """The value tile [K, value_dim]: the whole latent block `c` itself, or this part's columns
+        of it, loaded again (from L1/L2: the block was just read for the scores)."""
+        if value_splits == 1:
+            return c
+        at = ref.at[pl.ds(start, c.shape[0]), pl.ds(v0, value_dim)]
+        return pltriton.load(at) if mask is None else pltriton.load(at, mask=mask, other=0)
+
     carry = (
-        jnp.zeros((block_q, latent_dim), jnp.float32),
+        jnp.zeros((block_q, value_dim), jnp.float32),
         jnp.full((block_q,), M_INIT, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
@@ -145,7 +160,7 @@ def _mla_attention_kernel(
         start = lo + j * block_k
         c = pltriton.load(c_ref.at[pl.ds(start, block_k), :])
         kr = pltriton.load(kr_ref.at[pl.ds(start, block_k), :])
-        return _online_softmax_step(carry, scores(c, kr), c, scale_log2)
+        return _online_softmax_step(carry, scores(c, kr), values(c_ref, start, c), scale_log2)
 
     def tail_block(carry):
         start = lo + num_full * block_k
@@ -153,7 +168,7 @@ def _mla_attention_kernel(
         c = pltriton.load(c_ref.at[pl.ds(start, block_k), :], mask=ok[:, None], other=0)
         kr = pltriton.load(kr_ref.at[pl.ds(start, block_k), :], mask=ok[:, None], other=0)
         raw = jnp.where(ok[None, :], scores(c, kr), masked)
-        return _online_softmax_step(carry, raw, c, scale_log2)
+        return _online_softmax_step(carry, raw, values(c_ref, start, c, ok[:, None]), scale_log2)
 
     carry = lax.fori_loop(first, jnp.minimum(last, num_full), full_block, carry)
     has_tail = (num_full < num_blocks) & (first <= num_full) & (num_full < last)
@@ -171,6 +186,9 @@ def _mla_attention_kernel(
             other=0,
         )
         raw = jnp.where(seen != 0, scores(cn, krn), masked)
+        if value_splits > 1:
+            at_v = cn_ref.at[cols[:, None], vcol[None, :]]
+            cn = pltriton.load(at_v, mask=col_ok[:, None], other=0)
         return _online_softmax_step(carry, raw, cn, scale_log2)
 
     def new_part(carry):
@@ -179,7 +197,7 @@ def _mla_attention_kernel(
     carry = new_part(carry) if splits == 1 else lax.cond(split == splits - 1, new_part, lambda c: c, carry)
 
     acc, m, l = carry
-    at_rows = (rows[:, None], ccol[None, :])
+    at_rows = (rows[:, None], vcol[None, :])
     if splits == 1:
         (o_ref,) = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
@@ -187,11 +205,12 @@ def _mla_attention_kernel(
     else:
         acc_ref, m_ref, l_ref = out_refs
         pltriton.store(acc_ref.at[at_rows], acc, mask=row_ok[:, None])
-        pltriton.store(m_ref.at[rows], m, mask=row_ok)
-        pltriton.store(l_ref.at[rows], l, mask=row_ok)
+        first_part = row_ok & (part == 0)  # every part has the same max and sum
+        pltriton.store(m_ref.at[rows], m, mask=first_part)
+        pltriton.store(l_ref.at[rows], l, mask=first_part)
 
 
-MAX_SPLITS = 128
+MAX_SPLITS = 256
 
 
 def default_splits(
@@ -201,17 +220,26 @@ def default_splits(
     block_k: int,
     *,
     num_sms: int = NUM_SMS_H200,
-    min_blocks_per_split: int = 8,
+    min_blocks_per_split: int = 4,
+    programs_per_sm: int = 1,
 ) -> int:
-    """Cache splits so that about one program runs per SM, each streaming at least a few blocks.
+    """Cache splits (flash-decoding): the fewest within 10% of the least waves x blocks per program.
 
-    One program per SM (not two, as in `tree_attention`): a split's float32 partial is 2 kB per
-    row (C = 512), so at T = 1 and S = 32k two programs per SM would write and re-read half as many
-    bytes again as the cache holds.
+    `row_tiles` counts the programs of one sequence and split (row tiles x value splits). The first
+    H200 run fits time = waves x blocks per program x 3.2 us (+ ~30 us of launches and combine) on
+    every row, whatever the tile (16 or 64 rows, 4 or 8 warps): a program's loop step has a fixed
+    latency, so what counts is the steps of the longest program, not bytes or FLOPs. Hence splits
+    until the programs fill the SMs' slots (`programs_per_sm`: 2 for 4-warp 16-row tiles, 1 for the
+    8-warp 64-row ones), counted in whole waves: at B = 1, T = 64, H = 64 (64 tiles) 3 splits make
+    192 programs, two waves of a third of the cache each (2.2 ms measured), 2 splits one wave of
+    half. A split's float32 partial is 2 kB per row, written and re-read: ties go to fewer splits.
     """
-    want = _cdiv(num_sms, batch * row_tiles)
-    cap = max(1, _cdiv(cache_len, block_k * min_blocks_per_split))
-    return max(1, min(want, cap, MAX_SPLITS))
+    num_blocks = _cdiv(cache_len, block_k)
+    cap = max(1, min(MAX_SPLITS, _cdiv(num_blocks, min_blocks_per_split)))
+    slots = num_sms * programs_per_sm
+    cost = {sp: _cdiv(batch * row_tiles * sp, slots) * _cdiv(num_blocks, sp) for sp in range(1, cap + 1)}
+    least = min(cost.values())
+    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
 
 
 def resolve_tuning(
@@ -223,37 +251,50 @@ def resolve_tuning(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    value_splits: int | None = None,
     num_sms: int = NUM_SMS_H200,
 ) -> dict:
     """The tuning `mla_attention` uses for q_latent's shape [B, T, H, C]; None picks the default.
 
-    A first guess from counting, to be replaced by the H200 sweep of scripts/bench_mla_attention.py.
-    Up to 64 packed rows (ar: 8 or 64 heads) the kernel is memory bound: 16-row tiles with 4 warps
-    (the float32 accumulator, 16 x 512, is 64 registers per thread) and cache splits; the row tiles
-    of one split run side by side and share the cache blocks through L2. Above (a tree verify,
-    compute bound: 2 x 1088 FLOPs per row and key) 64-row tiles with 8 warps, since every tile
-    streams the whole cache and block_q sets the FLOPs per byte loaded (about 1.9 x block_q);
-    64 rows is also the M of one Hopper warpgroup MMA. 32-row cache blocks of 576 keys, 2 stages
-    (36 kB of bf16 per stage).
+    Defaults from the first H200 run's fit (see `default_splits` and results/notes.md, "The MLA
+    kernel, second pass"), to be replaced by the sweep of scripts/bench_mla_attention.py. Packed
+    rows (T x H) of one sequence:
+    - up to 16 (a TP8 shard's decode, 8 heads): one 16-row tile, 4 warps (the float32
+      accumulator, 16 x 512, is 64 registers per thread), two programs per SM.
+    - above: 64-row tiles with 8 warps (the configuration the first run compiled and measured at
+      T = 64): at TP1 decode (64 heads) ALL rows in ONE tile, so each cache block is loaded once per
+      sequence and split where 16-row tiles loaded it 4 times, and a loop step does 4x the work in
+      the same measured time.
+    32-row cache blocks of 576 keys, 2 stages (36 kB of bf16 per stage); larger cache blocks halve
+    the steps but need 72 kB per stage (the sweep tries them). `value_splits` (default 1) splits
+    the C output columns over programs sharing a row tile, each recomputing the scores: smaller
+    accumulators at the price of the score matmul done again; C / value_splits must be a power of
+    two >= 16.
     """
     b, t, h, c = q_shape
     rows = t * h
-    block_q = block_q or (16 if rows <= 64 else 64)
+    block_q = block_q or (16 if rows <= 16 else 64)
     block_k = block_k or 32
+    value_splits = value_splits or 1
     num_warps = num_warps or (4 if block_q <= 16 else 8)
     num_stages = num_stages or 2
-    for name, v in (("block_q", block_q), ("block_k", block_k)):
+    for name, v in (("block_q", block_q), ("block_k", block_k), ("C / value_splits", c // value_splits)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two >= 16")
+    if c % value_splits:
+        raise ValueError(f"value_splits = {value_splits} must divide the latent width {c}")
     row_tiles = _cdiv(rows, block_q)
     if splits is None:
-        splits = default_splits(b, row_tiles, cache_len, block_k, num_sms=num_sms)
+        per_sm = 2 if block_q <= 16 and num_warps <= 4 else 1
+        programs = row_tiles * value_splits
+        splits = default_splits(b, programs, cache_len, block_k, num_sms=num_sms, programs_per_sm=per_sm)
     return dict(
         block_q=block_q,
         block_k=block_k,
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        value_splits=value_splits,
         row_tiles=row_tiles,
     )
 
@@ -289,6 +330,7 @@ def _check_shapes(q_latent, q_rope, latent_cache, rope_cache, latent_new, rope_n
         "splits",
         "num_warps",
         "num_stages",
+        "value_splits",
         "num_sms",
     ),
 )
@@ -310,13 +352,16 @@ def mla_attention(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    value_splits: int | None = None,
     num_sms: int = NUM_SMS_H200,
 ) -> jax.Array:
     """Pallas (Triton) absorbed MLA attention; same contract as `mla_attention_reference`.
 
     Tuning (static; None = the default of `resolve_tuning`): block_q packed rows (node * H + head)
     per program, block_k cache rows per step (both powers of two >= 16), splits of each sequence's
-    visible cache range, Triton num_warps / num_stages, num_sms for the split heuristic.
+    visible cache range, Triton num_warps / num_stages, value_splits programs sharing a row tile,
+    each computing the scores and 1 / value_splits of the output columns, num_sms for the split
+    heuristic.
     """
     _check_shapes(q_latent, q_rope, latent_cache, rope_cache, latent_new, rope_new, mask)
     b, t, h, c = q_latent.shape
@@ -329,6 +374,7 @@ def mla_attention(
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        value_splits=value_splits,
         num_sms=num_sms,
     )
     splits = tuning["splits"]
@@ -339,6 +385,7 @@ def mla_attention(
         heads=h,
         cache_len=s,
         block_q=tuning["block_q"],
+        value_splits=tuning["value_splits"],
         block_k=tuning["block_k"],
         block_new=block_new,
         num_new_blocks=_cdiv(t, block_new),
@@ -377,7 +424,7 @@ def mla_attention(
         ]
     outs = pl.pallas_call(
         kernel,
-        grid=(tuning["row_tiles"], b, splits),
+        grid=(tuning["row_tiles"] * tuning["value_splits"], b, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

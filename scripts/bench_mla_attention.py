@@ -49,6 +49,11 @@ REF_MAX_BYTES = 16 << 30  # float32 scores of one reference call, beyond which i
 SOFTMAX_SCALE = 192**-0.5
 
 
+def ints(text: str) -> list[int]:
+    """'1,16' -> [1, 16]."""
+    return [int(x) for x in text.split(",") if x]
+
+
 def elapsed() -> float:
     """Seconds since the script started."""
     return time.perf_counter() - START
@@ -195,32 +200,47 @@ def print_table(results: dict) -> None:
             f"{row.get('kernel_x_floor', float('nan')):7.2f} | {fmt_us(row.get('reference'))} "
             f"{(f'{speedup:6.1f}' if speedup else '     -')} | "
             f"{(f'{check["rel_l2"]:8.1e}' if check else '       -')} | "
-            f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} w{tun.get('num_warps')} "
+            f"q{tun.get('block_q')} v{tun.get('value_splits')} k{tun.get('block_k')} s{tun.get('splits')} "
+            f"w{tun.get('num_warps')} "
             f"st{tun.get('num_stages')} {notes}"
         )
 
 
 def sweep_tunings(quick: bool) -> list[tuple[dict, list[dict]]]:
     """(shape, tunings) for the kernel-only sweep, each list's most telling first (the sweep runs the
-    first FIRST_PASS of every shape before the rest). Defaults are timed in the main rows."""
+    first FIRST_PASS of every shape before the rest). Defaults are timed in the main rows; every list
+    starts with the first H200 run's default for that shape (16-row tiles at T = 1, 3 or 17 splits
+    at T = 64), so the sweep also says what the new defaults gained."""
     if quick:
-        return [(dict(H=4, B=1, S=256, T=4), [dict(block_k=16), dict(block_q=32, splits=2)])]
-    verify = [
-        dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
-        for bk, st in ((32, 2), (64, 2), (16, 3), (32, 3))
-        for bq, w in ((64, 8), (32, 8), (16, 4), (32, 4), (64, 4))
+        return [(dict(H=4, B=1, S=256, T=4), [dict(block_k=16), dict(block_q=32, splits=2, value_splits=2)])]
+    # TP1 decode: default one 64-row tile (all heads), 8 warps, 128 splits of 8 blocks.
+    ar = [dict(block_q=16, num_warps=4, splits=33), dict(block_k=64), dict(value_splits=2)]
+    ar += [dict(splits=64), dict(block_k=64, num_stages=1)]
+    ar += [dict(value_splits=2, num_warps=4), dict(value_splits=4, num_warps=4), dict(num_stages=3)]
+    ar += [dict(block_k=16, num_stages=3), dict(block_q=32, num_warps=4)]
+    # TP8 shard decode (8 heads, memory bound): default one 16-row tile, 4 warps, 256 splits of 4.
+    shard_ar = [dict(splits=128), dict(block_k=64, splits=128), dict(splits=64), dict(num_stages=3)]
+    shard_ar += [dict(value_splits=2), dict(block_k=16, num_stages=3), dict(value_splits=4)]
+    # TP1 verify (compute bound): default 64-row tiles, 8 warps, 2 splits (one wave of 128).
+    verify = [dict(splits=3), dict(block_k=64), dict(block_q=128, value_splits=2), dict(num_stages=3)]
+    verify += [
+        dict(block_q=32, num_warps=4),
+        dict(value_splits=2, num_warps=4),
+        dict(block_k=64, num_stages=1),
     ]
-    ar = [dict(block_q=32), dict(block_q=64), dict(splits=16), dict(splits=64), dict(splits=128)]
-    ar += [dict(block_q=bq, splits=sp) for bq in (32, 64) for sp in (16, 64, 128)]
-    ar += [dict(block_k=bk, num_stages=st) for bk, st in ((16, 3), (64, 2), (64, 3))]
-    shard_ar = [dict(splits=32), dict(splits=64), dict(block_k=64), dict(block_k=64, splits=64)]
-    shard_ar += [dict(block_k=16, num_stages=3), dict(block_k=64, splits=32)]
-    shard_verify = [dict(block_q=32), dict(block_q=16), dict(splits=4), dict(splits=8), dict(splits=34)]
-    shard_verify += [dict(block_q=32, splits=sp) for sp in (4, 8, 34)]
+    verify += [
+        dict(block_q=32, num_warps=8),
+        dict(block_k=16, num_stages=3),
+        dict(splits=4),
+        dict(num_warps=4),
+    ]
+    # TP8 shard verify: default 64-row tiles, 8 warps, 15 splits.
+    shard_verify = [dict(splits=17), dict(block_k=64), dict(block_q=128, value_splits=2)]
+    shard_verify += [dict(num_stages=3), dict(block_q=32, num_warps=4), dict(splits=8)]
     return [
-        (dict(H=64, B=1, S=32768, T=64), verify),
         (dict(H=64, B=1, S=32768, T=1), ar),
         (dict(H=8, B=1, S=32768, T=1), shard_ar),
+        (dict(H=64, B=1, S=32768, T=64), verify),
         (dict(H=8, B=1, S=32768, T=64), shard_verify),
     ]
 
@@ -234,7 +254,21 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test, interpret mode)")
     parser.add_argument("--budget-s", type=float, default=None, help="no row starts after this (s; 210)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
+    parser.add_argument(
+        "--sweep", choices=["none", "first", "full"], default="full",
+        help="tuning sweep: none, the first FIRST_PASS tunings of every shape, or all",
+    )  # fmt: skip
+    parser.add_argument("--sweep-first", action="store_true", help="run the sweep before the main rows")
+    parser.add_argument("--heads", default=None, help="main rows' H, comma list (default 64,8)")
+    parser.add_argument("--batches", default=None, help="main rows' B (default 1,16)")
+    parser.add_argument("--contexts", default=None, help="main rows' S (default 1024,4096,8192,32768)")
+    parser.add_argument("--nodes", default=None, help="main rows' T (default 1,64)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the planned rows and tunings, run nothing"
+    )
     opts = parser.parse_args(argv)
+    if opts.no_sweep:
+        opts.sweep = "none"
 
     device = jax.devices()[0]
     interpret = device.platform != "gpu"
@@ -246,6 +280,28 @@ def main(argv=None) -> None:
         heads, batches, lengths_s, nodes = [64, 8], [1, 16], [1024, 4096, 8192, 32768], [1, 64]
         c, r, k, ceiling_bytes = 512, 64, 8, 4 << 30
     budget_s = opts.budget_s or (600 if opts.quick else 210)
+    heads, batches, lengths_s, nodes = (
+        ints(text) if text else default
+        for text, default in (
+            (opts.heads, heads),
+            (opts.batches, batches),
+            (opts.contexts, lengths_s),
+            (opts.nodes, nodes),
+        )
+    )
+    main_shapes = [dict(H=h, B=b, S=s, T=t) for h in heads for b in batches for s in lengths_s for t in nodes]
+    sweep = [] if opts.sweep == "none" else sweep_tunings(opts.quick)
+    parts = (
+        (slice(0, FIRST_PASS),) if opts.sweep == "first" else (slice(0, FIRST_PASS), slice(FIRST_PASS, None))
+    )
+    sweep_runs = [(shape, tunings[part]) for part in parts for shape, tunings in sweep if tunings[part]]
+    if opts.dry_run:
+        plan = [("row", shape, {}) for shape in main_shapes]
+        plan += [("sweep", shape, tun) for shape, tunings in sweep_runs for tun in tunings]
+        for kind, shape, tun in plan:
+            print(kind, shape, resolve_tuning((shape["B"], shape["T"], shape["H"], c), shape["S"], **tun))
+        print(f"{len(main_shapes)} rows, {len(plan) - len(main_shapes)} sweep points, budget {budget_s} s")
+        return
 
     results = dict(
         device=str(getattr(device, "device_kind", device.platform)),
@@ -309,16 +365,16 @@ def main(argv=None) -> None:
         del args
         gc.collect()
 
-    for h in heads:
-        for b in batches:
-            for s in lengths_s:
-                for t in nodes:
-                    run(dict(H=h, B=b, S=s, T=t), [{}], results["rows"], with_reference=True)
-    if not opts.no_sweep:
-        for part in (slice(0, FIRST_PASS), slice(FIRST_PASS, None)):
-            for shape, tunings in sweep_tunings(opts.quick):
-                if tunings[part]:
-                    run(shape, tunings[part], results["tuning_sweep"], with_reference=False)
+    def main_rows() -> None:
+        for shape in main_shapes:
+            run(shape, [{}], results["rows"], with_reference=True)
+
+    def sweep_rows() -> None:
+        for shape, tunings in sweep_runs:
+            run(shape, tunings, results["tuning_sweep"], with_reference=False)
+
+    for part in (sweep_rows, main_rows) if opts.sweep_first else (main_rows, sweep_rows):
+        part()
     save()
     print_table(results)
     print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
