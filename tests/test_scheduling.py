@@ -213,7 +213,7 @@ def test_causal_chunk_lowers_for_cuda(monkeypatch):
     fn = jax.jit(attention.kernel("causal-cudnn"))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__cudnn$fmhaSoftmax") == 2
-    assert '\\22PADDING\\22' in text and '\\22CAUSAL\\22' in text
+    assert "\\22PADDING\\22" in text and "\\22CAUSAL\\22" in text
 
 
 def test_prefill_attention_choice():
