@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import attention, scheduling
+from ddtree_jax import attention, models, scheduling
 from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit, rows_to_run
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.sampling import GREEDY, SamplingParams
@@ -27,6 +27,7 @@ from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 MAX_STOP_IDS = 8
+GQA_FAMILIES = ("dense", "qwen3_moe")  # models.FAMILIES whose prefill chunks may use cuDNN attention
 # Compiled programs of `Generator.stream` on one device, by (program, plan, shapes, dtype): they depend
 # on shapes only, so every generator of the same plan shares them.
 STREAM_PROGRAMS: dict[tuple, Any] = {}
@@ -201,14 +202,13 @@ class Generator:
             where[j] = row
         settings = [self._settings(p) for p in prompts] + [dict(GREEDY)] * (r - len(prompts))
         rows_sampling = SamplingParams.from_rows(settings) if sampling else None
-        longest = max((len(p.input_ids) for p in prompts), default=1)
-        chunk = scheduling.chunk_for(longest, self.schedule)
+        chunk, impl = self.schedule.chunk, self.prefill_attention(plan)
         stop = self._stop_array()
         args = jnp.asarray(tokens), jnp.asarray(lengths)
         self.occupancy.refills += 1
         if state is None:
             active = jnp.asarray(where < plan.batch_size)
-            key = ("start", plan, chunk, r, sampling)
+            key = ("start", plan, chunk, r, sampling, impl)
             return self._run(
                 key,
                 scheduling.start_jit,
@@ -220,8 +220,9 @@ class Generator:
                 rows_sampling,
                 plan=plan,
                 chunk=chunk,
+                attention=impl,
             )
-        key = ("refill", plan, chunk, r, sampling)
+        key = ("refill", plan, chunk, r, sampling, impl)
         return self._run(
             key,
             scheduling.refill_jit,
@@ -234,6 +235,21 @@ class Generator:
             rows_sampling,
             plan=plan,
             chunk=chunk,
+            attention=impl,
+        )
+
+    def prefill_attention(self, plan: Plan) -> str:
+        """The attention of the prefill chunks: the schedule's, or ("auto") cuDNN flash attention on
+        CUDA for GQA families in bf16/f16 (attention.prefill_implementation), else the plan's."""
+        choice = self.schedule.prefill_attention
+        if choice != "auto":
+            return choice
+        cfg = plan.target
+        if models.FAMILIES.get(cfg.architecture) not in GQA_FAMILIES:
+            return plan.attention
+        dtype = self.params["embed"].dtype
+        return attention.prefill_implementation(
+            plan.attention, dtype, cfg.dims.head_dim, self.schedule.batch_invariant
         )
 
     def stream(self, prompts: list[Prompt]) -> Iterator[Result]:

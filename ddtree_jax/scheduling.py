@@ -8,8 +8,11 @@ The device programs of `generation.Generator.stream` (README, "Scheduling"):
 
 The prefill runs the prompt in chunks of C tokens through the cache path: each chunk attends to the
 cache written so far and to itself under a causal mask, the same attention a verify uses, so the
-[P, P] scores are never materialised and a prompt is padded to a multiple of C only. The drafter's
-context K/V of each chunk come from the chunk's target features, written at the same slots.
+[P, P] scores are never materialised. The end of the prompt runs in tail chunks of C / 4 tokens, so
+a prompt computes at most C / 4 - 1 padding tokens (one prompt program serves every length: on the
+H200 a 128-token chunk of one row costs about what reading the weights does, 3.4 ms for Qwen3-8B).
+The drafter's context K/V of each chunk come from the chunk's target features, written at the same
+slots. On CUDA the chunk's attention is cuDNN flash attention (attention.prefill_implementation).
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from ddtree_jax.weights import Params
 class Schedule:
     """How prompts are scheduled onto the rows of a decode state."""
 
-    chunk: int = 256  # C: prefill tokens per row per step (a power of two); prompts pad to a multiple
+    chunk: int = 256  # C: prefill tokens per row per step (a power of two); the tail runs in C / 4
     refill_at: int = 1  # return to the host for a refill once this many rows are done
     batch_invariant: bool = False  # fixed shapes: a row's tokens do not depend on the other rows
+    prefill_attention: str = "auto"  # "auto": cuDNN flash attention on CUDA (bf16), else the plan's
 
     def __post_init__(self):
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
@@ -60,16 +64,17 @@ def prompt_slots(length: int, chunk: int) -> int:
     return chunk * (1 << (chunks - 1).bit_length())
 
 
-def chunk_for(length: int, schedule: Schedule) -> int:
-    """The prefill chunk of prompts up to `length` tokens: the schedule's, or for short prompts the
-    smallest of chunk / 4, chunk / 16, ... (at least 16) that holds them (three or so shapes compile);
-    batch-invariant: always the schedule's, so a prompt's prefill never depends on its companions."""
-    chunk = schedule.chunk
-    if schedule.batch_invariant:
-        return chunk
-    while chunk // 4 >= max(length, 16):
-        chunk //= 4
-    return chunk
+def tail_chunk(chunk: int) -> int:
+    """The chunk of a prompt's end: C / 4, at least 16 (the prompt computes < C / 4 padding tokens)."""
+    return max(chunk // 4, 16)
+
+
+def chunk_steps(length: int, chunk: int) -> tuple[int, int]:
+    """(full chunks, tail chunks) of a prompt of `length` tokens: full chunks while more than
+    C - C / 4 tokens are left (four tail chunks would cost one full one), then tail chunks."""
+    tail = tail_chunk(chunk)
+    full = (length + tail - 1) // chunk
+    return full, max(0, -(-(length - full * chunk) // tail))
 
 
 def _with_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
@@ -87,13 +92,15 @@ def chunked_prefill(
     *,
     plan: Plan,
     chunk: int,
+    attention: str | None = None,
 ) -> DecodeState:
     """The state of R new rows: prompts [R, P] (P a multiple of `chunk`, lengths [R]) run chunk by
-    chunk through the cache path; caches of plan.capacity slots; the first token chosen."""
+    chunk through the cache path (`attention`: the chunks' implementation, default the plan's);
+    caches of plan.capacity slots; the first token chosen."""
+    attention = attention or plan.attention
     cfg, (r, p) = plan.target, prompts.shape
     axis, dtype = plan.model_axis, params["embed"].dtype
-    arange = jnp.arange(chunk, dtype=jnp.int32)
-    causal = arange[None, :] <= arange[:, None]  # [C, C]
+    tail = tail_chunk(chunk)
     probe = jax.eval_shape(
         lambda: target.forward(
             params,
@@ -116,40 +123,53 @@ def chunked_prefill(
         draft_cache = kv_cache.empty_like(_zeros(ctx), plan.capacity)
     last = jnp.zeros((r, probe.hidden.shape[-1]), probe.hidden.dtype)
 
-    def step(carry):
-        i, cache, draft_cache, last = carry
-        start = i * chunk
-        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, chunk, axis=1)
-        positions = jnp.broadcast_to(start + arange, (r, chunk))
-        mask = causal[None] & (positions[:, None, :] < prompt_lengths[:, None, None])
-        seen = jnp.minimum(start, prompt_lengths)  # each row's cache holds its prompt before the chunk
-        out = target.forward(
-            params,
-            cfg,
-            tokens,
-            positions,
-            mask,
-            _with_lengths(cache, seen),
-            feature_layers=plan.feature_layers,
-            attention=plan.attention,
-            model_axis=axis,
-        )
-        at = jnp.full((r,), start, jnp.int32)
-        cache = kv_cache.write(cache, out.kv, at)
-        if draft_cache is not None:
-            ctx = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
-            draft_cache = kv_cache.write(draft_cache, ctx, at)
-        here = prompt_lengths - 1 - start  # the last prompt token's index in this chunk
-        inside = (here >= 0) & (here < chunk)
-        picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, chunk - 1)]
-        return i + 1, cache, draft_cache, jnp.where(inside[:, None], picked, last)
+    def step(size: int, base: jax.Array):
+        """One chunk of `size` tokens, the i-th from position `base`."""
+        arange = jnp.arange(size, dtype=jnp.int32)
+        causal = arange[None, :] <= arange[:, None]  # [C, C]
 
-    chunks = (jnp.max(prompt_lengths) + chunk - 1) // chunk
+        def run(carry):
+            i, cache, draft_cache, last = carry
+            start = base + i * size
+            tokens = jax.lax.dynamic_slice_in_dim(prompts, start, size, axis=1)
+            positions = jnp.broadcast_to(start + arange, (r, size))
+            mask = causal[None] & (positions[:, None, :] < prompt_lengths[:, None, None])
+            seen = jnp.minimum(start, prompt_lengths)  # each row's cache holds its prompt before the chunk
+            out = target.forward(
+                params,
+                cfg,
+                tokens,
+                positions,
+                mask,
+                _with_lengths(cache, seen),
+                feature_layers=plan.feature_layers,
+                attention=attention,
+                model_axis=axis,
+            )
+            at = jnp.full((r,), start, jnp.int32)
+            cache = kv_cache.write(cache, out.kv, at)
+            if draft_cache is not None:
+                ctx = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
+                draft_cache = kv_cache.write(draft_cache, ctx, at)
+            here = prompt_lengths - 1 - start  # the last prompt token's index in this chunk
+            inside = (here >= 0) & (here < size)
+            picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, size - 1)]
+            return i + 1, cache, draft_cache, jnp.where(inside[:, None], picked, last)
+
+        return run
+
     if p % chunk:
         raise ValueError(f"prompt width {p} is not a multiple of the chunk {chunk}")
-    _, cache, draft_cache, last = jax.lax.while_loop(
-        lambda c: c[0] < _all_rows_max(chunks, plan), step, (jnp.int32(0), cache, draft_cache, last)
-    )
+    longest = _all_rows_max(jnp.max(prompt_lengths), plan)
+    full = (longest + tail - 1) // chunk  # chunk_steps, on the device
+    carry = (jnp.int32(0), cache, draft_cache, last)
+    _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < full, step(chunk, 0), carry)
+    if tail < chunk:
+        tails = jnp.maximum(0, (longest - full * chunk + tail - 1) // tail)
+        carry = (jnp.int32(0), cache, draft_cache, last)
+        _, cache, draft_cache, last = jax.lax.while_loop(
+            lambda c: c[0] < tails, step(tail, full * chunk), carry
+        )
     cache = _with_lengths(cache, prompt_lengths)
     if draft_cache is not None:
         draft_cache = _with_lengths(draft_cache, prompt_lengths)
@@ -175,11 +195,11 @@ def place_rows(state: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeS
     return jax.tree.map(lambda old, x: old.at[rows].set(x, mode="drop"), state, new)
 
 
-def _prefill_on_mesh(plan: Plan, chunk: int):
+def _prefill_on_mesh(plan: Plan, chunk: int, attention: str | None):
     """`chunked_prefill` for plan.batch_size rows, per device on the plan's mesh."""
     target_specs, draft_specs = param_specs(plan)
     return on_mesh(
-        lambda *a, plan: chunked_prefill(*a, plan=plan, chunk=chunk),
+        lambda *a, plan: chunked_prefill(*a, plan=plan, chunk=chunk, attention=attention),
         plan,
         (target_specs, draft_specs, ROW, ROW, ROW, ALL, ROW),
         state_specs(plan),
@@ -197,9 +217,10 @@ def start(
     *,
     plan: Plan,
     chunk: int,
+    attention: str | None = None,
 ) -> DecodeState:
     """A new state of B rows: prompts [B, P] (lengths [B]) prefilled in chunks, inactive rows done."""
-    fn = _prefill_on_mesh(plan, chunk)
+    fn = _prefill_on_mesh(plan, chunk, attention)
     return fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling)
 
 
@@ -215,9 +236,10 @@ def refill(
     *,
     plan: Plan,
     chunk: int,
+    attention: str | None = None,
 ) -> DecodeState:
     """Prefill prompts [R, P] (lengths [R]) and put them into rows [R] of the state (B = dropped)."""
-    fn = _prefill_on_mesh(dataclasses.replace(plan, batch_size=prompts.shape[0]), chunk)
+    fn = _prefill_on_mesh(dataclasses.replace(plan, batch_size=prompts.shape[0]), chunk, attention)
     active = rows < state.bonus.shape[0]
     new = fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling)
     return place_rows(state, new, rows)
@@ -272,7 +294,7 @@ def grow(state: DecodeState, capacity: int) -> DecodeState:
     return dataclasses.replace(state, cache=pad_cache(state.cache), draft_cache=pad_cache(state.draft_cache))
 
 
-start_jit = jax.jit(start, static_argnames=("plan", "chunk"))
-refill_jit = jax.jit(refill, static_argnames=("plan", "chunk"), donate_argnums=(2,))
+start_jit = jax.jit(start, static_argnames=("plan", "chunk", "attention"))
+refill_jit = jax.jit(refill, static_argnames=("plan", "chunk", "attention"), donate_argnums=(2,))
 decode_chunk_jit = jax.jit(decode_chunk, static_argnames=("plan",), donate_argnums=(2,))
 grow_jit = jax.jit(grow, static_argnames=("capacity",))  # a pad cannot reuse its input

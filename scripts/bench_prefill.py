@@ -7,6 +7,7 @@ process's so far, so order the runs by growing footprint (a smaller run after a 
 larger one's peak):
 
     python scripts/bench_prefill.py --runs 1024:1024,32768:1024,32768:4096 --out $OUT/prefill.jsonl
+    python scripts/bench_prefill.py --runs 1024:1024,32768:1024 --prefill-attention causal-cudnn --out ...
 """
 
 from __future__ import annotations
@@ -65,9 +66,13 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
     inputs = (jnp.asarray(tokens), jnp.asarray([length], jnp.int32), jnp.ones((1,), bool))
     stop = jnp.asarray([-1], jnp.int32)
 
+    impl = None if args.prefill_attention == "same" else args.prefill_attention
+
     def once():
-        state = scheduling.start_jit(params, dparams, *inputs, stop, None, plan=plan, chunk=chunk)
-        return jax.block_until_ready(state.bonus)
+        state = scheduling.start_jit(
+            params, dparams, *inputs, stop, None, plan=plan, chunk=chunk, attention=impl
+        )
+        return jax.block_until_ready(state)
 
     start = time.perf_counter()
     once()
@@ -75,8 +80,12 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
     times = []
     for _ in range(args.reps):
         start = time.perf_counter()
-        once()
+        state = once()
         times.append(time.perf_counter() - start)
+    # a fingerprint of the prefill's numerics, to compare attention implementations: the last layer's
+    # cached keys (they depend on every earlier layer's attention) and the first token
+    keys = jax.tree.leaves(state.cache.layers[-1])[0][0, :, :length].astype(jnp.float32)
+    fingerprint = float(jnp.mean(jnp.abs(keys)))
     stats = jax.devices()[0].memory_stats() or {}
     seconds = float(np.median(times))
     flops = prefill_flops(cfg, length)
@@ -86,6 +95,9 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
         "length": length,
         "chunk": chunk,
         "attention": args.attention,
+        "prefill_attention": impl or args.attention,
+        "first_token": int(state.bonus[0]),
+        "last_layer_mean_abs_k": round(fingerprint, 6),
         "method": args.method,
         "capacity": plan.capacity,
         "seconds": round(seconds, 4),
@@ -108,6 +120,11 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="1024:1024,32768:1024", help="LENGTH:CHUNK pairs, in order")
     p.add_argument("--attention", default="pallas")
     p.add_argument("--method", default="ddtree", help="ar: no drafter context")
+    p.add_argument(
+        "--prefill-attention",
+        default="same",
+        help="the chunks' attention: same (as --attention), causal-cudnn, causal-xla, pallas, reference",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -1,22 +1,58 @@
 #!/usr/bin/env bash
-# Issue 20 on one H200, at most 6 minutes (each step under its own timeout), results under $OUT:
-#   prefill.jsonl     chunked prefill of a 1k and a 32k prompt (Qwen3-8B shape, random bf16 weights):
-#                     seconds, peak memory, the FLOP floor at 790 TFLOP/s; Pallas attention, chunks 1k / 4k
-#   bf16-layouts.json the bundled prompts in two batch layouts, bfloat16, Pallas attention: prompts whose
-#                     outputs change, for static batches, continuous and batch-invariant batching
+# Issue 20 on one H200 within DEADLINE seconds (default 470; each step under its own timeout, cut to
+# what is left), results under $OUT:
+#   cudnn-check.json  attention.causal_chunk through cuDNN against the jnp reference (bf16, Qwen3-8B
+#                     heads, a 512-token chunk after 1500 cached tokens): max abs error; seconds
 #   mixed-8b.json     continuous against static batching on a mixed workload (64 prompts of 64 to 1024
-#                     tokens, 64 new tokens, batch 16, ddtree budget 7, a calibrated stop id), then the
-#                     batch-invariant schedule's tokens/s against the default's (the JSON is rewritten
-#                     after each phase, so a timeout keeps what was measured)
-# Run from the repository root: OUT=/some/dir bash scripts/h200_scheduling.sh
+#                     tokens, 64 new tokens, batch 16, ddtree budget 7, up to 8 stop ids calibrated to
+#                     stop 30% of rows), prefill chunks through cuDNN ("auto"), then the batch-invariant
+#                     schedule's tokens/s against the default's (rewritten after each phase)
+#   prefill.jsonl     chunked prefill of a 1k and a 32k prompt (Qwen3-8B shape, random bf16 weights),
+#                     chunks of 1k: cuDNN first, then the Pallas tree kernel (one process each, so each
+#                     peak memory is its own): seconds, peak memory, x the FLOP floor at 790 TFLOP/s
+# Expected: about 6 minutes, most of it compilation. Run from the repository root:
+#   OUT=/some/dir DEADLINE=470 bash scripts/h200_scheduling.sh
 set -u
 OUT=${OUT:-results/h200/scheduling}
+DEADLINE=${DEADLINE:-470}
 mkdir -p "$OUT"
+BEGIN=$(date +%s)
+step() {  # step NAME MAX_SECONDS command...: runs under min(MAX, what is left of DEADLINE - 5)
+    local name=$1 max=$2 left
+    shift 2
+    left=$((DEADLINE - ($(date +%s) - BEGIN) - 5))
+    if [ "$left" -lt 20 ]; then echo "$name: skipped, ${left}s left" | tee -a "$OUT/steps.log"; return; fi
+    [ "$left" -lt "$max" ] && max=$left
+    local t0=$(date +%s)
+    timeout "$max" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $? after $(($(date +%s) - t0))s (limit ${max}s)" | tee -a "$OUT/steps.log"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-timeout 100 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024,32768:4096 \
-    --attention pallas --out "$OUT/prefill.jsonl" || echo "bench_prefill: exit $?"
-timeout 50 python3 scripts/batch_layouts.py --attention pallas --prefill-chunk 64 \
-    --out "$OUT/bf16-layouts.json" || echo "batch_layouts: exit $?"
-timeout 200 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
+step cudnn-check 45 python3 - "$OUT/cudnn-check.json" <<'PY'
+import json, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from ddtree_jax.attention import causal_chunk
+from pallas_kernels import tree_attention_reference
+rng = np.random.default_rng(0)
+b, t, hq, hkv, d, s, n = 2, 512, 32, 8, 128, 2048, 1500
+x = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+q, kn, vn, kc, vc = x(b, t, hq, d), x(b, t, hkv, d), x(b, t, hkv, d), x(b, hkv, s, d), x(b, hkv, s, d)
+lengths = jnp.asarray([0, n], jnp.int32)
+mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+fn = jax.jit(lambda *a: causal_chunk(*a, implementation="cudnn"))
+got = jax.block_until_ready(fn(q, kc, vc, lengths, kn, vn, mask))
+start = time.perf_counter(); jax.block_until_ready(fn(q, kc, vc, lengths, kn, vn, mask)); sec = time.perf_counter() - start
+ref = tree_attention_reference(q, kc, vc, lengths, kn, vn, mask)
+err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+out = {"max_abs_error": err, "bf16_ok": err < 0.05, "seconds": round(sec, 5), "shape": [b, t, hq, hkv, d, s, n],
+       "device": jax.devices()[0].device_kind}
+print(json.dumps(out)); open(sys.argv[1], "w").write(json.dumps(out) + "\n")
+PY
+step mixed 250 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
     --prompts 64 --min-len 64 --max-len 1024 --max-new-tokens 64 --batch-size 16 --budget 7 \
-    --prefill-chunk 512 --batch-invariant --out "$OUT/mixed-8b.json" || echo "bench_scheduling: exit $?"
+    --prefill-chunk 512 --stop-tokens 8 --batch-invariant --out "$OUT/mixed-8b.json"
+step prefill-cudnn 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
+    --prefill-attention causal-cudnn --out "$OUT/prefill.jsonl"
+step prefill-pallas 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
+    --out "$OUT/prefill.jsonl"
+echo "total $(($(date +%s) - BEGIN))s" | tee -a "$OUT/steps.log"
