@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Scores at or below INVALID_SCORE mark padding (no such lattice node). Real scores are sums of at
 # most D clamped log-probs, >= D * LOGP_MIN, far above it.
@@ -50,24 +51,62 @@ def _clean_logp(logp: jax.Array) -> jax.Array:
     return jnp.where(logp == 0.0, 0.0, logp)
 
 
-def _beams(logp: jax.Array, budget: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _staircase(budget: int, k: int) -> np.ndarray:
+    """Flat candidate ids j * k + c (ascending) of a beam step that can reach its top-`budget`.
+
+    With the beam and the depth's log-probs both sorted descending, the (j + 1)(c + 1) - 1
+    candidates (j', c') != (j, c) with j' <= j, c' <= c score at least as high (float rounding is
+    monotone) and come earlier in the flattened order, so (j, c) is in the top-`budget` only if
+    (j + 1)(c + 1) <= budget: about budget * ln(budget) candidates instead of budget * k
+    (266 instead of 2016 at budget 63, k 32). The first column alone holds `budget` of them.
+    """
+    j, c = np.meshgrid(np.arange(budget), np.arange(k), indexing="ij")
+    return np.flatnonzero(((j + 1) * (c + 1) <= budget).reshape(-1)).astype(np.int32)
+
+
+def _beams(logp: jax.Array, budget: int, *, prune: bool = True, unroll: bool = False):
     """Per-depth top-`budget` lattice nodes of one sequence, each in its depth's order.
 
-    logp [D, k] -> score [D, N], parent beam slot [D, N], child rank [D, N] (N = budget).
+    logp [D, k], each depth sorted descending -> score [D, N], parent beam slot [D, N], child
+    rank [D, N] and rank path [D, N, D] (the child rank at depths 1..d of each beam entry, -1
+    below it; N = budget). `prune` searches only the staircase candidates (`_staircase`): the
+    same top-N in the same order; without it the paths stay -1 (not carried).
     """
-    k = logp.shape[1]
+    d_max, k = logp.shape
+    flat = _staircase(budget, k) if prune else np.arange(budget * k, dtype=np.int32)
     # beam_0 is the root alone (score 0); its expansions are depth 1.
     root_beam = jnp.full((budget,), NEG_SCORE, jnp.float32).at[0].set(0.0)
+    root_paths = jnp.full((budget, d_max), -1, jnp.int32)
 
-    def step(beam, logp_d):  # beam [N], logp_d [k]
+    def step(carry, xs):  # beam [N], paths [N, D]; logp_d [k], level d - 1
+        beam, paths = carry
+        logp_d, level = xs
         live = beam > INVALID_SCORE
         # Flattened as j * k + c: ties go to the earlier parent slot, then the lower rank.
-        cand = jnp.where(live[:, None], beam[:, None] + logp_d[None, :], NEG_SCORE)  # [N, k]
-        score, idx = jax.lax.top_k(cand.reshape(-1), budget)  # [N]
-        return score, (score, idx // k, idx % k)
+        cand = jnp.where(live[:, None], beam[:, None] + logp_d[None, :], NEG_SCORE).reshape(-1)
+        score, pick = jax.lax.top_k(cand[flat], budget)  # [N]
+        idx = jnp.asarray(flat)[pick]
+        slot, rank = idx // k, idx % k
+        if prune:  # (the "climb" build before issue 22 carried no paths)
+            paths = jnp.where(jnp.arange(d_max)[None, :] == level, rank[:, None], paths[slot])
+        return (score, paths), (score, slot, rank, paths)
 
-    _, (score, slot, rank) = jax.lax.scan(step, root_beam, logp)
-    return score, slot.astype(jnp.int32), rank.astype(jnp.int32)
+    levels = jnp.arange(d_max, dtype=jnp.int32)
+    _, (score, slot, rank, paths) = jax.lax.scan(step, (root_beam, root_paths), (logp, levels), unroll=unroll)
+    return score, slot.astype(jnp.int32), rank.astype(jnp.int32), paths
+
+
+def _mask_from_paths(paths: jax.Array, valid: jax.Array) -> jax.Array:
+    """Ancestor mask of one tree from its nodes' rank paths [T, D] (-1 below a node's depth).
+
+    j is i or an ancestor of i iff j's path is a prefix of i's: every rank j has is i's rank at
+    that depth. A lattice node is its rank path, so no climb over parents is needed.
+    """
+    t = paths.shape[0]
+    prefix = jnp.all((paths[None, :, :] < 0) | (paths[None, :, :] == paths[:, None, :]), axis=-1)
+    nodes = jnp.arange(t, dtype=jnp.int32)
+    both = valid[:, None] & valid[None, :]
+    return (prefix & both) | (nodes[:, None] == nodes[None, :])
 
 
 def _ancestor_mask_one(parent: jax.Array, depth: jax.Array, valid: jax.Array, max_depth: int):
@@ -95,10 +134,18 @@ def ancestor_mask(parent: jax.Array, depth: jax.Array, valid: jax.Array, max_dep
     return jax.vmap(partial(_ancestor_mask_one, max_depth=max_depth))(parent, depth, valid)
 
 
-def _build_one(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int):
-    """One sequence: bonus [], logp/tok [D, k] -> tokens, parent, depth, valid [T]."""
+def _build_one(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int, variant: str):
+    """One sequence: bonus [], logp/tok [D, k] -> tokens, parent, depth, valid [T], mask [T, T]."""
     d_max = logp.shape[0]
-    score, slot, rank = _beams(_clean_logp(logp), budget)  # [D, N] each
+    logp = _clean_logp(logp)
+    if variant != "climb":
+        # Sort each depth (descending; equal values keep their rank order, as the flattened
+        # tie rule needs) so that the staircase holds; the engine's input is sorted already.
+        logp, order = jax.lax.top_k(logp, logp.shape[1])
+        tok = jnp.take_along_axis(tok, order, axis=1)
+    score, slot, rank, paths = _beams(
+        logp, budget, prune=variant != "climb", unroll=variant == "paths-unrolled"
+    )  # [D, N] each; paths [D, N, D]
     # Global top-N flattened as d * N + j: ties go to the shallower depth, then the beam order.
     # A parent strictly precedes its child in this order, so parents get smaller node indices.
     top_score, flat = jax.lax.top_k(score.reshape(-1), budget)  # [N]
@@ -114,19 +161,36 @@ def _build_one(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int):
     parent = jnp.concatenate([zero, jnp.where(valid, parent, 0).astype(jnp.int32)])
     depth = jnp.concatenate([zero, jnp.where(valid, d0 + 1, 0).astype(jnp.int32)])
     valid = jnp.concatenate([jnp.ones((1,), bool), valid])
-    return tokens, parent, depth, valid
+    if variant == "climb":
+        mask = _ancestor_mask_one(parent, depth, valid, d_max)
+    else:
+        node_paths = jnp.concatenate([jnp.full((1, d_max), -1, jnp.int32), paths[d0, j]])  # [T, D]
+        mask = _mask_from_paths(node_paths, valid)
+    return tokens, parent, depth, valid, mask
 
 
-@partial(jax.jit, static_argnames=("budget",))
-def build_tree(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int) -> Tree:
+BUILD_VARIANTS = ("paths", "paths-unrolled", "climb")
+
+
+@partial(jax.jit, static_argnames=("budget", "variant"))
+def build_tree(
+    bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int, variant: str = "paths"
+) -> Tree:
     """Tree of the `budget` best lattice nodes under the root `bonus`; T = budget + 1.
 
     bonus [B] int32; logp [B, D, k] float32 per-depth top-k log-probs (sorted descending);
     tok [B, D, k] int32 their tokens (distinct within a depth). Padding when the lattice has
-    fewer than `budget` nodes.
+    fewer than `budget` nodes. `variant` (the same tree from each): "paths" beam steps over the
+    staircase candidates, carrying each entry's rank path, which gives the ancestor mask with no
+    loop; "paths-unrolled" the same with the D beam steps unrolled; "climb" every N x k
+    candidate and the mask by a loop of D + 1 climbs over parents (the build before issue 22,
+    kept to measure against and as a cross-check).
     """
-    tokens, parent, depth, valid = jax.vmap(partial(_build_one, budget=budget))(bonus, logp, tok)
-    mask = ancestor_mask(parent, depth, valid, max_depth=logp.shape[1])
+    if variant not in BUILD_VARIANTS:
+        raise ValueError(f"variant must be one of {BUILD_VARIANTS}, got {variant!r}")
+    tokens, parent, depth, valid, mask = jax.vmap(partial(_build_one, budget=budget, variant=variant))(
+        bonus, logp, tok
+    )
     return Tree(tokens, parent, depth, valid, mask)
 
 

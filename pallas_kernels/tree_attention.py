@@ -404,3 +404,122 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     l_all = jnp.sum(w * l, axis=0)
     acc_all = jnp.sum(w[..., None] * acc, axis=0)
     return acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+# -- The prefix and the tree apart, merged by log-sum-exp (issue 22) ----------------------------------
+#
+# Every tree node attends the whole committed prefix [0, len) unmasked; only the T x T in-flight part
+# carries the ancestor mask. So the prefix part is plain (padded-length) attention, which a library
+# kernel can run, and the small masked part can be merged in afterwards from each part's normalised
+# output and log-sum-exp. Queries are packed as rows r = node * G + head per K/V head: [B, Hkv, T*G, D].
+
+
+def _pack_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q [B, T, Hq, D] -> [B, Hkv, T * G, D], row = node * G + head."""
+    b, t, hq, d = q.shape
+    g = hq // kv_heads
+    return q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * g, d)
+
+
+def _unpack_rows(x: jax.Array, num_nodes: int) -> jax.Array:
+    """[B, Hkv, T * G, D] -> [B, T, Hq, D] (the inverse of `_pack_queries`)."""
+    b, hkv, r, d = x.shape
+    g = r // num_nodes
+    return x.reshape(b, hkv, num_nodes, g, d).transpose(0, 2, 1, 3, 4).reshape(b, num_nodes, hkv * g, d)
+
+
+def prefix_attention_reference(
+    qp: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Packed rows qp [B, Hkv, R, D] over cache [0, len): output [B, Hkv, R, D] f32, lse [B, Hkv, R] f32.
+
+    lse is the natural log-sum-exp of the scaled scores (-inf on an empty prefix, output 0 there).
+    """
+    d, s = qp.shape[-1], k_cache.shape[2]
+    scores = jnp.einsum("bhrd,bhsd->bhrs", qp.astype(jnp.float32) * d**-0.5, k_cache.astype(jnp.float32))
+    valid = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # -inf where nothing is valid
+    p = jnp.where(valid, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    return jnp.einsum("bhrs,bhsd->bhrd", p, v_cache.astype(jnp.float32)), lse
+
+
+def prefix_attention_cudnn(
+    qp: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`prefix_attention_reference` through cuDNN's fused flash attention (GPU only; wgmma on Hopper).
+
+    jax 0.11.2's public `jax.nn.dot_product_attention` does not return the log-sum-exp; its backend
+    `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` does (`return_residual=True`),
+    takes the cache's own [B, N, S, H] layout (`qkv_layout="BNTH"`), bfloat16, and per-row key
+    lengths (`kv_seqlen` with a padding mask). A private module: pinned to this jax version.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    b, _, r, d = qp.shape
+    out, lse = cudnn_attention.dot_product_attention(
+        qp,
+        k_cache,
+        v_cache,
+        q_seqlen=jnp.full((b,), r, jnp.int32),
+        kv_seqlen=lengths.astype(jnp.int32),
+        scale=d**-0.5,
+        mask_type=cudnn_attention.MaskType.PADDING,
+        qkv_layout="BNTH",
+        return_residual=True,
+    )
+    empty = (lengths <= 0)[:, None, None]
+    lse = jnp.where(empty, -jnp.inf, lse.reshape(qp.shape[:3]).astype(jnp.float32))
+    return jnp.where(empty[..., None], 0.0, out.astype(jnp.float32)), lse
+
+
+def _tree_part(qp: jax.Array, k_new: jax.Array, v_new: jax.Array, mask: jax.Array, group: int):
+    """The in-flight part: rows qp [B, Hkv, T*G, D] over k_new/v_new [B, T, Hkv, D] under mask
+    [B, T, T] -> output [B, Hkv, T*G, D] f32, lse [B, Hkv, T*G] f32 (-inf on a row that sees none)."""
+    d = qp.shape[-1]
+    scores = jnp.einsum("bhrd,bjhd->bhrj", qp.astype(jnp.float32) * d**-0.5, k_new.astype(jnp.float32))
+    seen = jnp.repeat(mask.astype(bool), group, axis=1)[:, None]  # [B, 1, T*G, T]
+    scores = jnp.where(seen, scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    p = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    return jnp.einsum("bhrj,bjhd->bhrd", p, v_new.astype(jnp.float32)), lse
+
+
+def merge_by_lse(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """Softmax over the union of disjoint key sets from each set's (normalised output [..., D],
+    natural lse [...]); a set with lse -inf adds nothing; a row no set sees gets zeros (as in
+    `tree_attention_reference`)."""
+    m = jnp.max(jnp.stack([lse for _, lse in parts]), axis=0)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    weights = [jnp.exp(lse - m) for _, lse in parts]
+    total = sum(weights)
+    acc = sum(w[..., None] * out for w, (out, _) in zip(weights, parts, strict=True))
+    return acc / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+PREFIX_KERNELS = {"reference": prefix_attention_reference, "cudnn": prefix_attention_cudnn}
+
+
+@functools.partial(jax.jit, static_argnames=("prefix",))
+def tree_attention_merged(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    mask: jax.Array,
+    *,
+    prefix: str = "cudnn",
+) -> jax.Array:
+    """Tree attention (contract of `tree_attention_reference`, no window) as an unmasked prefix
+    part (`PREFIX_KERNELS[prefix]`) and the masked in-flight part, merged by log-sum-exp."""
+    hkv = k_cache.shape[1]
+    qp = _pack_queries(q, hkv)
+    out = merge_by_lse(
+        [
+            PREFIX_KERNELS[prefix](qp, k_cache, v_cache, lengths),
+            _tree_part(qp, k_new, v_new, mask, q.shape[2] // hkv),
+        ]
+    )
+    return _unpack_rows(out, q.shape[1]).astype(q.dtype)

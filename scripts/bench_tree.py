@@ -1,10 +1,11 @@
 """Time the tree build (`tree.build_tree`: beams, selection, ancestor mask) alone, jitted, per batch
-size and budget, on random sorted drafter log-probs.
+size, budget and build variant, on random sorted drafter log-probs.
 
-python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --out tree.json
+python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --variants paths,climb --out tree.json
 """
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -18,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
 from ddtree_jax.bench import median_seconds  # noqa: E402
-from ddtree_jax.tree import build_tree  # noqa: E402
+from ddtree_jax.tree import BUILD_VARIANTS, build_tree  # noqa: E402
 
 
 def main() -> None:
@@ -26,20 +27,21 @@ def main() -> None:
     ap.add_argument("--cases", default="1:63,16:7,16:15,1:255", help="batch:budget pairs")
     ap.add_argument("--depth", type=int, default=15, help="drafter depths D (block size - 1)")
     ap.add_argument("--top-k", type=int, default=32, help="candidates per depth")
+    ap.add_argument("--variants", default="paths", help=f"comma-separated, of {BUILD_VARIANTS}")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     rows = []
-    for case in args.cases.split(","):
-        batch, budget = map(int, case.split(":"))
+    pairs = [tuple(map(int, case.split(":"))) for case in args.cases.split(",")]
+    for (batch, budget), variant in itertools.product(pairs, args.variants.split(",")):
         rng = np.random.default_rng(0)
         logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.top_k)), axis=-1)
         tok = np.broadcast_to(np.arange(args.top_k, dtype=np.int32), logp.shape)
         inputs = (jnp.zeros((batch,), jnp.int32), jnp.asarray(logp, jnp.float32), jnp.asarray(tok))
         start = time.perf_counter()
-        build = build_tree.lower(*inputs, budget=budget).compile()
+        build = build_tree.lower(*inputs, budget=budget, variant=variant).compile()
         compile_s = time.perf_counter() - start
-        row = {"batch": batch, "budget": budget, "compile_s": round(compile_s, 2)}
+        row = {"batch": batch, "budget": budget, "variant": variant, "compile_s": round(compile_s, 2)}
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
