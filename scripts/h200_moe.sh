@@ -3,10 +3,10 @@
 # Qwen3-30B-A3B-shaped target (bf16, ~61 GB, Pallas attention, 1k context) with the default MoE dispatch
 # (on the GPU, moe.choose_dispatch: gather up to 4 tokens, the Pallas grouped kernel above): ar and
 # ddtree 7 / 15 at batch 1 and 16 in one call (batch 16 was never measured: it runs before anything
-# optional); then the dispatch
+# optional); then the batch-1 ar step with the one-token alternatives (grouped, grouped_split) that
+# decide moe.GPU_GATHER_MAX_TOKENS; then, if time is left, the dispatch
 # micro-benchmark (scripts/bench_moe.py: Pallas grouped, grouped with more K splits, gather,
-# ragged_dot at 1 / 8 / 16 / 64 / 512 tokens, 2048 x 768 experts); then the batch-1 ar step with the
-# one-token alternatives (grouped, grouped_split) that decide moe.GPU_GATHER_MAX_TOKENS.
+# ragged_dot at 1 / 8 / 16 / 64 / 512 tokens, 2048 x 768 experts).
 # Each step runs under `timeout` (its cap or what is left of $DEADLINE, default 470 s); results and
 # logs under $OUT. With TP=2 on a two-GPU kind it adds the expert-parallel and tensor-parallel rows.
 set -u
@@ -26,10 +26,10 @@ step() {  # step NAME CAP_S COMMAND...: run under timeout min(CAP_S, time left);
   echo "rc $?"; tail -n 14 "$OUT/$name.log"
 }
 
-step batch 250 $B --methods ar,ddtree --budgets 7,15 --batches 1,16 --out "$OUT/batch.json"
-step dispatch 130 python3 scripts/bench_moe.py --deadline-s 95 --out "$OUT/dispatch.json"
+step batch 230 $B --methods ar,ddtree --budgets 7,15 --batches 1,16 --out "$OUT/batch.json"
 step ar_grouped 75 $B --methods ar --batches 1 --moe-dispatch grouped --out "$OUT/ar_grouped.json"
 step ar_split 75 $B --methods ar --batches 1 --moe-dispatch grouped_split --out "$OUT/ar_split.json"
+step dispatch 130 python3 scripts/bench_moe.py --deadline-s 95 --out "$OUT/dispatch.json"
 if [ "$TP" -gt 1 ]; then
   step ep$TP 120 $B --methods ar,ddtree --budgets 15 --batches 1 --tp "$TP" --moe-sharding ep --out "$OUT/ep$TP.json"
   step tpexp$TP 120 $B --methods ar,ddtree --budgets 15 --batches 1 --tp "$TP" --moe-sharding tp \
