@@ -229,6 +229,18 @@ def test_expert_matmul_every_branch(directory, proj):
         _close_dot(jax.jit(arrays.reduce_matmul)(x, w, expert), want)
 
 
+@pytest.mark.parametrize("directory", [FP8, INT4], ids=["fp8", "int4"])
+def test_slot_matmul_shared_and_per_slot_rows(directory):
+    """Each token's k experts, x shared by the slots [N, in] or one row per slot [N, k, in]."""
+    w, ref = stacked(directory, "gate")  # ref [E, in, out]
+    rng = np.random.default_rng(5)
+    experts = rng.integers(0, ref.shape[0], (3, 2)).astype(np.int32)  # N 3, k 2
+    x = rng.standard_normal((3, ref.shape[1])).astype(np.float32)
+    _close(jax.jit(arrays.slot_matmul)(x, w, experts), np.einsum("ni,nkio->nko", x, ref[experts]))
+    xk = rng.standard_normal((3, 2, ref.shape[1])).astype(np.float32)
+    _close(jax.jit(arrays.slot_matmul)(xk, w, experts), np.einsum("nki,nkio->nko", xk, ref[experts]))
+
+
 def test_ragged_matmul_groups_and_trailing_rows():
     w, ref = stacked(INT4, "gate")
     x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)

@@ -11,7 +11,7 @@ experts). Either way each device returns a partial sum that the layer's all-redu
 dense MLP.
 
 Dispatches (each exact; which is fastest depends on N and the backend, see `choose_dispatch`):
-  gather   per token and slot, gather the chosen experts' weights and multiply (`gather_matmul`):
+  gather   per token and slot, gather the chosen experts' weights and multiply (`slot_matmul`):
            reads k expert matrices per token, the least work for one or a few tokens
   sorted   sort the N x k (token, expert) pairs by expert, then grouped matmuls through
            `jax.lax.ragged_dot` (`ragged_matmul`); any backend
@@ -40,9 +40,9 @@ from ddtree_jax.quant.arrays import (
     Int4Weight,
     Weight,
     dequantize,
-    gather_matmul,
     num_experts,
     ragged_matmul,
+    slot_matmul,
 )
 from ddtree_jax.weights import WeightSpec, stacked_linear
 
@@ -116,13 +116,8 @@ def _combine(out: jax.Array, weights: jax.Array, here: jax.Array) -> jax.Array:
 
 def _gather(p: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
     """[N, k, H] expert outputs, each (token, slot) multiplying its own gathered expert matrices."""
-    n, k = experts.shape
-    chosen = experts.reshape(-1)
-    rows = jnp.repeat(x, k, axis=0)  # [N k, H], row n k + j = token n
-    act = jax.nn.silu(gather_matmul(rows, p["experts_gate"], chosen)) * gather_matmul(
-        rows, p["experts_up"], chosen
-    )
-    return gather_matmul(act, p["experts_down"], chosen).reshape(n, k, -1)
+    act = jax.nn.silu(slot_matmul(x, p["experts_gate"], experts)) * slot_matmul(x, p["experts_up"], experts)
+    return slot_matmul(act, p["experts_down"], experts)
 
 
 def _mgpu_ragged_dot(lhs: jax.Array, rhs: Weight, sizes: jax.Array) -> jax.Array:

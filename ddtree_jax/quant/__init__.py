@@ -11,6 +11,7 @@ from ddtree_jax.quant.arrays import (
     gather_matmul,
     matmul,
     ragged_matmul,
+    slot_matmul,
     sorted_matmul,
     stored_bytes,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "matmul",
     "parse_quantization",
     "ragged_matmul",
+    "slot_matmul",
     "sorted_matmul",
     "stored_bytes",
     "stored_form",

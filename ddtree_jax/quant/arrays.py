@@ -176,6 +176,17 @@ def gather_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
     return jnp.einsum("pi,pio->po", _pad_in(x, full.shape[-2]), full)[..., :n_out]
 
 
+def slot_matmul(x: jax.Array, w: Weight, experts: jax.Array) -> jax.Array:
+    """Each token's k chosen experts: x [N, in] (shared by the slots) or [N, k, in] (one row per slot),
+    W [E, in, out], experts [N, k] -> [N, k, out]. Gathers the stored bytes of N k experts and contracts
+    without repeating x per slot: on the H200 this einsum ran a Qwen3-30B-A3B layer at one token in
+    0.126 ms against 0.191 ms for `gather_matmul` on x repeated k times (results/notes.md)."""
+    chosen = jax.tree.map(lambda a: a[experts], w)  # [N, k, in, out] (stored form)
+    full, n_out = _operand(chosen, x.dtype)
+    spec = "ni,nkio->nko" if x.ndim == 2 else "nki,nkio->nko"
+    return jnp.einsum(spec, _pad_in(x, full.shape[-2]), full)[..., :n_out]
+
+
 def reduce_matmul(x: jax.Array, w: Weight, expert: jax.Array | None = None) -> jax.Array:
     """x [P, in] times W [in, out] (or its own expert of W [E, in, out] when `expert` [P] is given) as a
     float32 multiply and sum over `in`: one elementwise-plus-reduction that XLA can fuse with the gather
