@@ -257,7 +257,7 @@ def resolve_tuning(
     """The tuning `mla_attention` uses for q_latent's shape [B, T, H, C]; None picks the default.
 
     Defaults from the first H200 run's fit (see `default_splits` and results/notes.md, "The MLA
-    kernel, second pass"), to be replaced by the sweep of scripts/bench_mla_attention.py. Packed
+    kernel, second pass") and the sweep of scripts/bench_mla_attention.py (2026-12-01). Packed
     rows (T x H) of one sequence:
     - up to 16 (a TP8 shard's decode, 8 heads): one 16-row tile, 4 warps (the float32
       accumulator, 16 x 512, is 64 registers per thread), two programs per SM.
@@ -265,8 +265,9 @@ def resolve_tuning(
       T = 64): at TP1 decode (64 heads) ALL rows in ONE tile, so each cache block is loaded once per
       sequence and split where 16-row tiles loaded it 4 times, and a loop step does 4x the work in
       the same measured time.
-    32-row cache blocks of 576 keys, 2 stages (36 kB of bf16 per stage); larger cache blocks halve
-    the steps but need 72 kB per stage (the sweep tries them). `value_splits` (default 1) splits
+    Cache blocks of 576 keys: 64 rows (72 kB of bf16 per stage, 2 stages) behind 64-row tiles, where
+    the H200 sweep measured them 1.1x / 1.4x / 1.3x faster than 32 (64 heads T = 1, 64 heads T = 64,
+    8 heads T = 64, all at 32k); 32 rows behind 16-row tiles (8 heads, T = 1: 50.8 us against 64.2). `value_splits` (default 1) splits
     the C output columns over programs sharing a row tile, each recomputing the scores: smaller
     accumulators at the price of the score matmul done again; C / value_splits must be a power of
     two >= 16.
@@ -274,7 +275,7 @@ def resolve_tuning(
     b, t, h, c = q_shape
     rows = t * h
     block_q = block_q or (16 if rows <= 16 else 64)
-    block_k = block_k or 32
+    block_k = block_k or (32 if block_q <= 16 else 64)
     value_splits = value_splits or 1
     num_warps = num_warps or (4 if block_q <= 16 else 8)
     num_stages = num_stages or 2

@@ -164,16 +164,16 @@ def test_default_tuning_for_kimi_k2_shapes():
     """64 heads at TP1, 8 per device at TP8: all heads of a decode in one 64-row tile, splits
     counted in waves of 132 SMs (two 16-row programs per SM, one 64-row), the fewest within 10% of
     the least waves x blocks, at most 256 and at least 4 cache blocks each."""
-    keys = ("block_q", "num_warps", "row_tiles", "value_splits", "splits")
-    assert [resolve_tuning((1, 1, 64, 512), 32768)[k] for k in keys] == [64, 8, 1, 1, 128]
-    assert [resolve_tuning((1, 1, 8, 512), 32768)[k] for k in keys] == [16, 4, 1, 1, 256]
+    keys = ("block_q", "block_k", "num_warps", "row_tiles", "value_splits", "splits")
+    assert [resolve_tuning((1, 1, 64, 512), 32768)[k] for k in keys] == [64, 64, 8, 1, 1, 128]
+    assert [resolve_tuning((1, 1, 8, 512), 32768)[k] for k in keys] == [16, 32, 4, 1, 1, 256]
     assert resolve_tuning((1, 1, 8, 512), 1024)["splits"] == 8  # 4 blocks of 32 per split
-    assert [resolve_tuning((1, 64, 8, 512), 32768)[k] for k in keys] == [64, 8, 8, 1, 15]  # one wave
+    assert [resolve_tuning((1, 64, 8, 512), 32768)[k] for k in keys] == [64, 64, 8, 8, 1, 15]  # one wave
     tp1_verify = resolve_tuning((1, 64, 64, 512), 32768)
     assert (tp1_verify["row_tiles"], tp1_verify["splits"]) == (64, 2)  # not 3: 192 programs, two waves
     assert resolve_tuning((16, 64, 64, 512), 32768)["splits"] == 1
     assert resolve_tuning((16, 1, 64, 512), 32768)["splits"] == 8  # 128 programs
-    assert resolve_tuning((1, 1, 64, 512), 1024, value_splits=2)["splits"] == 8
+    assert resolve_tuning((1, 1, 64, 512), 1024, value_splits=2)["splits"] == 4  # 16 blocks of 64
     with pytest.raises(ValueError, match="value_splits"):
         resolve_tuning((1, 1, 64, 64), 256, value_splits=8)
 
