@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill tokens per row per step (a power of two >= 16)",
     )
     p.add_argument(
+        "--prefill-attention",
+        choices=("same", "cudnn"),
+        default="same",
+        help="the prefill chunks' attention: the decode attention (same) or, on CUDA in bf16, cuDNN flash "
+        "attention (faster for one long prompt, slower for continuous refills: results/notes.md)",
+    )
+    p.add_argument(
         "--batch-invariant",
         action="store_true",
         help="fixed shapes: a prompt's tokens do not depend on the prompts beside it (bfloat16 too)",
@@ -472,7 +479,11 @@ def generate_all(args: argparse.Namespace, gen, prompts: list, writer: Writer) -
     results = []
     try:
         for result in tqdm(
-            finished, total=len(prompts), desc="prompts", unit="prompt", file=sys.stderr,
+            finished,
+            total=len(prompts),
+            desc="prompts",
+            unit="prompt",
+            file=sys.stderr,
             disable=not is_writer(args),
         ):
             results.append(result)

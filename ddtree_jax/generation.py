@@ -239,10 +239,13 @@ class Generator:
         )
 
     def prefill_attention(self, plan: Plan) -> str:
-        """The attention of the prefill chunks: the schedule's, or ("auto") cuDNN flash attention on
-        CUDA for GQA families in bf16/f16 (attention.prefill_implementation), else the plan's."""
+        """The attention of the prefill chunks: the plan's ("same"), cuDNN flash attention on CUDA for
+        GQA families in bf16/f16 ("cudnn", attention.prefill_implementation; else the plan's), or the
+        implementation the schedule names."""
         choice = self.schedule.prefill_attention
-        if choice != "auto":
+        if choice == "same":
+            return plan.attention
+        if choice != "cudnn":
             return choice
         cfg = plan.target
         if models.FAMILIES.get(cfg.architecture) not in GQA_FAMILIES:

@@ -190,5 +190,9 @@ def load_generator(args):
         dequantize=args.dequantize,
     )
     plan = plan_from_args(pair, args)
-    schedule = Schedule(chunk=args.prefill_chunk, batch_invariant=args.batch_invariant)
+    schedule = Schedule(
+        chunk=args.prefill_chunk,
+        batch_invariant=args.batch_invariant,
+        prefill_attention=getattr(args, "prefill_attention", "same"),
+    )
     return generator(pair, plan, sampling_from_args(args), args.host_stepped, schedule)

@@ -12,7 +12,7 @@ cache written so far and to itself under a causal mask, the same attention a ver
 a prompt computes at most C / 4 - 1 padding tokens (one prompt program serves every length: on the
 H200 a 128-token chunk of one row costs about what reading the weights does, 3.4 ms for Qwen3-8B).
 The drafter's context K/V of each chunk come from the chunk's target features, written at the same
-slots. On CUDA the chunk's attention is cuDNN flash attention (attention.prefill_implementation).
+slots. On CUDA the chunk's attention can be cuDNN flash attention (`Schedule.prefill_attention`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ class Schedule:
     chunk: int = 256  # C: prefill tokens per row per step (a power of two); the tail runs in C / 4
     refill_at: int = 1  # return to the host for a refill once this many rows are done
     batch_invariant: bool = False  # fixed shapes: a row's tokens do not depend on the other rows
-    prefill_attention: str = "auto"  # "auto": cuDNN flash attention on CUDA (bf16), else the plan's
+    # "same": the plan's attention; "cudnn": cuDNN flash attention where it applies (CUDA, bf16/f16,
+    # GQA, not batch-invariant), else the plan's; or an implementation name (attention.kernel).
+    prefill_attention: str = "same"
 
     def __post_init__(self):
         if self.chunk < 16 or self.chunk & (self.chunk - 1):

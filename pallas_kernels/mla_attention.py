@@ -267,10 +267,10 @@ def resolve_tuning(
       the same measured time.
     Cache blocks of 576 keys: 64 rows (72 kB of bf16 per stage, 2 stages) behind 64-row tiles, where
     the H200 sweep measured them 1.1x / 1.4x / 1.3x faster than 32 (64 heads T = 1, 64 heads T = 64,
-    8 heads T = 64, all at 32k); 32 rows behind 16-row tiles (8 heads, T = 1: 50.8 us against 64.2). `value_splits` (default 1) splits
-    the C output columns over programs sharing a row tile, each recomputing the scores: smaller
-    accumulators at the price of the score matmul done again; C / value_splits must be a power of
-    two >= 16.
+    8 heads T = 64, all at 32k); 32 rows behind 16-row tiles (8 heads, T = 1: 50.8 us against 64.2).
+    `value_splits` (default 1) splits the C output columns over programs sharing a row tile, each
+    recomputing the scores: smaller accumulators at the price of the score matmul done again; C /
+    value_splits must be a power of two >= 16.
     """
     b, t, h, c = q_shape
     rows = t * h

@@ -186,8 +186,8 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--prefill-attention",
-        default="auto",
-        help="the prefill chunks' attention: auto (cuDNN on CUDA, bf16) or an implementation name",
+        default="same",
+        help="the prefill chunks' attention: same (the decode attention), cudnn, or an implementation name",
     )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention", default="reference")

@@ -217,12 +217,14 @@ def test_causal_chunk_lowers_for_cuda(monkeypatch):
 
 
 def test_prefill_attention_choice():
-    """cuDNN for bf16 GQA chunks on CUDA only; the plan's implementation on CPU, in float32, for MLA
-    or when batch-invariant; a schedule may name one."""
+    """cuDNN (when asked) for bf16 GQA chunks on CUDA only; the plan's implementation on CPU, in
+    float32, for MLA or when batch-invariant; a schedule may name one."""
     from ddtree_jax import attention
 
     assert attention.prefill_implementation("reference", jnp.bfloat16, 128, False) == "reference"  # CPU
     gen = generator()
+    assert gen.prefill_attention(dataclasses.replace(gen.plan_template, attention="pallas")) == "pallas"
+    gen.schedule = Schedule(prefill_attention="cudnn")  # on the CPU: the plan's
     assert gen.prefill_attention(dataclasses.replace(gen.plan_template, attention="pallas")) == "pallas"
     gen.schedule = Schedule(prefill_attention="causal-xla")
     assert gen.prefill_attention(gen.plan_template) == "causal-xla"
