@@ -184,7 +184,9 @@ def build_tree(
     staircase candidates, carrying each entry's rank path, which gives the ancestor mask with no
     loop; "paths-unrolled" the same with the D beam steps unrolled; "climb" every N x k
     candidate and the mask by a loop of D + 1 climbs over parents (the build before issue 22,
-    kept to measure against and as a cross-check).
+    kept to measure against and as a cross-check). Input sorted as stated, every variant gives the
+    same tree, ties included; the pruned variants sort unsorted input first, which keeps the top-N
+    but may order two nodes differently where their sums tie only by float rounding.
     """
     if variant not in BUILD_VARIANTS:
         raise ValueError(f"variant must be one of {BUILD_VARIANTS}, got {variant!r}")

@@ -35,7 +35,7 @@ def test_every_dependency_is_imported():
         assert re.search(rf"^\s*(import|from) {re.escape(module)}\b", package, re.M), requirement
     tests = sources("tests")
     for requirement in PROJECT["optional-dependencies"]["test"]:
-        if name(requirement) in ("pytest", "ruff"):  # the runner and the linter
+        if name(requirement) in ("pytest", "pytest-xdist", "ruff"):  # the runner, its -n plugin, the linter
             continue
         module = name(requirement).replace("-", "_")
         assert re.search(rf"^\s*(import|from) {module}\b", tests + package, re.M), requirement
