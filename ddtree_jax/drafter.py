@@ -86,7 +86,7 @@ def cache_shapes(cfg: DraftConfig, batch: int, capacity: int, tp: int, dtype: jn
 
 def check_divisible(cfg: DraftConfig, tp: int) -> None:
     """Clear errors when the drafter's heads, MLP columns or vocabulary do not split `tp` ways."""
-    check_dims(cfg.dims, cfg.vocab_size, tp, "drafter")
+    check_dims(cfg.dims, tp, "drafter")
 
 
 def load(

@@ -99,7 +99,7 @@ def make_plan(
 ) -> Plan:
     """The plan ddtree-generate compiles for `batch_size` prompts per batch (None: its defaults)."""
     from ddtree_jax.attention import default_implementation
-    from ddtree_jax.cli import default_budget
+    from ddtree_jax.budgets import default_budget
 
     rows_per_device = -(-batch_size // dp)  # the cost measured was one device's batch
     if method == "ar":

@@ -52,11 +52,9 @@ def make_mesh(tp: int = 1, dp: int = 1) -> Mesh:
     return Mesh(np.array(devices[: tp * dp]).reshape(dp, tp), (DATA, MODEL))
 
 
-def check_divisible(dims, vocab_size: int, tp: int, model: str) -> None:
-    """Clear errors for a model that cannot be split `tp` ways (dims: config.LayerDims).
-
-    Any `vocab_size` splits: the placement pads the vocabulary to a multiple of tp (`Placement`).
-    """
+def check_divisible(dims, tp: int, model: str) -> None:
+    """Clear errors for a model that cannot be split `tp` ways (dims: config.LayerDims). Any
+    vocabulary splits: the placement pads it to a multiple of tp (`Placement`)."""
     if tp == 1:
         return
     counts = {"num_attention_heads": dims.num_heads, "intermediate_size": dims.intermediate_size}

@@ -220,7 +220,7 @@ def test_prompts_required_with_target_and_draft_needs_target(tmp_path, capsys):
 
 
 def test_default_budget_follows_batch_size():
-    """Without --budget, ddtree uses the measured default of the batch size (cli.DEFAULT_BUDGETS)."""
+    """Without --budget, ddtree uses the measured default of the batch size (budgets.DEFAULT_BUDGETS)."""
     from ddtree_jax.cli import build_parser, check_args, make_generator
 
     base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
@@ -235,8 +235,9 @@ def test_default_budget_follows_batch_size():
 
 
 def test_default_budget_of_moe_targets():
-    """A MoE target's default budget comes from cli.MOE_DEFAULT_BUDGETS (trees select many experts)."""
-    from ddtree_jax.cli import MOE_DEFAULT_BUDGETS, build_parser, check_args, make_generator
+    """A MoE target's default budget comes from budgets.MOE_DEFAULT_BUDGETS (trees select many experts)."""
+    from ddtree_jax.budgets import MOE_DEFAULT_BUDGETS
+    from ddtree_jax.cli import build_parser, check_args, make_generator
 
     base = ["--target", str(FIXTURES / "qwen3_moe_tp"), "--draft", str(FIXTURES / "dflash_qwen3_moe_tp")]
     base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl", "--dtype", "float32"]

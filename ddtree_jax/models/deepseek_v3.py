@@ -50,7 +50,7 @@ Entry = mla.LatentEntry
 embed, logits = common.embed, common.logits
 MOE_SHARDINGS = ("ep", "tp")
 PAD_ONE_ROW_AR = False  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
-ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of cli.MOE_DEFAULT_BUDGETS
+ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
 WRAPPERS = ("KimiK25ForConditionalGeneration",)  # multimodal classes whose text model we load
 
 
@@ -334,7 +334,7 @@ def unread_weight_bytes(
 
 def check_divisible(cfg: DeepseekV3Config, tp: int, model: str = "target") -> None:
     """Clear errors when heads, MLP columns, experts (ep) or expert widths (tp) do not split `tp` ways."""
-    check_dims(cfg.dims, cfg.vocab_size, tp, model)
+    check_dims(cfg.dims, tp, model)
     if tp == 1 or cfg.num_experts == 0:
         return
     counts = {"shared experts' width": cfg.moe_intermediate_size * cfg.n_shared_experts}

@@ -28,7 +28,7 @@ MOE_SHARDINGS = ("ep", "tp")
 # No second, inactive row for one-row ar steps: its token would read up to top_k more experts per layer
 # (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row reads of the dense part).
 PAD_ONE_ROW_AR = False
-ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of cli.MOE_DEFAULT_BUDGETS
+ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
 
 
 @dataclasses.dataclass(frozen=True)
