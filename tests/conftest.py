@@ -1,8 +1,18 @@
-"""Shared test set-up: 8 fake CPU devices, exact float32 matmuls, fixture loading helpers."""
+"""Shared test set-up: 8 fake CPU devices, a shared compilation cache, exact float32 matmuls, fixture
+loading helpers."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# JAX's persistent compilation cache, shared by the pytest-xdist workers and the CLI subprocesses the
+# tests start: many tests build the same programs afresh (new jitted closures over the same fixtures),
+# and XLA's compilation is most of the suite's time on 2 cores. Entries are keyed by the program, the
+# compile options and the JAX version, so a stale one is never used; caching changes no result.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"ddtree-jax-tests-{os.getuid()}")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import functools  # noqa: E402
 from pathlib import Path  # noqa: E402
