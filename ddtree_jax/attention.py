@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention import default_splits, resolve_tuning
+from pallas_kernels.tree_attention import default_splits, merge_by_lse, resolve_tuning
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
@@ -71,11 +71,8 @@ def causal_chunk(
     out_n, lse_n = dpa(q, k_new, v_new, is_causal=True, implementation=implementation, return_residual=True)
     # lse: [B, T, Hq]; an empty prefix (lengths 0: the first chunk) weighs nothing.
     lse_c = jnp.where(lengths[:, None, None] > 0, lse_c.astype(jnp.float32), -jnp.inf)
-    lse_n = lse_n.astype(jnp.float32)
-    top = jnp.maximum(lse_c, lse_n)
-    w_c, w_n = jnp.exp(lse_c - top), jnp.exp(lse_n - top)
-    out = out_c.astype(jnp.float32) * w_c[..., None] + out_n.astype(jnp.float32) * w_n[..., None]
-    return (out / (w_c + w_n)[..., None]).astype(q.dtype)
+    parts = [(out_c.astype(jnp.float32), lse_c), (out_n.astype(jnp.float32), lse_n.astype(jnp.float32))]
+    return merge_by_lse(parts).astype(q.dtype)
 
 
 def prefill_implementation(impl: str, dtype: jnp.dtype, head_dim: int, batch_invariant: bool) -> str:
