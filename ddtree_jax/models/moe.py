@@ -43,6 +43,7 @@ from ddtree_jax.quant.arrays import (
     num_experts,
     ragged_matmul,
     slot_matmul,
+    stored,
 )
 from ddtree_jax.weights import WeightSpec, stacked_linear
 
@@ -149,14 +150,9 @@ def _power_of_two_block(size: int, largest: int) -> int | None:
     return None
 
 
-def _stored(w: Weight) -> jax.Array:
-    """The stored values of a weight (int4 words or values, e4m3 or a plain array) [E, rows, out]."""
-    return w.q if isinstance(w, Int4Weight) else w.w if isinstance(w, Fp8Weight) else w
-
-
 def _stored_rows(w: Weight) -> int:
     """Rows per expert as stored (fp8: padded to whole blocks; int4: 8 per int32 word)."""
-    rows = _stored(w).shape[-2]
+    rows = stored(w).shape[-2]
     return rows * 8 if isinstance(w, Int4Weight) and w.q.dtype == jnp.int32 else rows
 
 
@@ -165,7 +161,7 @@ def grouped_blocks(w: Weight, largest_k: int = 128) -> tuple[int, int] | None:
     shapes under shard_map), or None where no legal pair exists (the dispatch then uses ragged_dot).
     Qwen3-30B-A3B: (128, 128) for gate / up [128, 2048, 768] and down [128, 768, 2048]; 768 / tp columns
     under "tp" experts give block 128 / 64 / 32 at tp 2 / 4 / 8."""
-    rows, n = _stored_rows(w), _stored(w).shape[-1]
+    rows, n = _stored_rows(w), stored(w).shape[-1]
     if isinstance(w, Int4Weight):  # the kernel reads int32 words, 8 dots of block_k / 8 >= 16 rows
         ok = w.q.dtype == jnp.int32
         block_k = (256 if rows % 256 == 0 else 128 if rows % 128 == 0 else None) if ok else None

@@ -168,14 +168,6 @@ def ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(_pad_in(x, full.shape[-2]), full, group_sizes.astype(jnp.int32))[..., :n_out]
 
 
-def gather_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
-    """Row p times its own expert: x [P, in], W [E, in, out], expert [P] -> [P, out]. Gathers the
-    stored (quantized) bytes of P experts: for small P, where the union of experts is small."""
-    chosen = jax.tree.map(lambda a: a[expert], w)
-    full, n_out = _operand(chosen, x.dtype)
-    return jnp.einsum("pi,pio->po", _pad_in(x, full.shape[-2]), full)[..., :n_out]
-
-
 def slot_matmul(x: jax.Array, w: Weight, experts: jax.Array) -> jax.Array:
     """Each token's k chosen experts: x [N, in] (shared by the slots) or [N, k, in] (one row per slot),
     W [E, in, out], experts [N, k] -> [N, k, out]. Gathers the stored bytes of N k experts and contracts
@@ -185,6 +177,12 @@ def slot_matmul(x: jax.Array, w: Weight, experts: jax.Array) -> jax.Array:
     full, n_out = _operand(chosen, x.dtype)
     spec = "ni,nkio->nko" if x.ndim == 2 else "nki,nkio->nko"
     return jnp.einsum(spec, _pad_in(x, full.shape[-2]), full)[..., :n_out]
+
+
+def gather_matmul(x: jax.Array, w: Weight, expert: jax.Array) -> jax.Array:
+    """Row p times its own expert: x [P, in], W [E, in, out], expert [P] -> [P, out] (`slot_matmul`
+    with one slot per row). Gathers the stored (quantized) bytes of P experts: for small P."""
+    return slot_matmul(x[:, None], w, expert[:, None])[:, 0]
 
 
 def reduce_matmul(x: jax.Array, w: Weight, expert: jax.Array | None = None) -> jax.Array:
@@ -206,24 +204,19 @@ def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_mat
     return y[jnp.argsort(order)]
 
 
-def expert_matmul(
-    x: jax.Array, w: Weight, expert: jax.Array, gather_rows: int = 8, grouped=ragged_matmul
-) -> jax.Array:
-    """Row p times its own expert, x [P, in], expert [P] -> [P, out]: gathered experts when P <=
-    gather_rows (a static choice: P is a shape), sorted rows through `grouped` otherwise."""
-    if x.shape[0] <= gather_rows:
-        return gather_matmul(x, w, expert)
-    return sorted_matmul(x, w, expert, grouped)
-
-
 def with_expert_axis(w: Weight) -> Weight:
     """A dense weight [in, out] as one expert [1, in, out]."""
     return jax.tree.map(lambda a: a[None], w)
 
 
+def stored(w: Weight) -> jax.Array:
+    """The stored values of a weight (int4 words or values, e4m3, or the plain array itself)."""
+    return w.w if isinstance(w, Fp8Weight) else w.q if isinstance(w, Int4Weight) else w
+
+
 def num_experts(w: Weight) -> int:
     """E of a stacked expert weight [E, in, out]."""
-    return (w.w if isinstance(w, Fp8Weight) else w.q if isinstance(w, Int4Weight) else w).shape[0]
+    return stored(w).shape[0]
 
 
 def stored_bytes(w: Weight) -> int:
