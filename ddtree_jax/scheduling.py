@@ -71,12 +71,14 @@ def tail_chunk(chunk: int) -> int:
     return max(chunk // 4, 16)
 
 
-def chunk_steps(length: int, chunk: int) -> tuple[int, int]:
-    """(full chunks, tail chunks) of a prompt of `length` tokens: full chunks while more than
-    C - C / 4 tokens are left (four tail chunks would cost one full one), then tail chunks."""
+def chunk_steps(length, chunk: int) -> tuple:
+    """(full chunks, tail chunks) of a prompt of `length` tokens (an int, or an int array on the
+    device): full chunks while more than C - C / 4 tokens are left (four tail chunks would cost one
+    full one), then tail chunks. At most tail - 1 tokens are left after the full chunks' ceiling
+    division, so the tail count is never negative."""
     tail = tail_chunk(chunk)
     full = (length + tail - 1) // chunk
-    return full, max(0, -(-(length - full * chunk) // tail))
+    return full, (length - full * chunk + tail - 1) // tail
 
 
 def _with_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
@@ -163,11 +165,10 @@ def chunked_prefill(
     if p % chunk:
         raise ValueError(f"prompt width {p} is not a multiple of the chunk {chunk}")
     longest = _all_rows_max(jnp.max(prompt_lengths), plan)
-    full = (longest + tail - 1) // chunk  # chunk_steps, on the device
+    full, tails = chunk_steps(longest, chunk)
     carry = (jnp.int32(0), cache, draft_cache, last)
     _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < full, step(chunk, 0), carry)
-    if tail < chunk:
-        tails = jnp.maximum(0, (longest - full * chunk + tail - 1) // tail)
+    if tail < chunk:  # (with tail == chunk there are no tail chunks)
         carry = (jnp.int32(0), cache, draft_cache, last)
         _, cache, draft_cache, last = jax.lax.while_loop(
             lambda c: c[0] < tails, step(tail, full * chunk), carry
