@@ -1,29 +1,58 @@
-"""The default ddtree budget per batch size, as measured on the H200 (no jax import: the CLI's parser
-reads these tables)."""
+"""The default ddtree budget by rows per device and context, as measured on the H200 (no jax import:
+the CLI's parser reads these tables)."""
 
 from __future__ import annotations
 
-# The ddtree budget when --budget is not given, by the rows each data-parallel device runs
-# (--batch-size / --dp; the entry of the largest key <= it): the budget with the highest projected
-# tokens/s = acceptance(budget) x ar step / ddtree round, from the bundled pair's acceptance curve and
-# Qwen3-8B-shaped round times on one H200 at 1k context (results/h200/README.md, "Default budget per
-# batch size"): from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32). At batch 1, 15,
-# 31 and 63 project within 2% of each other (31 highest, by 0.8%); the smallest tree is kept.
-DEFAULT_BUDGETS = {1: 15, 16: 7}
+# The ddtree budget when --budget is not given, by (rows, context): the rows each data-parallel device
+# runs (--batch-size / --dp) and the context a row reaches on average (the prompts' mean length plus
+# --max-new-tokens: a round's attention reads each row's own context, so the mean sets its cost). The
+# entry of the largest rows <= the run's, then of the largest context <= the run's. Each is the budget
+# with the highest projected tokens/s = acceptance(budget) x ar step / ddtree round, from the bundled
+# pair's acceptance curve and Qwen3-8B-shaped round times on one H200 (results/h200/README.md,
+# "Default budget per batch size", and results/notes.md, "The budget at long context"): at 1k context
+# from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32); at batch 1, 15, 31 and 63
+# project within 2% of each other (31 highest, by 0.8%) and the smallest tree is kept; at 32k context
+# and batch 16, 15 beats 7 (2.70x against 2.52x: a tree's extra nodes read no extra K/V, and reading
+# K/V is most of a round there), while at batch 1, 15 stays ahead of 63 (2.65x against 2.23x).
+DEFAULT_BUDGETS = {(1, 0): 15, (16, 0): 7, (16, 16384): 15}
 # Mixture-of-experts targets: a tree's tokens select many more distinct experts than one token, so a
 # verify reads far more weight bytes than an ar step. Qwen3-30B-A3B-shaped rounds on one H200 at batch
 # 1 (results/h200/moe/moe_batch1.json, results/notes.md): ar 8.20 ms, ddtree 7 / 15 / 63 21.4 / 24.5 /
 # 49.9 ms, projecting 1.18x / 1.15x / 0.65x with the bundled pair's curve; with the Pallas grouped
 # dispatch (results/h200/moe-dispatch/batch.json, --rounds 4) a round costs 1.40x / 1.75x an ar step at
-# budget 7 / 15 at batch 1 and 1.57x / 1.81x at batch 16: 7 at every batch size.
-MOE_DEFAULT_BUDGETS = {1: 7}
+# budget 7 / 15 at batch 1 and 1.57x / 1.81x at batch 16: 7 at every batch size (1k context only).
+MOE_DEFAULT_BUDGETS = {(1, 0): 7}
 
 
-def default_budget(batch_size: int, target_cfg=None) -> int:
-    """The ddtree budget used for `batch_size` rows when --budget is not given (`target_cfg`: the
-    target's config, whose family says whether it routes tokens to experts; None: dense)."""
+def default_budget(batch_size: int, target_cfg=None, context: int = 0) -> int:
+    """The ddtree budget used for `batch_size` rows reaching `context` tokens on average when --budget is
+    not given (`target_cfg`: the target's config, whose family says whether it routes tokens to
+    experts; None: dense)."""
+    table = budget_table(target_cfg)
+    rows = max(r for r, _ in table if r <= batch_size)
+    return table[rows, max(c for r, c in table if r == rows and c <= context)]
+
+
+def budget_table(target_cfg=None) -> dict[tuple[int, int], int]:
+    """The (rows, context) -> budget table of the target's kind (dense when `target_cfg` is None)."""
     from ddtree_jax import models
 
     routed = target_cfg is not None and models.family(target_cfg).ROUTED_EXPERTS
-    table = MOE_DEFAULT_BUDGETS if routed else DEFAULT_BUDGETS
-    return table[max(b for b in table if b <= batch_size)]
+    return MOE_DEFAULT_BUDGETS if routed else DEFAULT_BUDGETS
+
+
+def describe(table: dict[tuple[int, int], int]) -> str:
+    """The table in words, for --help: '15 from batch 1, 7 from batch 16 (15 from context 16384)'."""
+    parts = []
+    for rows in sorted({r for r, _ in table}):
+        contexts = sorted(c for r, c in table if r == rows)
+        longer = [f"{table[rows, c]} from context {c}" for c in contexts[1:]]
+        parts.append(
+            f"{table[rows, contexts[0]]} from batch {rows}" + (f" ({', '.join(longer)})" if longer else "")
+        )
+    return ", ".join(parts)
+
+
+def run_context(prompt_lengths: list[int], max_new_tokens: int) -> int:
+    """The context a run's rows reach on average: the prompts' mean length plus the new tokens."""
+    return round(sum(prompt_lengths) / max(len(prompt_lengths), 1)) + max_new_tokens

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddtree_jax.budgets import DEFAULT_BUDGETS, MOE_DEFAULT_BUDGETS, default_budget
+from ddtree_jax.budgets import DEFAULT_BUDGETS, MOE_DEFAULT_BUDGETS, default_budget, describe, run_context
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, MAX_LINE_BYTES, id_key, scan_prompts, tokenize
@@ -93,11 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget",
         type=int,
-        help="ddtree: tree nodes besides the root (default by rows per --dp device: "
-        + ", ".join(f"{n} from batch {b}" for b, n in DEFAULT_BUDGETS.items())
-        + "; mixture-of-experts targets: "
-        + ", ".join(f"{n} from batch {b}" for b, n in MOE_DEFAULT_BUDGETS.items())
-        + ")",
+        help="ddtree: tree nodes besides the root (default by rows per --dp device and the prompts' mean "
+        f"length plus --max-new-tokens: {describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: "
+        f"{describe(MOE_DEFAULT_BUDGETS)})",
     )
     p.add_argument(
         "--block-size", type=int, help="draft block size (<= the drafter's, the default; depth = block - 1)"
@@ -282,11 +280,12 @@ def start_processes(args: argparse.Namespace) -> None:
         raise DDTreeError(f"--coordinator {args.coordinator}: cannot join the processes ({first})") from None
 
 
-def resolved_budget(args: argparse.Namespace) -> int:
-    """The ddtree budget this run uses (0 for ar and dflash)."""
+def resolved_budget(args: argparse.Namespace, cfg=None, context: int = 0) -> int:
+    """The ddtree budget this run uses (0 for ar and dflash): --budget, else the default for its rows per
+    device, its target's kind (`cfg`) and the context its rows reach on average."""
     if args.method != "ddtree":
         return 0
-    return args.budget or default_budget(-(-args.batch_size // args.dp))
+    return args.budget or default_budget(-(-args.batch_size // args.dp), cfg, context)
 
 
 def output_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -427,15 +426,18 @@ def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
     if is_writer(args):
         check_out(args.out, args.prompts, args.resume, args.overwrite)
     records = scan_prompts(args.prompts, args.max_line_bytes)
-    settings = output_settings(args)
-    done = finished_ids(args.out, settings) if args.resume else set()
-    records = [r for r in records if id_key(r.id) not in done]
     cfg = load_target_config(args.target)
     dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
-    check_limits(args, cfg, dcfg)
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
+    # the budget, resolved once from the whole file (resumed or not) for every later step
+    context = run_context([len(p.input_ids) for p in prompts], args.max_new_tokens)
+    args.budget = resolved_budget(args, cfg, context) or args.budget
+    check_limits(args, cfg, dcfg)
     check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)
+    settings = output_settings(args)
+    done = finished_ids(args.out, settings) if args.resume else set()
+    prompts = [p for p in prompts if id_key(p.id) not in done]
     start_processes(args)
     check_memory(args, cfg, dcfg)
     return prompts, settings, len(done)

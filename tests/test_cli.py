@@ -244,8 +244,59 @@ def test_default_budget_of_moe_targets():
     for batch in (1, 16):
         args = build_parser().parse_args([*base, "--batch-size", str(batch)])
         check_args(args)
-        want = MOE_DEFAULT_BUDGETS[max(b for b in MOE_DEFAULT_BUDGETS if b <= batch)]
-        assert make_generator(args).plan_template.budget == want == 7, batch
+        assert make_generator(args).plan_template.budget == MOE_DEFAULT_BUDGETS[1, 0] == 7, batch
+
+
+def test_default_budget_table_lookup():
+    """default_budget takes the entry of the largest rows <= the run's, then of the largest context <= its
+    mean context; run_context is the prompts' mean length plus the new tokens."""
+    from ddtree_jax.budgets import DEFAULT_BUDGETS, default_budget, describe, run_context
+
+    long = max(c for _, c in DEFAULT_BUDGETS)
+    assert [default_budget(b, None, c) for b, c in ((1, 0), (1, long), (15, long), (16, 0))] == [
+        15,
+        15,
+        15,
+        7,
+    ]
+    assert default_budget(16, None, long - 1) == 7 and default_budget(64, None, long) == 15
+    assert describe(DEFAULT_BUDGETS) == f"15 from batch 1, 7 from batch 16 (15 from context {long})"
+    assert run_context([10, 20, 31], 100) == 120 and run_context([], 5) == 5
+
+
+def test_run_budget_follows_target_kind_and_context(tmp_path, monkeypatch):
+    """ddtree-generate resolves the budget once, from the target's kind and the prompts' mean context, and
+    records it in the output settings (a MoE target's default is not the dense table's)."""
+    from ddtree_jax import budgets
+    from ddtree_jax.cli import build_parser, prepare
+
+    prompts = write_prompts(
+        tmp_path / "p.jsonl", [{"id": i, "input_ids": [1] * n} for i, n in enumerate((4, 8))]
+    )
+
+    def settings(target, draft, *extra):
+        flags = [
+            "--target",
+            str(FIXTURES / target),
+            "--draft",
+            str(FIXTURES / draft),
+            "--prompts",
+            str(prompts),
+        ]
+        args = build_parser().parse_args(
+            [*flags, "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "4", *extra]
+        )
+        return prepare(args)[1]
+
+    assert settings("qwen3_moe_tp", "dflash_qwen3_moe_tp", "--dtype", "float32")["budget"] == 7
+    assert settings("qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp", "--batch-size", "16")["budget"] == 7
+    # mean context 6 + 4 = 10: an entry from context 10 applies, one from 11 would not
+    monkeypatch.setattr(budgets, "DEFAULT_BUDGETS", {(1, 0): 15, (16, 0): 7, (16, 10): 5, (16, 11): 3})
+    assert settings("qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp", "--batch-size", "16")["budget"] == 5
+    assert (
+        settings("qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp", "--batch-size", "16", "--budget", "9")["budget"]
+        == 9
+    )
 
 
 def test_one_ar_row_runs_as_two():
