@@ -436,43 +436,54 @@ def print_table(results):
             print(f"best for B={key[0]} S={key[1]} T={key[2]}: {row['tuning']} {fmt_us(row['kernel'])} us")
 
 
+def spec_name(spec: dict) -> str:
+    """A tuning spec back in --tunings form ("default" when empty)."""
+    short = {v: k for k, v in TUNING_KEYS.items()}
+    return ",".join(f"{short[k]}={v}" for k, v in spec.items()) or "default"
+
+
 def print_decode_table(results):
-    """T = 1: the default kernel and the best swept tuning against the bundled kernel, per (B, S)."""
+    """T = 1: the default kernel and every swept spec against the bundled kernel, per (B, S)."""
     ceiling = results["ceiling"]["bytes_per_s"]
-    best = {}
+    swept = {}
     for row in results["tuning_sweep"]:
-        key = (row["B"], row["S"], row["T"])
-        if row.get("kernel") and (key not in best or row["kernel"]["s"] < best[key]["kernel"]["s"]):
-            best[key] = row
-    print("\nT = 1 against the bundled kernel (ratio = ours / bundled; floor = K/V bytes / read ceiling):")
-    print(
-        f"{'B':>3} {'S':>6} | {'floor':>6} | {'default':>8} {'bundled':>8} {'ratio':>6} | {'best':>8} "
-        f"{'ratio':>6} best tuning | device us: default (launches) / bundled (launches)"
-    )
+        if row["T"] == 1 and row.get("kernel"):
+            swept.setdefault((row["B"], row["S"]), {})[spec_name(row.get("spec", {}))] = row
+    specs = [spec_name(sp) for sp in results.get("tunings", [])]
+    print("\nT = 1, us per call and ours / bundled (floor = K/V bytes / read ceiling;")
+    print("device = summed kernel time per call from the profile, with launches per call):")
+    head = f"{'B':>3} {'S':>6} | {'floor':>6} | {'bundled':>8} | {'default':>15}"
+    print(head + "".join(f" | {sp[:15]:>15}" for sp in specs) + " | device: default / bundled")
     for row in results["rows"]:
         if row["T"] != 1:
             continue
         kern, bund = row.get("kernel"), row.get("bundled_decode")
-        floor = row.get("kv_bytes", 0) / ceiling * 1e6
-        top = best.get((row["B"], row["S"], 1))
-        cand = [(kern["s"], row.get("tuning"))] if kern else []
-        if top:
-            cand.append((top["kernel"]["s"], top.get("tuning")))
-        b_s, b_tun = min(cand, key=lambda c: c[0]) if cand else (None, None)
 
-        def ratio(x, bund=bund):
-            return f"{x / bund['s']:6.2f}" if x and bund else "     -"
+        def cell(r, bund=bund):
+            if not r:
+                return f"{'-':>15}"
+            ratio = f"{r['s'] / bund['s']:.2f}x" if bund else "-"
+            return f"{r['s'] * 1e6:8.1f} {ratio:>6}"
 
         def prof(r):
             p = (r or {}).get("profile")
-            return f"{p['device_us']:.1f} ({p['launches']:.1f})" if p else "-"
+            return f"{p['device_us']:.1f} us ({p['launches']:.1f})" if p else "-"
 
-        tun = {k: v for k, v in (b_tun or {}).items() if k not in ("block_q", "row_tiles")}
-        print(
-            f"{row['B']:>3} {row['S']:>6} | {floor:6.1f} | {fmt_us(kern)[1:]} {fmt_us(bund)[1:]} "
-            f"{ratio(kern and kern['s'])} | {(f'{b_s * 1e6:8.1f}' if b_s else '       -')} {ratio(b_s)} "
-            f"{tun} | {prof(kern)} / {prof(bund)}"
-        )
+        floor = row.get("kv_bytes", 0) / ceiling * 1e6
+        here = swept.get((row["B"], row["S"]), {})
+        line = f"{row['B']:>3} {row['S']:>6} | {floor:6.1f} | {fmt_us(bund)[1:]} | {cell(kern)}"
+        line += "".join(f" | {cell(here.get(sp, {}).get('kernel'))}" for sp in specs)
+        print(line + f" | {prof(kern)} / {prof(bund)}")
+        tun = row.get("tuning", {})
+        keys = ("block_k", "splits", "num_warps", "num_stages", "merge")
+        print(f"{'':>12}default = {spec_name({k: tun[k] for k in keys if k in tun})}")
+        for name, r in (("default", kern), ("bundled", bund)):
+            p = (r or {}).get("profile")
+            if p and p["kernels"]:
+                top = ", ".join(
+                    f"{k[:40]} {v['us']:.1f} us x{v['per_call']:.1f}" for k, v in p["kernels"].items()
+                )
+                print(f"{'':>12}{name} kernels: {top}")
 
 
 def main(argv=None):
@@ -488,8 +499,15 @@ def main(argv=None):
     parser.add_argument("--no-reference", action="store_true", help="skip timing the jnp reference")
     parser.add_argument("--profile", action="store_true", help="device time by kernel (jax.profiler)")
     parser.add_argument("--target-s", type=float, default=TARGET_S, help="timed seconds per config")
+    parser.add_argument("--print", dest="print_json", help="only print the tables of a results JSON")
     opts = parser.parse_args(argv)
     globals()["TARGET_S"] = opts.target_s
+    if opts.print_json:
+        with open(opts.print_json) as f:
+            results = json.load(f)
+        print_table(results)
+        print_decode_table(results)
+        return
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
@@ -540,6 +558,7 @@ def main(argv=None):
         timing="median over reps of one jitted program of k independent calls / k",
         rows=[],
         tuning_sweep=[],
+        tunings=tunings or [],
     )
     try:
         results["ceiling"] = read_ceiling(ceiling_bytes)
@@ -608,7 +627,6 @@ def main(argv=None):
     grid = [(b, s, t) for b in batches for s in lengths_s for t in nodes]
     run_grid(grid, [None], results["rows"], with_extras=True)
     if tunings is not None:
-        results["tunings"] = tunings
         run_grid(grid, tunings, results["tuning_sweep"], with_extras=False)
     elif not opts.no_sweep:
         run_grid(sweep_shapes, sweep, results["tuning_sweep"], with_extras=False)
