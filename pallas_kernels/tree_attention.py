@@ -16,8 +16,12 @@ them, loaded with a gather straight from q, no transpose), streams its share of 
 with masked loads), and runs an online softmax in float32 (base 2, finite running-max start).
 The last split also attends to the T in-flight keys under `mask`. With one split the program
 writes the normalised output; with several it writes float32 partials (acc, max, sum) that a
-small jnp combine merges. Splits divide the visible range of each sequence (dynamic), so short
-sequences in a long cache still spread over all programs.
+merge combines: a second small Pallas kernel (`merge="pallas"`, one launch) or jnp ops that XLA
+fuses (`merge="xla"`, two or three launches). Splits divide the visible range of each sequence
+(dynamic), so short sequences in a long cache still spread over all programs.
+
+Defaults live in one place, `DECODE_TUNING` (one 16-row query tile: T = 1 decode) and
+`TREE_TUNING` (larger trees); `resolve_tuning` turns them into the tuning of a shape.
 """
 
 from __future__ import annotations
@@ -84,6 +88,15 @@ LOG2E = 1.4426950408889634
 M_INIT = 0.5 * MASK_VALUE
 NUM_SMS_H200 = 132
 MAX_SPLITS = 64
+
+# Default tunings, the one place to change them (issue 22 item 2: scripts/h200_decode.sh sweeps
+# around DECODE_TUNING). `waves`: programs to aim for, in units of num_sms (splits fill the grid up to
+# waves * num_sms programs); `min_blocks_per_split`: block_k blocks a split streams at least.
+# DECODE_TUNING applies when the packed query rows G * T fit one 16-row tile (T = 1 decode): short
+# programs (one block each at 1k context) fill the SMs, and a Pallas merge replaces XLA's fusions.
+DECODE_TUNING = dict(block_k=128, num_warps=4, num_stages=2, waves=4, min_blocks_per_split=1, merge="pallas")
+TREE_TUNING = dict(block_k=64, num_warps=4, num_stages=3, waves=2, min_blocks_per_split=4, merge="xla")
+MERGES = ("pallas", "xla")
 
 
 def _next_pow2(n: int) -> int:
@@ -222,9 +235,10 @@ def default_splits(
     *,
     num_sms: int = NUM_SMS_H200,
     min_blocks_per_split: int = 4,
+    waves: int = 2,
 ) -> int:
-    """Cache splits so that about two programs run per SM, each with a few blocks to stream."""
-    want = _cdiv(2 * num_sms, batch * kv_heads * row_tiles)
+    """Cache splits so that about `waves` programs run per SM, each with a few blocks to stream."""
+    want = _cdiv(waves * num_sms, batch * kv_heads * row_tiles)
     cap = max(1, _cdiv(cache_len, block_k * min_blocks_per_split))
     return max(1, min(want, cap, MAX_SPLITS))
 
@@ -238,14 +252,18 @@ def resolve_tuning(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge: str | None = None,
+    waves: int | None = None,
+    min_blocks_per_split: int | None = None,
     num_sms: int = NUM_SMS_H200,
 ) -> dict:
     """The tuning `tree_attention` uses for these shapes; None picks the default.
 
-    Defaults by packed rows G * T: one tile of up to 128 rows (AR decode: 16 rows streaming
-    128-row K blocks), larger trees tile the rows over the grid's first axis. Chosen from the H200
-    sweep in results/h200/attention.md: 4 warps beat 8 everywhere, 3 stages beat 2 with 64-row K
-    blocks, and 128-row query tiles halve the K/V re-reads of big trees.
+    Defaults by packed rows G * T: one tile of up to 128 rows; a single 16-row tile (AR decode)
+    takes `DECODE_TUNING`, larger trees `TREE_TUNING` and tile the rows over the grid's first axis.
+    TREE_TUNING comes from the H200 sweep in results/h200/attention.md: 4 warps beat 8 everywhere,
+    3 stages beat 2 with 64-row K blocks, and 128-row query tiles halve the K/V re-reads of big
+    trees. `waves` and `min_blocks_per_split` only steer the default splits.
     """
     b, t, hq, d = q_shape
     hkv, s = cache_shape[1], cache_shape[2]
@@ -253,21 +271,37 @@ def resolve_tuning(
     if hq != g * hkv:
         raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
     block_q = block_q or min(max(16, _next_pow2(g * t)), 128)
-    block_k = block_k or (128 if block_q <= 16 else 64)
-    num_warps = num_warps or 4
-    num_stages = num_stages or (2 if block_k >= 128 else 3)
+    base = DECODE_TUNING if block_q <= 16 else TREE_TUNING
+    block_k = block_k or base["block_k"]
+    num_warps = num_warps or base["num_warps"]
+    # An explicit block_k keeps the sweep's rule: 2 stages with 128-row blocks, 3 below.
+    if num_stages is None:
+        num_stages = base["num_stages"] if block_k == base["block_k"] else (2 if block_k >= 128 else 3)
+    merge = merge or base["merge"]
+    if merge not in MERGES:
+        raise ValueError(f"merge {merge!r} not one of {MERGES}")
     for name, v in (("block_q", block_q), ("block_k", block_k), ("head dim", d)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two >= 16")
     row_tiles = _cdiv(g * t, block_q)
     if splits is None:
-        splits = default_splits(b, hkv, row_tiles, s, block_k, num_sms=num_sms)
+        splits = default_splits(
+            b,
+            hkv,
+            row_tiles,
+            s,
+            block_k,
+            num_sms=num_sms,
+            min_blocks_per_split=min_blocks_per_split or base["min_blocks_per_split"],
+            waves=waves or base["waves"],
+        )
     return dict(
         block_q=block_q,
         block_k=block_k,
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        merge=merge,
         row_tiles=row_tiles,
     )
 
@@ -282,6 +316,7 @@ def resolve_tuning(
         "splits",
         "num_warps",
         "num_stages",
+        "merge",
         "num_sms",
     ),
 )
@@ -301,13 +336,15 @@ def tree_attention(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge: str | None = None,
     num_sms: int = NUM_SMS_H200,
 ) -> jax.Array:
     """Pallas (Triton) tree attention; same contract as `tree_attention_reference`.
 
     Tuning (static; None = the default of `resolve_tuning`): block_q packed query rows per
     program, block_k cache rows per step (both powers of two >= 16), splits of each sequence's
-    visible cache range, Triton num_warps / num_stages, num_sms for the split heuristic.
+    visible cache range, Triton num_warps / num_stages, merge of the split partials ("pallas" or
+    "xla"), num_sms for the split heuristic.
     """
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
@@ -321,6 +358,7 @@ def tree_attention(
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
+        merge=merge,
         num_sms=num_sms,
     )
     block_q, block_k, splits = tuning["block_q"], tuning["block_k"], tuning["splits"]
@@ -394,6 +432,8 @@ def tree_attention(
     )
     if splits == 1:
         return outs[0].reshape(b, t, hq, d)
+    if tuning["merge"] == "pallas":
+        return merge_splits(*outs, out_dtype=q.dtype, interpret=interpret).reshape(b, t, hq, d)
     return _combine_splits(*outs).reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -404,6 +444,68 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     l_all = jnp.sum(w * l, axis=0)
     acc_all = jnp.sum(w[..., None] * acc, axis=0)
     return acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+MERGE_TILE = 4096  # f32 elements of one partial tile (splits x outputs) that a merge program loads
+
+
+def _merge_splits_kernel(
+    acc_ref, m_ref, l_ref, o_ref, *, splits: int, group: int, head_dim: int, size: int, block: int
+):
+    """One program merges `block` outputs (flat over node, head, d) of one (sequence, K/V head).
+
+    acc_ref [splits, T, G, D], m_ref / l_ref [splits, T, G] (log2 units) -> o_ref [T, G, D]. All
+    splits load at once as a [splits (padded), block] tile: no loop, one memory round trip.
+    """
+    sp_pad = _next_pow2(splits)
+    flat = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+    ok = flat < size
+    node, head, dcol = flat // (group * head_dim), (flat // head_dim) % group, flat % head_dim
+    sp = jnp.arange(sp_pad, dtype=jnp.int32)[:, None]
+    ok2 = (sp < splits) & ok[None, :]
+    # Padding splits read as empty partials (max M_INIT, sum 0, acc 0): weight 0, or 1 times 0.
+    m = pltriton.load(m_ref.at[sp, node[None, :], head[None, :]], mask=ok2, other=M_INIT)
+    l = pltriton.load(l_ref.at[sp, node[None, :], head[None, :]], mask=ok2, other=0.0)
+    acc = pltriton.load(acc_ref.at[sp, node[None, :], head[None, :], dcol[None, :]], mask=ok2, other=0.0)
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_all[None, :])
+    l_all = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w * acc, axis=0) / jnp.where(l_all > 0, l_all, 1.0)
+    pltriton.store(o_ref.at[node, head, dcol], out.astype(o_ref.dtype), mask=ok)
+
+
+def merge_splits(
+    acc: jax.Array, m: jax.Array, l: jax.Array, *, out_dtype: jnp.dtype, interpret: bool = False
+) -> jax.Array:
+    """Pallas merge of split partials: acc [splits, B, T, Hkv, G, D] f32, m, l [splits, B, T, Hkv, G]
+    (log2 units) -> [B, T, Hkv, G, D] in out_dtype; same result as `_combine_splits`, one launch."""
+    splits, b, t, hkv, g, d = acc.shape
+    if splits > MERGE_TILE:
+        raise ValueError(f"{splits} splits exceed the merge tile {MERGE_TILE}")
+    size = t * g * d
+    block = min(MERGE_TILE // _next_pow2(splits), _next_pow2(size))
+    kernel = functools.partial(
+        _merge_splits_kernel, splits=splits, group=g, head_dim=d, size=size, block=block
+    )
+
+    def per_seq(bh):
+        return bh // hkv
+
+    def per_head(bh):
+        return bh % hkv
+
+    part = pl.BlockSpec((splits, None, t, None, g), lambda i, bh: (0, per_seq(bh), 0, per_head(bh), 0))
+    full = pl.BlockSpec((splits, None, t, None, g, d), lambda i, bh: (0, per_seq(bh), 0, per_head(bh), 0, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(_cdiv(size, block), b * hkv),
+        in_specs=[full, part, part],
+        out_specs=pl.BlockSpec((None, t, None, g, d), lambda i, bh: (per_seq(bh), 0, per_head(bh), 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, t, hkv, g, d), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="tree_attention_merge",
+    )(acc, m, l)
 
 
 # -- The prefix and the tree apart, merged by log-sum-exp (issue 22) ----------------------------------

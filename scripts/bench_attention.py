@@ -2,6 +2,13 @@
 
     python scripts/bench_attention.py --out results/bench_attention.json        # H200, <= ~4 min
     python scripts/bench_attention.py --quick --out /tmp/bench_attention.json   # CPU smoke (interpret)
+    python scripts/bench_attention.py --nodes 1 --batches 1,4,16 --contexts 1024,8192,32768 \
+        --tunings "k=64;waves=8;merge=xla" --no-reference --profile --out x.json  # T = 1 vs bundled
+
+--tunings (';'-separated specs of ','-separated key=value; keys q k s w st merge waves mb, "default"
+= the defaults) replaces the built-in sweep: each spec runs on every shape of the grid. --profile
+traces the default kernel and the bundled one on each shape (jax.profiler) and records the device
+time per call by kernel (the split kernel, the merge, XLA fusions) and the launches per call.
 
 For each shape: correctness of the kernel against the reference (on the device), then the time of
 one call of (a) the kernel, (b) the reference under jit, (c) at T = 1 the bundled
@@ -58,12 +65,63 @@ def short_error(e: BaseException) -> str:
 COPY_BUDGET = 12 << 30
 
 
-def time_per_call(make_fn, args, *, k: int, target_s: float = 0.25, max_reps: int = 30):
+TARGET_S = 0.25  # seconds of timed runs per configuration (--target-s)
+
+
+def device_profile(fn, args, runs: int, calls: int) -> dict:
+    """Device time per call by kernel name, from a jax.profiler trace of `runs` runs of `fn`.
+
+    Sums the kernel events of the GPU planes' stream lines (CUPTI); per call = sum / (runs * calls).
+    """
+    import glob
+    import shutil
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    tmp = tempfile.mkdtemp(prefix="bench_attention_trace_")
+    try:
+        with jax.profiler.trace(tmp):
+            for _ in range(runs):
+                jax.block_until_ready(fn(*args))
+        (path,) = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        data = ProfileData.from_file(path)
+        by_name: dict[str, list] = {}
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            lines = [line for line in plane.lines if line.name.startswith("Stream")] or list(plane.lines)
+            for line in lines:
+                if "memcpy" in line.name.lower():
+                    continue
+                for ev in line.events:
+                    entry = by_name.setdefault(ev.name, [0.0, 0])
+                    entry[0] += ev.duration_ns
+                    entry[1] += 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n = runs * calls
+    kernels = {
+        name: dict(us=total / 1e3 / n, per_call=count / n)
+        for name, (total, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    }
+    return dict(
+        device_us=sum(v["us"] for v in kernels.values()),
+        launches=sum(v["per_call"] for v in kernels.values()),
+        kernels=dict(list(kernels.items())[:8]),
+    )
+
+
+def time_per_call(
+    make_fn, args, *, k: int, target_s: float | None = None, max_reps: int = 30, profile: bool = False
+):
     """Median seconds per call of `make_fn(k)(*args)` (k calls per program), plus compile time.
 
     `args` = (q, k_cache, v_cache, ...): call i gets the i-th of k distinct cache copies.
-    Returns (timings, output of the first call, i.e. at the unmodified lengths).
+    Returns (timings, output of the first call, i.e. at the unmodified lengths); with `profile` the
+    timings carry `device_profile` of three runs (or the error that stopped it).
     """
+    target_s = TARGET_S if target_s is None else target_s
     q, kc, vc, *rest = args
     k = max(1, min(k, COPY_BUDGET // (kc.nbytes + vc.nbytes)))
     kcs = (kc,) + tuple(kc + 0 for _ in range(k - 1))
@@ -83,6 +141,11 @@ def time_per_call(make_fn, args, *, k: int, target_s: float = 0.25, max_reps: in
         jax.block_until_ready(fn(*args))
         runs.append(time.perf_counter() - t0)
     timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    if profile:
+        try:
+            timing["profile"] = device_profile(fn, args, runs=3, calls=k)
+        except Exception as e:  # noqa: BLE001
+            timing["profile_error"] = short_error(e)
     return timing, first_out
 
 
@@ -181,14 +244,59 @@ class Budget:
         return self.seconds - elapsed()
 
 
+def explicit_tuning(q_shape, cache_shape, tuning: dict) -> dict:
+    """The resolved tuning as `tree_attention` keywords (the rule knobs waves / mb resolved away)."""
+    tun = resolve_tuning(q_shape, cache_shape, **tuning)
+    return {key: tun[key] for key in ("block_q", "block_k", "splits", "num_warps", "num_stages", "merge")}
+
+
+TUNING_KEYS = dict(
+    q="block_q", k="block_k", s="splits", w="num_warps", st="num_stages", merge="merge", waves="waves",
+    mb="min_blocks_per_split",
+)  # fmt: skip
+
+
+def parse_tunings(text: str) -> list[dict]:
+    """Specs to tunings: 'k=64,s=16;merge=xla;default' -> [{block_k: 64, splits: 16}, {merge: xla}, {}]."""
+    out = []
+    for spec in text.split(";"):
+        spec = spec.strip()
+        tun = {}
+        for item in spec.split(",") if spec and spec != "default" else []:
+            key, value = item.split("=")
+            name = TUNING_KEYS.get(key.strip(), key.strip())
+            if name not in TUNING_KEYS.values():
+                raise ValueError(f"unknown tuning key {key!r} (keys: {', '.join(TUNING_KEYS)})")
+            tun[name] = value.strip() if name == "merge" else int(value)
+        out.append(tun)
+    return out
+
+
 def bench_shape(
-    args, *, b, s, t, hkv, g, d, ceiling, interpret, k, budget, ref_max_bytes, decode_splits, tuning=None
+    args,
+    *,
+    b,
+    s,
+    t,
+    hkv,
+    g,
+    d,
+    ceiling,
+    interpret,
+    k,
+    budget,
+    ref_max_bytes,
+    decode_splits,
+    tuning=None,
+    with_reference=True,
+    profile=False,
 ) -> dict:
     """One configuration: correctness, then timings. Never raises."""
     row = dict(B=b, S=s, T=t, Hkv=hkv, G=g, D=d)
     tuning = dict(tuning or {})
     try:
         row["tuning"] = resolve_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
+        tuning = explicit_tuning((b, t, hkv * g, d), (b, hkv, s, d), tuning)
     except Exception as e:  # noqa: BLE001
         row["error"] = short_error(e)
         return row
@@ -197,14 +305,14 @@ def bench_shape(
     kv_bytes = visible * hkv * d * 2 * kc.dtype.itemsize
     row["kv_bytes"] = kv_bytes
     scores_bytes = b * hkv * g * t * s * 4
-    do_ref = scores_bytes <= ref_max_bytes
+    do_ref = scores_bytes <= ref_max_bytes and with_reference
 
     if budget.left() < 0:
         row["skipped"] = "time budget"
         return row
     out = ref = None
     try:
-        r, out = time_per_call(kernel_calls(tuning, interpret), args, k=k)
+        r, out = time_per_call(kernel_calls(tuning, interpret), args, k=k, profile=profile)
         row["kernel"] = r
         row["kernel_frac_ceiling"] = kv_bytes / r["s"] / ceiling
     except Exception as e:  # noqa: BLE001
@@ -219,7 +327,9 @@ def bench_shape(
         except Exception as e:  # noqa: BLE001
             row["reference_error"] = short_error(e)
     else:
-        row["reference_skipped"] = "scores too large" if not do_ref else "time budget"
+        row["reference_skipped"] = (
+            "not asked" if not with_reference else "scores too large" if not do_ref else "time budget"
+        )
 
     # Correctness on the device: the kernel against the reference (first sequence if huge).
     if out is not None:
@@ -234,7 +344,7 @@ def bench_shape(
     if t == 1 and budget.left() > 0:
         try:
             make, one = bundled_decode_calls(interpret, decode_splits)
-            r, out = time_per_call(make, args, k=k)
+            r, out = time_per_call(make, args, k=k, profile=profile)
             row["bundled_decode"] = r
             row["bundled_frac_ceiling"] = kv_bytes / r["s"] / ceiling
             # The bundled kernel has no in-flight token: compare with cache-only attention.
@@ -287,7 +397,7 @@ def print_table(results):
         tun = row.get("tuning", {})
         note = (
             f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} "
-            f"w{tun.get('num_warps')} st{tun.get('num_stages')}"
+            f"w{tun.get('num_warps')} st{tun.get('num_stages')} {tun.get('merge', '')}"
         )
         errors = [f"{key}: {row[key][:80]}" for key in row if key.endswith("error") or key == "skipped"]
         if errors:
@@ -305,7 +415,7 @@ def print_table(results):
     if results["tuning_sweep"]:
         print("\ntuning sweep (kernel only):")
         print(
-            f"{'B':>3} {'S':>6} {'T':>4} | {'q':>4} {'k':>4} {'spl':>4} {'w':>2} {'st':>2} | "
+            f"{'B':>3} {'S':>6} {'T':>4} | {'q':>4} {'k':>4} {'spl':>4} {'w':>2} {'st':>2} {'merge':>6} | "
             f"{'us':>9} {'%ceil':>6}"
         )
         best = {}
@@ -318,11 +428,62 @@ def print_table(results):
             print(
                 f"{row['B']:>3} {row['S']:>6} {row['T']:>4} | {tun.get('block_q', '-'):>4} "
                 f"{tun.get('block_k', '-'):>4} {tun.get('splits', '-'):>4} {tun.get('num_warps', '-'):>2} "
-                f"{tun.get('num_stages', '-'):>2} | {fmt_us(r)} {fmt_frac(row.get('kernel_frac_ceiling'))}"
+                f"{tun.get('num_stages', '-'):>2} {tun.get('merge', '-'):>6} | {fmt_us(r)} "
+                f"{fmt_frac(row.get('kernel_frac_ceiling'))}"
                 + "".join(f"  {k}: {row[k][:80]}" for k in row if k.endswith("error") or k == "skipped")
             )
         for key, row in best.items():
             print(f"best for B={key[0]} S={key[1]} T={key[2]}: {row['tuning']} {fmt_us(row['kernel'])} us")
+
+
+def spec_name(spec: dict) -> str:
+    """A tuning spec back in --tunings form ("default" when empty)."""
+    short = {v: k for k, v in TUNING_KEYS.items()}
+    return ",".join(f"{short[k]}={v}" for k, v in spec.items()) or "default"
+
+
+def print_decode_table(results):
+    """T = 1: the default kernel and every swept spec against the bundled kernel, per (B, S)."""
+    ceiling = results["ceiling"]["bytes_per_s"]
+    swept = {}
+    for row in results["tuning_sweep"]:
+        if row["T"] == 1 and row.get("kernel"):
+            swept.setdefault((row["B"], row["S"]), {})[spec_name(row.get("spec", {}))] = row
+    specs = [spec_name(sp) for sp in results.get("tunings", [])]
+    print("\nT = 1, us per call and ours / bundled (floor = K/V bytes / read ceiling;")
+    print("device = summed kernel time per call from the profile, with launches per call):")
+    head = f"{'B':>3} {'S':>6} | {'floor':>6} | {'bundled':>8} | {'default':>15}"
+    print(head + "".join(f" | {sp[:15]:>15}" for sp in specs) + " | device: default / bundled")
+    for row in results["rows"]:
+        if row["T"] != 1:
+            continue
+        kern, bund = row.get("kernel"), row.get("bundled_decode")
+
+        def cell(r, bund=bund):
+            if not r:
+                return f"{'-':>15}"
+            ratio = f"{r['s'] / bund['s']:.2f}x" if bund else "-"
+            return f"{r['s'] * 1e6:8.1f} {ratio:>6}"
+
+        def prof(r):
+            p = (r or {}).get("profile")
+            return f"{p['device_us']:.1f} us ({p['launches']:.1f})" if p else "-"
+
+        floor = row.get("kv_bytes", 0) / ceiling * 1e6
+        here = swept.get((row["B"], row["S"]), {})
+        line = f"{row['B']:>3} {row['S']:>6} | {floor:6.1f} | {fmt_us(bund)[1:]} | {cell(kern)}"
+        line += "".join(f" | {cell(here.get(sp, {}).get('kernel'))}" for sp in specs)
+        print(line + f" | {prof(kern)} / {prof(bund)}")
+        tun = row.get("tuning", {})
+        keys = ("block_k", "splits", "num_warps", "num_stages", "merge")
+        print(f"{'':>12}default = {spec_name({k: tun[k] for k in keys if k in tun})}")
+        for name, r in (("default", kern), ("bundled", bund)):
+            p = (r or {}).get("profile")
+            if p and p["kernels"]:
+                top = ", ".join(
+                    f"{k[:40]} {v['us']:.1f} us x{v['per_call']:.1f}" for k, v in p["kernels"].items()
+                )
+                print(f"{'':>12}{name} kernels: {top}")
 
 
 def main(argv=None):
@@ -331,7 +492,22 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--budget-s", type=float, default=None, help="wall-time budget (s)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
+    parser.add_argument("--batches", help="comma-separated batch sizes (replaces the built-in grid's)")
+    parser.add_argument("--contexts", help="comma-separated cache lengths S")
+    parser.add_argument("--nodes", help="comma-separated query counts T")
+    parser.add_argument("--tunings", help="';'-separated tuning specs swept on every grid shape")
+    parser.add_argument("--no-reference", action="store_true", help="skip timing the jnp reference")
+    parser.add_argument("--profile", action="store_true", help="device time by kernel (jax.profiler)")
+    parser.add_argument("--target-s", type=float, default=TARGET_S, help="timed seconds per config")
+    parser.add_argument("--print", dest="print_json", help="only print the tables of a results JSON")
     opts = parser.parse_args(argv)
+    globals()["TARGET_S"] = opts.target_s
+    if opts.print_json:
+        with open(opts.print_json) as f:
+            results = json.load(f)
+        print_table(results)
+        print_decode_table(results)
+        return
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
@@ -363,6 +539,14 @@ def main(argv=None):
         budget = Budget(opts.budget_s or 240)
     ref_max_bytes = 16 << 30
 
+    def ints(text):
+        return [int(x) for x in text.split(",")]
+
+    batches = ints(opts.batches) if opts.batches else batches
+    lengths_s = ints(opts.contexts) if opts.contexts else lengths_s
+    nodes = ints(opts.nodes) if opts.nodes else nodes
+    tunings = parse_tunings(opts.tunings) if opts.tunings else None
+
     results = dict(
         device=str(getattr(device, "device_kind", device.platform)),
         platform=device.platform,
@@ -374,6 +558,7 @@ def main(argv=None):
         timing="median over reps of one jitted program of k independent calls / k",
         rows=[],
         tuning_sweep=[],
+        tunings=tunings or [],
     )
     try:
         results["ceiling"] = read_ceiling(ceiling_bytes)
@@ -392,6 +577,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     common = dict(hkv=hkv, g=g, d=d, ceiling=ceiling, interpret=interpret, budget=budget)
     common.update(ref_max_bytes=ref_max_bytes, decode_splits=decode_splits)
+    extras = dict(with_reference=not opts.no_reference, profile=opts.profile)
 
     def run_grid(shapes, tunings, sink, with_extras):
         by_cache = {}
@@ -421,7 +607,7 @@ def main(argv=None):
                 args = (q, kc, vc, lengths, kn, vn, mask)
                 for tun in tunings:
                     if with_extras:
-                        row = bench_shape(args, b=b, s=s, t=t, k=k, **common)
+                        row = bench_shape(args, b=b, s=s, t=t, k=k, **common, **extras)
                     else:
                         row = bench_kernel_only(args, b=b, s=s, t=t, k=k, tuning=tun, **common)
                     sink.append(row)
@@ -440,13 +626,17 @@ def main(argv=None):
 
     grid = [(b, s, t) for b in batches for s in lengths_s for t in nodes]
     run_grid(grid, [None], results["rows"], with_extras=True)
-    if not opts.no_sweep:
+    if tunings is not None:
+        run_grid(grid, tunings, results["tuning_sweep"], with_extras=False)
+    elif not opts.no_sweep:
         run_grid(sweep_shapes, sweep, results["tuning_sweep"], with_extras=False)
         if not opts.quick:  # splits matter most when B x Hkv alone cannot fill the GPU
             splits_sweep = [dict(splits=sp) for sp in (1, 4, 8, 16, 32, 64)]
             run_grid([(1, 32768, 64), (1, 8192, 1)], splits_sweep, results["tuning_sweep"], False)
     save()
     print_table(results)
+    if 1 in nodes:
+        print_decode_table(results)
     print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
 
 
@@ -457,7 +647,9 @@ def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, budget
         row["skipped"] = "time budget"
         return row
     try:
+        row["spec"] = dict(tuning)
         row["tuning"] = resolve_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
+        tuning = explicit_tuning((b, t, hkv * g, d), (b, hkv, s, d), tuning)
         lengths = args[3]
         kv_bytes = int(np.asarray(lengths).sum()) * hkv * d * 2 * args[1].dtype.itemsize
         r, out = time_per_call(kernel_calls(tuning, interpret), args, k=k)

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tree_attention import (
+    _combine_splits,
     default_splits,
+    merge_splits,
+    resolve_tuning,
     tree_attention,
     tree_attention_reference,
 )
@@ -89,6 +92,11 @@ CASES = [
     (1, 1, 64, 64, [0, 1], "ones", F32, None, {}),
     (1, 4, 128, 256, [255, 256], "ones", BF16, None, {}),
     (1, 8, 64, 100, [100, 37], "ones", F32, 16, {}),
+    # T = 1 with many one-block splits (the decode rule), more splits than a short row has blocks,
+    # and both merges (Pallas kernel, XLA ops).
+    (1, 4, 64, 512, [512, 3], "ones", BF16, None, {"block_k": 16, "merge": "pallas"}),
+    (1, 4, 64, 512, [512, 0], "ones", F32, None, {"block_k": 16, "splits": 40, "merge": "xla"}),
+    (1, 5, 64, 96, [96, 50], "ones", F32, 32, {"block_k": 16, "splits": 6}),
     # Drafter block (all ones) and chain (causal).
     (16, 2, 64, 128, [0, 77], "ones", F32, None, {}),
     (16, 4, 128, 256, [1, 256], "causal", BF16, None, {}),
@@ -99,6 +107,7 @@ CASES = [
     (64, 4, 64, 512, [300, 511], "tree", F32, None, {}),
     (64, 1, 128, 256, [256, 17], "tree", BF16, 64, {"splits": 1}),
     (64, 2, 64, 300, [299, 300], "tree", F32, 100, {"block_k": 16, "splits": 7}),
+    (64, 2, 64, 300, [299, 41], "tree", F32, None, {"block_k": 16, "splits": 5, "merge": "pallas"}),
     (128, 2, 64, 128, [99, 128], "tree", F32, None, {}),
     (128, 1, 128, 192, [191, 64], "tree", BF16, None, {"block_q": 128, "block_k": 32}),
     # Rows that see nothing at all give zeros (length 0 and rows with an empty mask row).
@@ -146,6 +155,44 @@ def test_default_splits_fill_the_gpu():
     assert default_splits(1, 1, 1, 1 << 20, 16) == 64  # capped
 
 
+def test_decode_tuning_fills_the_sms():
+    """T = 1 (one 16-row tile): splits aim at 4 waves of 132 programs, down to one block per split."""
+
+    def splits(b, s, **kw):
+        return resolve_tuning((b, 1, 32, 128), (b, 8, s, 128), **kw)["splits"]
+
+    assert [splits(1, s) for s in (1024, 8192, 32768)] == [8, 64, 64]  # 1k: every split one block
+    assert [splits(4, s) for s in (1024, 8192, 32768)] == [8, 17, 17]
+    assert [splits(16, s) for s in (1024, 8192, 32768)] == [5, 5, 5]
+    assert splits(1, 1024, block_k=64) == 16 and splits(16, 32768, waves=8) == 9
+    assert resolve_tuning((1, 1, 32, 128), (1, 8, 1024, 128))["merge"] == "pallas"
+    tree = resolve_tuning((1, 16, 32, 128), (1, 8, 1024, 128))  # 64 rows: the tree tuning is unchanged
+    assert (tree["block_k"], tree["num_stages"], tree["splits"], tree["merge"]) == (64, 3, 4, "xla")
+    with pytest.raises(ValueError):
+        resolve_tuning((1, 1, 32, 128), (1, 8, 1024, 128), merge="atomic")
+
+
+@pytest.mark.parametrize("splits,t,g,d", [(1, 1, 4, 64), (3, 1, 4, 128), (17, 2, 3, 64), (64, 1, 8, 32)])
+def test_merge_kernel_matches_xla_combine(splits, t, g, d):
+    """The Pallas merge against the jnp combine, with empty splits (max M_INIT, sum 0) among them."""
+    keys = jax.random.split(jax.random.key(splits), 3)
+    shape = (splits, 2, t, 3, g)
+    m = jax.random.normal(keys[0], shape, F32) * 4
+    l = jax.random.uniform(keys[1], shape, F32, 0.5, 8.0)
+    acc = jax.random.normal(keys[2], (*shape, d), F32) * l[..., None]
+    empty = jnp.arange(splits)[:, None, None, None, None] % 3 == 1  # every third split saw nothing
+    m = jnp.where(empty, 0.5 * -1e30, m)
+    l = jnp.where(empty, 0.0, l)
+    acc = jnp.where(empty[..., None], 0.0, acc)
+    m = m.at[:, 1, :, 0].set(0.5 * -1e30)  # one (sequence, head) empty in every split: zeros
+    l = l.at[:, 1, :, 0].set(0.0)
+    acc = acc.at[:, 1, :, 0].set(0.0)
+    out = merge_splits(acc, m, l, out_dtype=F32, interpret=True)
+    ref = _combine_splits(acc, m, l)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert not np.asarray(out[1, :, 0]).any()
+
+
 # ---- CUDA lowering on CPU: catches Triton lowering-rule errors before any GPU time. ----
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -173,6 +220,8 @@ def lower_for_h200(b, t, hkv, g, d, s, dtype, **kwargs):
 def test_lowers_for_cuda_engine_shapes(b, t):
     text = lower_for_h200(b, t, 8, 4, 128, 1024, BF16)
     assert "__gpu$xla.gpu.triton" in text
+    if t == 1:  # the decode default: the split kernel and the Pallas merge, two Triton calls
+        assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -183,6 +232,10 @@ def test_lowers_for_cuda_engine_shapes(b, t):
         (512, 4, 64, BF16, {}),
         (64, 4, 128, F32, {"splits": 1}),
         (64, 4, 128, BF16, {"block_q": 128, "block_k": 32, "num_warps": 8, "num_stages": 4}),
+        (1, 4, 128, BF16, {"splits": 64, "merge": "pallas"}),  # the widest merge tile
+        (1, 4, 128, BF16, {"splits": 16, "block_k": 64, "merge": "xla"}),
+        (1, 5, 128, BF16, {"splits": 33}),
+        (64, 4, 128, BF16, {"splits": 9, "merge": "pallas"}),
     ],
 )
 def test_lowers_for_cuda_other_shapes(t, g, d, dtype, kwargs):
