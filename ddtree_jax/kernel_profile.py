@@ -54,7 +54,9 @@ COLLECTIVE = re.compile(
     re.I,
 )
 ATTENTION = re.compile(r"attention|sdpa|fmha|flash_", re.I)
-GEMM = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|s16816|matmul|wgmma|(^|[_.\-])dot([_.\-]|$)", re.I)
+GEMM = re.compile(
+    r"gemm|gemv|splitk|nvjet|xmma|cutlass|cublas|s16816|matmul|wgmma|(^|[_.\-])dot([_.\-]|$)", re.I
+)
 SORT = re.compile(r"sort|topk|top_k|top-k|radix", re.I)
 COPY = re.compile(r"^memcpy|^memset|(^|_)copy|dynamic[-_]update[-_]slice", re.I)
 CONTROL = re.compile(r"^(while|conditional|call)(\.\d+)?$")
@@ -232,12 +234,18 @@ def summarize(
     cats: dict[str, float] = defaultdict(float)
     scopes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     ops: dict[tuple[str, str], list] = {}
+    # an XLA kernel is named after its HLO instruction ("loop_add_fusion.1" -> "loop_add_fusion_1"): the
+    # instruction of a kernel event that carries no hlo_op stat
+    by_kernel = {re.sub(r"[.\-]", "_", n): n for n in op_names}
+    unattributed = 0.0
     for e in events:
-        op_name = op_names.get(e.hlo_op, "")
-        cat = categorize(e.name, e.hlo_op, op_name)
+        hlo_op = e.hlo_op or by_kernel.get(e.name, "")
+        op_name = op_names.get(hlo_op, "")
+        unattributed += 0.0 if op_name else e.self_ns
+        cat = categorize(e.name, hlo_op, op_name)
         cats[cat] += e.self_ns
         scopes[scope_of(op_name)][cat] += e.self_ns
-        entry = ops.setdefault((e.name, e.hlo_op), [0.0, 0, cat, op_name])
+        entry = ops.setdefault((e.name, hlo_op), [0.0, 0, cat, op_name])
         entry[0] += e.self_ns
         entry[1] += 1
     kernels = sum(cats.values())
@@ -249,6 +257,7 @@ def summarize(
         "kernel_ms_per_round": kernels / per,
         "busy_ms_per_round": busy / per,
         "idle_ms_per_round": 1e3 * wall_s / rounds - busy / per,
+        "no_op_name_ms_per_round": unattributed / per,  # kernels whose scope is unknown
         "categories_ms_per_round": {k: v / per for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "scopes_ms_per_round": {
             s: {k: v / per for k, v in sorted(c.items(), key=lambda kv: -kv[1])}
@@ -325,9 +334,8 @@ def profile_plan(params, dparams, plan, context: int, args, stop) -> list[dict]:
             compiled = programs[name].lower(*stage_inputs[name]).compile()
             compile_s = time.perf_counter() - start
             a = stage_inputs[name]
-            result = profile(
-                lambda c=compiled, a=a: c(*a), compiled.as_text(), args.rounds, args.iters, args.keep_trace
-            )
+            keep = args.keep_trace and f"{args.keep_trace}/{label}_{name}"
+            result = profile(lambda c=compiled, a=a: c(*a), compiled.as_text(), args.rounds, args.iters, keep)
             rows.append(_row(label, name, plan, context, args, compile_s) | result)
             print(_line(rows[-1]), flush=True)
         stage_inputs = None
@@ -342,7 +350,8 @@ def profile_plan(params, dparams, plan, context: int, args, stop) -> list[dict]:
             box[0] = compiled(params, dparams, box[0], stop)
             return box[0]
 
-        result = profile(step, compiled.as_text(), args.rounds, args.iters, args.keep_trace)
+        keep = args.keep_trace and f"{args.keep_trace}/{label}_round"
+        result = profile(step, compiled.as_text(), args.rounds, args.iters, keep)
         rows.append(_row(label, "round", plan, context, args, compile_s) | result)
         print(_line(rows[-1]), flush=True)
     return rows

@@ -40,6 +40,7 @@ from ddtree_jax import kernel_profile as kp
             "",
             "collective",
         ),
+        ("splitKreduce_kernel", "custom-call.4", "", "gemm"),
         ("MemcpyD2H", "", "", "copy"),
         ("Memset", "", "", "copy"),
         ("loop_dynamic_update_slice_fusion_3", "dynamic-update-slice.3", "jit(f)/commit/scatter", "copy"),
@@ -203,3 +204,16 @@ def test_script_profiles_a_tiny_round(tmp_path):
         assert times == sorted(times, reverse=True) and len(times) <= 25
     assert any(s.startswith("verify/") for s in rows[1]["scopes_ms_per_round"])
     assert any(s.startswith("tree_build/") for s in rows[1]["scopes_ms_per_round"])
+
+
+def test_kernel_without_hlo_op_found_by_its_name():
+    """A kernel event without an hlo_op stat (e.g. launched from a CUDA graph) is matched to the
+    HLO instruction it is named after."""
+    events = [
+        kp.KernelEvent("loop_add_fusion_1", "", 0.0, 10e3, 10e3),
+        kp.KernelEvent("mystery", "", 10e3, 5e3, 15e3),
+    ]
+    s = kp.summarize(events, {"loop_add_fusion.1": "jit(f)/verify/layer0/mlp/add"}, 20e-6, rounds=1)
+    assert s["scopes_ms_per_round"]["verify/mlp"] == pytest.approx({"fusion": 0.010})
+    assert s["categories_ms_per_round"]["other"] == pytest.approx(0.005)
+    assert s["no_op_name_ms_per_round"] == pytest.approx(0.005)
