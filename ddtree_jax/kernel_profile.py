@@ -228,7 +228,7 @@ def summarize(
     events: list[KernelEvent], op_names: dict[str, str], wall_s: float, rounds: int, top: int = 25
 ) -> dict:
     """Per-round totals of a traced run of `rounds` rounds that took `wall_s` seconds on the host:
-    kernel time by category, by scope and category, the `top` (kernel, HLO op) pairs by time, and
+    kernel time by category, by scope and category, the `top` (kernel, op) pairs by time, and
     the kernel sum and busy time against the wall (what is left is idle device time)."""
     per = 1e6 * rounds  # ns over all rounds -> ms per round
     cats: dict[str, float] = defaultdict(float)
@@ -245,7 +245,9 @@ def summarize(
         cat = categorize(e.name, hlo_op, op_name)
         cats[cat] += e.self_ns
         scopes[scope_of(op_name)][cat] += e.self_ns
-        entry = ops.setdefault((e.name, hlo_op), [0.0, 0, cat, op_name])
+        # the same op in every layer is one entry ("layer12" -> "layer*", "fusion_12" -> "fusion")
+        key = (re.sub(r"[_.]\d+$", "", e.name), re.sub(r"layer\d+", "layer*", op_name) or hlo_op)
+        entry = ops.setdefault(key, [0.0, 0, cat, hlo_op, scope_of(op_name)])
         entry[0] += e.self_ns
         entry[1] += 1
     kernels = sum(cats.values())
@@ -266,15 +268,15 @@ def summarize(
         "top_kernels": [
             {
                 "name": name[:200],
-                "hlo_op": hlo_op,
-                "op_name": op_name,
+                "op_name": op,  # layer numbers replaced by "*" (the HLO op's name where none is known)
+                "hlo_op_example": hlo_op,
                 "category": cat,
-                "scope": scope_of(op_name),
+                "scope": scope,
                 "calls_per_round": n / rounds,
                 "ms_per_round": t / per,
                 "us_per_call": t / n / 1e3,
             }
-            for (name, hlo_op), (t, n, cat, op_name) in ranked
+            for (name, op), (t, n, cat, hlo_op, scope) in ranked
         ],
     }
 

@@ -217,3 +217,22 @@ def test_kernel_without_hlo_op_found_by_its_name():
     assert s["scopes_ms_per_round"]["verify/mlp"] == pytest.approx({"fusion": 0.010})
     assert s["categories_ms_per_round"]["other"] == pytest.approx(0.005)
     assert s["no_op_name_ms_per_round"] == pytest.approx(0.005)
+
+
+def test_top_kernels_merge_one_op_across_layers():
+    events = [
+        kp.KernelEvent("loop_add_fusion_3", "loop_add_fusion.3", 0.0, 10e3, 10e3),
+        kp.KernelEvent("loop_add_fusion_7", "loop_add_fusion.7", 10e3, 12e3, 22e3),
+        kp.KernelEvent("loop_add_fusion_9", "loop_add_fusion.9", 22e3, 1e3, 23e3),
+    ]
+    op_names = {
+        "loop_add_fusion.3": "jit(f)/verify/layer0/add",
+        "loop_add_fusion.7": "jit(f)/verify/layer1/add",
+        "loop_add_fusion.9": "jit(f)/verify/add",
+    }
+    top = kp.summarize(events, op_names, 30e-6, rounds=1)["top_kernels"]
+    assert [(k["name"], k["op_name"], k["scope"], k["calls_per_round"]) for k in top] == [
+        ("loop_add_fusion", "jit(f)/verify/layer*/add", "verify/layer_other", 2.0),
+        ("loop_add_fusion", "jit(f)/verify/add", "verify/outside_layers", 1.0),
+    ]
+    assert top[0]["us_per_call"] == pytest.approx(11.0)
