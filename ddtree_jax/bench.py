@@ -314,9 +314,8 @@ def stage_programs(plan: Plan, rounds: int) -> dict:
     return programs
 
 
-def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict[str, float]:
-    """Each stage alone in a device loop (no host sync between passes), ms per pass; the caller adds
-    walk + commit as what remains of the round (`walk_commit_rest`)."""
+def stage_args(params, dparams, state: DecodeState, plan: Plan) -> dict[str, tuple]:
+    """The arguments of each `stage_programs` program: one draft and one tree built from `state`."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
     logp = tok = None
@@ -325,8 +324,14 @@ def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int
             params, dparams, state
         )
     t = mesh_program(engine.build, plan, (sspec, ROW, ROW), ROW)(state, logp, tok)
+    return {"verify": (params, state, t), "draft": (params, dparams, state), "tree_build": (state, logp, tok)}
+
+
+def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict[str, float]:
+    """Each stage alone in a device loop (no host sync between passes), ms per pass; the caller adds
+    walk + commit as what remains of the round (`walk_commit_rest`)."""
     programs = stage_programs(plan, rounds)
-    args = {"verify": (params, state, t), "draft": (params, dparams, state), "tree_build": (state, logp, tok)}
+    args = stage_args(params, dparams, state, plan)
     return {
         name: 1e3 * median_seconds(lambda p=p, a=args[name]: p(*a), 3) / rounds
         for name, p in programs.items()
