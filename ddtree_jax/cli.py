@@ -24,7 +24,8 @@ EXIT_SIGNAL = 128  # + the signal's number: 130 after SIGINT, 143 after SIGTERM 
 
 EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KEYS)}):
   {{"id": ..., "prompt": "text"}}, {{"id": ..., "messages": [{{"role": ..., "content": ...}}]}} or
-  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed override the flags.
+  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed override the flags;
+  an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
 
 output: one JSON line per prompt, in input order, flushed as each prompt finishes; the settings that
@@ -426,7 +427,7 @@ def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
     check_args(args)
     if is_writer(args):
         check_out(args.out, args.prompts, args.resume, args.overwrite)
-    records = scan_prompts(args.prompts, args.max_line_bytes)
+    records = scan_prompts(args.prompts, args.max_line_bytes, args.max_new_tokens)
     settings = output_settings(args)
     done = finished_ids(args.out, settings) if args.resume else set()
     records = [r for r in records if id_key(r.id) not in done]
