@@ -20,7 +20,7 @@ import numpy as np
 
 from ddtree_jax import attention, models, scheduling
 from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit, rows_to_run
-from ddtree_jax.prompts import Prompt
+from ddtree_jax.prompts import LIMIT, Prompt
 from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.scheduling import Schedule
 from ddtree_jax.text import TextCodec
@@ -120,7 +120,7 @@ class Generator:
         most = self.plan_template.max_new_tokens
         limits = np.full((rows,), most, np.int32)
         for i, prompt in enumerate(batch):
-            limits[i] = n = prompt.options.get("max_new_tokens", most)
+            limits[i] = n = prompt.options.get(LIMIT, most)
             if not 1 <= n <= most:
                 raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
         return jnp.asarray(limits)
