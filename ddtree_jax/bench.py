@@ -205,6 +205,7 @@ def synthetic_state(
         stopped=jnp.zeros((b,), bool),
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
+        max_new_tokens=jnp.full((b,), plan.max_new_tokens, jnp.int32),
         sampling=None if sampling is None else SamplingParams.from_rows([sampling] * b),
     )
     return place_state(state, plan)

@@ -53,6 +53,6 @@ def describe(table: dict[tuple[int, int], int]) -> str:
     return ", ".join(parts)
 
 
-def run_context(prompt_lengths: list[int], max_new_tokens: int) -> int:
-    """The context a run's rows reach on average: the prompts' mean length plus the new tokens."""
-    return round(sum(prompt_lengths) / max(len(prompt_lengths), 1)) + max_new_tokens
+def run_context(contexts: list[int]) -> int:
+    """The context a run's rows reach on average: the mean of each prompt's length plus its new tokens."""
+    return round(sum(contexts) / max(len(contexts), 1))

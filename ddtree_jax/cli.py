@@ -14,7 +14,7 @@ from typing import Any
 from ddtree_jax.budgets import DEFAULT_BUDGETS, MOE_DEFAULT_BUDGETS, default_budget, describe, run_context
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
-from ddtree_jax.prompts import KNOWN_KEYS, MAX_LINE_BYTES, id_key, scan_prompts, tokenize
+from ddtree_jax.prompts import KNOWN_KEYS, LIMIT, MAX_LINE_BYTES, id_key, scan_prompts, tokenize
 
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 
@@ -24,7 +24,8 @@ EXIT_SIGNAL = 128  # + the signal's number: 130 after SIGINT, 143 after SIGTERM 
 
 EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KEYS)}):
   {{"id": ..., "prompt": "text"}}, {{"id": ..., "messages": [{{"role": ..., "content": ...}}]}} or
-  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed override the flags.
+  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed override the flags;
+  an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
 
 output: one JSON line per prompt, in input order, flushed as each prompt finishes; the settings that
@@ -425,13 +426,13 @@ def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
     check_args(args)
     if is_writer(args):
         check_out(args.out, args.prompts, args.resume, args.overwrite)
-    records = scan_prompts(args.prompts, args.max_line_bytes)
+    records = scan_prompts(args.prompts, args.max_line_bytes, args.max_new_tokens)
     cfg = load_target_config(args.target)
     dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
     # the budget, resolved once from the whole file (resumed or not) for every later step
-    context = run_context([len(p.input_ids) for p in prompts], args.max_new_tokens)
+    context = run_context([len(p.input_ids) + p.options.get(LIMIT, args.max_new_tokens) for p in prompts])
     args.budget = resolved_budget(args, cfg, context) or args.budget
     check_limits(args, cfg, dcfg)
     check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)

@@ -110,6 +110,7 @@ class DecodeState:
     stopped: jax.Array  # [B] bool: finished on a stop id (else on the length limit)
     acceptance: jax.Array  # [B, max_new] tokens added by each round
     rounds: jax.Array  # [B]
+    max_new_tokens: jax.Array  # [B] each row's own limit of new tokens (at most plan.max_new_tokens)
     sampling: SamplingParams | None = None  # None: greedy for every row (the greedy-only program)
 
 
@@ -143,12 +144,14 @@ def prefill(
     active: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingParams | None = None,
+    max_new_tokens: jax.Array | None = None,
     *,
     plan: Plan,
 ) -> DecodeState:
     """Run the right-padded prompts [B, P] (lengths [B]), fill both caches, choose the first token.
 
     The first token is the one at position L (the prompt's length): its noise position (sampling.py).
+    `max_new_tokens` [B]: each row's own limit (None: plan.max_new_tokens for every row).
     """
     cfg, (b, p) = plan.target, prompts.shape  # b: this device's rows
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -167,7 +170,15 @@ def prefill(
         kv = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
         draft_cache = kv_cache.from_prefill(kv, plan.capacity, prompt_lengths)
 
-    return initial_state(cache, draft_cache, first, active, stop_ids, sampling, plan)
+    return initial_state(cache, draft_cache, first, active, stop_ids, sampling, plan, max_new_tokens)
+
+
+def row_limits(max_new_tokens: jax.Array | None, rows: int, plan: Plan) -> jax.Array:
+    """Each row's limit of new tokens [rows]: the given ones, capped at the plan's (which sizes the
+    cache and the output buffer), or the plan's for every row."""
+    if max_new_tokens is None:
+        return jnp.full((rows,), plan.max_new_tokens, jnp.int32)
+    return jnp.minimum(max_new_tokens.astype(jnp.int32), plan.max_new_tokens)
 
 
 def initial_state(
@@ -178,21 +189,25 @@ def initial_state(
     stop_ids: jax.Array,
     sampling: SamplingParams | None,
     plan: Plan,
+    max_new_tokens: jax.Array | None = None,
 ) -> DecodeState:
-    """The state after a prefill: caches filled, the first token [B] chosen (it is the next root)."""
+    """The state after a prefill: caches filled, the first token [B] chosen (it is the next root);
+    each row finishes at its own `max_new_tokens` [B] (None: the plan's)."""
     b = first.shape[0]
     stopped = active & jnp.isin(first, stop_ids)
     slots = plan.max_new_tokens + plan.path_slots
+    limits = row_limits(max_new_tokens, b, plan)
     return DecodeState(
         cache=cache,
         draft_cache=draft_cache,
         bonus=first,
         output=jnp.zeros((b, slots), jnp.int32).at[:, 0].set(first),
         num_output=active.astype(jnp.int32),
-        done=~active | stopped | (plan.max_new_tokens <= 1),
+        done=~active | stopped | (limits <= 1),
         stopped=stopped,
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
+        max_new_tokens=limits,
         sampling=sampling,
     )
 
@@ -265,7 +280,7 @@ def commit(
     is_stop = jnp.isin(w.emitted, stop_ids) & in_path
     has_stop = jnp.any(is_stop, axis=-1)
     first_stop = jnp.argmax(is_stop, axis=-1)
-    room = plan.max_new_tokens - state.num_output
+    room = state.max_new_tokens - state.num_output
     n_emit = jnp.where(has_stop, first_stop + 1, w.length)
     n_emit = jnp.where(live, jnp.minimum(n_emit, room), 0)
     stopped_now = live & has_stop & (first_stop + 1 <= room)
@@ -289,10 +304,11 @@ def commit(
         bonus=jnp.where(live, w.bonus, state.bonus),
         output=_write_tokens(state.output, w.emitted, state.num_output),
         num_output=num_output,
-        done=state.done | stopped_now | (num_output >= plan.max_new_tokens),
+        done=state.done | stopped_now | (num_output >= state.max_new_tokens),
         stopped=state.stopped | stopped_now,
         acceptance=state.acceptance.at[jnp.arange(b), round_idx].set(jnp.where(live, n_emit, old)),
         rounds=state.rounds + live.astype(jnp.int32),
+        max_new_tokens=state.max_new_tokens,
         sampling=state.sampling,
     )
 
@@ -321,14 +337,18 @@ def generate(
     active: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingParams | None = None,
+    max_new_tokens: jax.Array | None = None,
     *,
     plan: Plan,
 ) -> DecodeState:
     """The whole generation, prefill and every round, as one program (jit it with plan static).
 
     sampling None compiles the greedy-only program; otherwise each row samples with its own settings.
+    max_new_tokens [B]: each row's own limit (None: the plan's).
     """
-    state = prefill(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling, plan=plan)
+    state = prefill(
+        params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling, max_new_tokens, plan=plan
+    )
     return jax.lax.while_loop(
         lambda s: jnp.any(~s.done),
         lambda s: decode_round(params, draft_params, s, stop_ids, plan),
@@ -366,6 +386,7 @@ def state_specs(plan: Plan) -> DecodeState:
         stopped=ROW,
         acceptance=ROW,
         rounds=ROW,
+        max_new_tokens=ROW,
         sampling=ROW,
     )
 
@@ -387,14 +408,15 @@ def generate_on_mesh(
     active: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingParams | None = None,
+    max_new_tokens: jax.Array | None = None,
     *,
     plan: Plan,
 ) -> DecodeState:
     """`generate` over the plan's mesh: params as placed, the batch split over "data"."""
     target_specs, draft_specs = param_specs(plan)
-    in_specs = (target_specs, draft_specs, ROW, ROW, ROW, ALL, ROW)
+    in_specs = (target_specs, draft_specs, ROW, ROW, ROW, ALL, ROW, ROW)
     fn = on_mesh(generate, plan, in_specs, state_specs(plan))
-    return fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling)
+    return fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling, max_new_tokens)
 
 
 generate_jit = jax.jit(generate_on_mesh, static_argnames=("plan",))
@@ -412,7 +434,7 @@ class HostStepper:
         def stage(fn, in_specs, out_specs, donate=()):
             return jax.jit(on_mesh(fn, plan, in_specs, out_specs), donate_argnums=donate)
 
-        self._prefill = stage(prefill, (params, dparams, ROW, ROW, ROW, ALL, ROW), state)
+        self._prefill = stage(prefill, (params, dparams, ROW, ROW, ROW, ALL, ROW, ROW), state)
         self._draft = stage(draft, (params, dparams, state), (ROW, ROW))
         self._build = stage(build, (state, ROW, ROW), ROW)
         self._verify = stage(verify, (params, state, ROW), (ROW, kv, ROW))
@@ -443,7 +465,17 @@ class HostStepper:
             "walk_commit", self._commit, draft_params, state, t, choice, kv, features, stop_ids
         )
 
-    def run(self, params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling=None):
+    def run(
+        self,
+        params,
+        draft_params,
+        prompts,
+        prompt_lengths,
+        active,
+        stop_ids,
+        sampling=None,
+        max_new_tokens=None,
+    ):
         """Generate like `generate`, returning the same final state."""
         state = self._timed(
             "prefill",
@@ -455,6 +487,7 @@ class HostStepper:
             active,
             stop_ids,
             sampling,
+            max_new_tokens,
         )
         while not bool(np.all(jax.device_get(state.done))):
             state = self.round(params, draft_params, state, stop_ids)

@@ -20,7 +20,7 @@ import numpy as np
 
 from ddtree_jax import attention, models, scheduling
 from ddtree_jax.engine import DecodeState, HostStepper, Plan, generate_jit, rows_to_run
-from ddtree_jax.prompts import Prompt
+from ddtree_jax.prompts import LIMIT, Prompt
 from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.scheduling import Schedule
 from ddtree_jax.text import TextCodec
@@ -113,7 +113,17 @@ class Generator:
             lengths[i] = len(prompt.input_ids)
             active[i] = True
         arrays = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(active), self._stop_array()
-        return (*arrays, self._sampling(batch, b))
+        return (*arrays, self._sampling(batch, b), self._limits(batch, b))
+
+    def _limits(self, batch: list[Prompt], rows: int) -> jax.Array:
+        """Each row's limit of new tokens [rows]: the prompt's own `max_new_tokens`, else the plan's."""
+        most = self.plan_template.max_new_tokens
+        limits = np.full((rows,), most, np.int32)
+        for i, prompt in enumerate(batch):
+            limits[i] = n = prompt.options.get(LIMIT, most)
+            if not 1 <= n <= most:
+                raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
+        return jnp.asarray(limits)
 
     def _settings(self, prompt: Prompt) -> dict:
         """The prompt's sampling settings: its own over the defaults."""
@@ -128,7 +138,7 @@ class Generator:
         return SamplingParams.from_rows(rows)
 
     def _program(self, plan: Plan, args) -> Callable:
-        key = (plan, args[-1] is not None)  # greedy-only and sampling programs compile apart
+        key = (plan, args[4] is not None)  # greedy-only and sampling programs compile apart
         if key not in self._compiled:
             start = time.perf_counter()
             if self.host_stepped:
@@ -202,6 +212,7 @@ class Generator:
             where[j] = row
         settings = [self._settings(p) for p in prompts] + [dict(GREEDY)] * (r - len(prompts))
         rows_sampling = SamplingParams.from_rows(settings) if sampling else None
+        limits = self._limits(prompts, r)
         chunk, impl = self.schedule.chunk, self.prefill_attention(plan)
         stop = self._stop_array()
         args = jnp.asarray(tokens), jnp.asarray(lengths)
@@ -218,6 +229,7 @@ class Generator:
                 active,
                 stop,
                 rows_sampling,
+                limits,
                 plan=plan,
                 chunk=chunk,
                 attention=impl,
@@ -233,6 +245,7 @@ class Generator:
             jnp.asarray(where),
             stop,
             rows_sampling,
+            limits,
             plan=plan,
             chunk=chunk,
             attention=impl,

@@ -1,6 +1,8 @@
 """The prompts file: one JSON object per line, with `prompt`, `messages` or `input_ids`.
 
-Optional per-prompt `temperature`, `top_k`, `top_p` and `seed` override the command-line defaults.
+Optional per-prompt `temperature`, `top_k`, `top_p` and `seed` override the command-line defaults;
+an optional `max_new_tokens` (at most the run's `--max-new-tokens`, which sizes the cache) ends that
+prompt's generation earlier.
 Reading has two stages: `scan_prompts` checks everything that needs no model (line size, UTF-8,
 JSON, keys, ids, settings) before any weight is loaded; `tokenize` then encodes the prompts.
 """
@@ -18,7 +20,8 @@ from ddtree_jax.sampling import check as check_sampling
 from ddtree_jax.text import TextCodec
 
 PROMPT_KINDS = ("prompt", "messages", "input_ids")
-KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS)
+LIMIT = "max_new_tokens"  # a prompt's own limit of new tokens (SGLang's per-request name)
+KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, LIMIT)
 # A line longer than this is refused before it is decoded or tokenised: 8 MiB of text is millions of
 # tokens, far past any supported context (tokenising 50 MB took 58 s and 8 GB before it was refused).
 MAX_LINE_BYTES = 8 << 20
@@ -72,8 +75,11 @@ def _lines(path: Path, max_line_bytes: int):
         raise DDTreeError(f"{path}: permission denied") from None
 
 
-def scan_prompts(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[Record]:
-    """Check every line for what needs no model; errors name the file and line."""
+def scan_prompts(
+    path: str | Path, max_line_bytes: int = MAX_LINE_BYTES, max_new_tokens: int | None = None
+) -> list[Record]:
+    """Check every line for what needs no model; errors name the file and line. `max_new_tokens`:
+    the run's limit, which a prompt's own may not exceed (None: not checked here)."""
     path = Path(path)
     records: list[Record] = []
     seen: dict[str, int] = {}
@@ -105,10 +111,23 @@ def scan_prompts(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> list
         for name, option in options.items():
             if (why := check_sampling(name, option)) is not None:
                 raise DDTreeError(f"{where}: '{name}' {why}")
+        if LIMIT in record:
+            options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
         records.append(Record(id_, n, kind, value, options))
     if not records:
         raise DDTreeError(f"{path}: no prompts")
     return records
+
+
+def _limit(value: Any, most: int | None, where: str) -> int:
+    """A prompt's `max_new_tokens`: a positive integer, at most the run's --max-new-tokens."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DDTreeError(f"{where}: '{LIMIT}' must be a positive integer, got {value!r}")
+    if most is not None and value > most:
+        raise DDTreeError(
+            f"{where}: '{LIMIT}' {value} exceeds the run's --max-new-tokens {most} (which sizes the cache)"
+        )
+    return value
 
 
 def _prompt_field(record: dict, where: str) -> tuple[str, Any]:
@@ -158,10 +177,15 @@ def tokenize(
 
 
 def read_prompts(
-    path: str | Path, codec: TextCodec | None, chat_template: bool, vocab_size: int
+    path: str | Path,
+    codec: TextCodec | None,
+    chat_template: bool,
+    vocab_size: int,
+    max_new_tokens: int | None = None,
 ) -> list[Prompt]:
-    """Parse and tokenize every line; errors name the file and line."""
-    return tokenize(scan_prompts(path), path, codec, chat_template, vocab_size)
+    """Parse and tokenize every line (prompts' own limits at most `max_new_tokens`); errors name the
+    file and line."""
+    return tokenize(scan_prompts(path, max_new_tokens=max_new_tokens), path, codec, chat_template, vocab_size)
 
 
 def _input_ids(r: Record, where: str, codec: TextCodec | None, chat_template: bool) -> list[int]:

@@ -93,6 +93,7 @@ def chunked_prefill(
     active: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingParams | None = None,
+    max_new_tokens: jax.Array | None = None,
     *,
     plan: Plan,
     chunk: int,
@@ -100,7 +101,8 @@ def chunked_prefill(
 ) -> DecodeState:
     """The state of R new rows: prompts [R, P] (P a multiple of `chunk`, lengths [R]) run chunk by
     chunk through the cache path (`attention`: the chunks' implementation, default the plan's);
-    caches of plan.capacity slots; the first token chosen."""
+    caches of plan.capacity slots; the first token chosen; each row's limit `max_new_tokens` [R]
+    (None: the plan's)."""
     attention = attention or plan.attention
     cfg, (r, p) = plan.target, prompts.shape
     axis, dtype = plan.model_axis, params["embed"].dtype
@@ -177,7 +179,7 @@ def chunked_prefill(
     if draft_cache is not None:
         draft_cache = _with_lengths(draft_cache, prompt_lengths)
     first = first_token(params, last, prompt_lengths, sampling, plan)
-    return initial_state(cache, draft_cache, first, active, stop_ids, sampling, plan)
+    return initial_state(cache, draft_cache, first, active, stop_ids, sampling, plan, max_new_tokens)
 
 
 def _zeros(tree):
@@ -204,7 +206,7 @@ def _prefill_on_mesh(plan: Plan, chunk: int, attention: str | None):
     return on_mesh(
         lambda *a, plan: chunked_prefill(*a, plan=plan, chunk=chunk, attention=attention),
         plan,
-        (target_specs, draft_specs, ROW, ROW, ROW, ALL, ROW),
+        (target_specs, draft_specs, ROW, ROW, ROW, ALL, ROW, ROW),
         state_specs(plan),
     )
 
@@ -217,14 +219,16 @@ def start(
     active: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingParams | None,
+    max_new_tokens: jax.Array | None = None,
     *,
     plan: Plan,
     chunk: int,
     attention: str | None = None,
 ) -> DecodeState:
-    """A new state of B rows: prompts [B, P] (lengths [B]) prefilled in chunks, inactive rows done."""
+    """A new state of B rows: prompts [B, P] (lengths [B], limits [B]) prefilled in chunks, inactive
+    rows done."""
     fn = _prefill_on_mesh(plan, chunk, attention)
-    return fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling)
+    return fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling, max_new_tokens)
 
 
 def refill(
@@ -236,15 +240,17 @@ def refill(
     rows: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingParams | None,
+    max_new_tokens: jax.Array | None = None,
     *,
     plan: Plan,
     chunk: int,
     attention: str | None = None,
 ) -> DecodeState:
-    """Prefill prompts [R, P] (lengths [R]) and put them into rows [R] of the state (B = dropped)."""
+    """Prefill prompts [R, P] (lengths [R], limits [R]) and put them into rows [R] of the state
+    (B = dropped)."""
     fn = _prefill_on_mesh(dataclasses.replace(plan, batch_size=prompts.shape[0]), chunk, attention)
     active = rows < state.bonus.shape[0]
-    new = fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling)
+    new = fn(params, draft_params, prompts, prompt_lengths, active, stop_ids, sampling, max_new_tokens)
     return place_rows(state, new, rows)
 
 

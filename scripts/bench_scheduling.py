@@ -4,13 +4,17 @@ The workload: `--prompts` prompts whose lengths are log-uniform in [--min-len, -
 held-out code prompts for a real pair, random ids for random weights), `--max-new-tokens` each, and
 one stop id chosen so that about `--stop-fraction` of the rows stop early: the token found in that
 fraction of a calibration run's outputs (the first 32 prompts, static batches), or up to
-`--stop-tokens` such tokens together (random weights). Static batches run
+`--stop-tokens` such tokens together (random weights). With `--min-new-tokens N` each prompt also
+gets its own `max_new_tokens`, log-uniform in [N, --max-new-tokens] from the seed, so the spread of
+output lengths does not depend on the outputs (random weights rarely hit a stop id, and a bf16 run's
+outputs depend on the schedule; pass --stop-fraction 0 for lengths alone). Static batches run
 `--batch-size` prompts at a time in input order until each batch's slowest row finishes (what
 `ddtree-generate --static-batches` does); continuous batching runs `Generator.stream`. Both report
 generation seconds without compilation; outputs are compared token for token.
 
     python scripts/bench_scheduling.py --out results/scheduling/cpu.json --prompts 48 --max-len 512
     python scripts/bench_scheduling.py --shape qwen3-8b --attention pallas --stop-tokens 8 --out $OUT/8b.json
+    python scripts/bench_scheduling.py --max-new-tokens 128 --min-new-tokens 8 --stop-fraction 0 --out ...
 """
 
 from __future__ import annotations
@@ -77,6 +81,12 @@ def workload(args, vocab: int, stream: list[int] | None) -> list[Prompt]:
             start = int(rng.integers(0, len(stream) - n))
             ids = stream[start : start + n]
         prompts.append(Prompt(i, i + 1, ids, {}))
+    if args.min_new_tokens is not None:  # own stream: the prompts are those of a run without limits
+        draw = np.random.default_rng([args.seed, 1])
+        low, high = np.log(args.min_new_tokens), np.log(args.max_new_tokens + 1)
+        limits = np.minimum(np.exp(draw.uniform(low, high, args.prompts)).astype(int), args.max_new_tokens)
+        for prompt, n in zip(prompts, limits, strict=True):
+            prompt.options["max_new_tokens"] = int(n)
     return prompts
 
 
@@ -100,7 +110,8 @@ def make_generator(args, cfg, params, dcfg, dparams, stop_ids, batch_invariant=F
 
 
 def static(gen: Generator, prompts: list[Prompt], batch_size: int):
-    """Today's static batches in input order."""
+    """Today's static batches in input order, each run until its longest row finishes (each row at
+    its own limit or stop id)."""
     out = []
     for i in range(0, len(prompts), batch_size):
         out += gen.run_batch(prompts[i : i + batch_size])
@@ -151,6 +162,7 @@ def summary(results, gen: Generator, wall: float) -> dict:
     if gen.occupancy.chunks:
         occ = gen.occupancy
         out |= {
+            "rounds": occ.rounds,
             "row_rounds": occ.row_rounds,
             "busy": round(occ.busy / occ.row_rounds, 4),
             "busy_while_waiting": round(occ.waiting_fraction(), 4),
@@ -176,6 +188,11 @@ def main(argv=None) -> int:
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--min-new-tokens",
+        type=int,
+        help="each prompt's own max_new_tokens, log-uniform in [this, --max-new-tokens] (default: none)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--method", default="ddtree")
     p.add_argument("--budget", type=int, default=15)
@@ -196,6 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.min_new_tokens is not None and not 1 <= args.min_new_tokens <= args.max_new_tokens:
+        p.error(f"--min-new-tokens must be in [1, --max-new-tokens], got {args.min_new_tokens}")
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -209,7 +228,12 @@ def main(argv=None) -> int:
         "machine": f"{platform.node()} {jax.devices()[0].device_kind} x{jax.device_count()}",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "settings": vars(args)
-        | {"stop_ids": list(stop), "prompt_lengths": [len(q.input_ids) for q in prompts]},
+        | {"stop_ids": list(stop), "prompt_lengths": [len(q.input_ids) for q in prompts]}
+        | {
+            "max_new_tokens_per_prompt": [
+                q.options.get("max_new_tokens", args.max_new_tokens) for q in prompts
+            ]
+        },
     }
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +248,10 @@ def main(argv=None) -> int:
     if not args.skip_static:
         base, wall = timed(lambda: static(base_gen, prompts, args.batch_size))
         report["static"] = summary(base, base_gen, wall)
+        batches = range(0, len(base), args.batch_size)
+        report["static"]["rounds"] = sum(
+            max(r.rounds for r in base[i : i + args.batch_size]) for i in batches
+        )
         report["speedup"] = round(report["continuous"]["tokens_per_s"] / report["static"]["tokens_per_s"], 3)
         report["identical_outputs"] = [r.output_ids for r in base] == [r.output_ids for r in cont]
         save()

@@ -18,9 +18,10 @@ def write_prompts(path, records):
 
 def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
     name = "qwen3_gqa4_tp"
-    prompts = write_prompts(
-        tmp_path / "p.jsonl", [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(golden_prompts(name))]
-    )
+    limits = [24, 7, 24, 1, 24]  # p1 and p3 with their own max_new_tokens: the HF output's first tokens
+    records = [{"id": f"p{i}", "input_ids": p} for i, p in enumerate(golden_prompts(name))]
+    records[1]["max_new_tokens"], records[3]["max_new_tokens"] = 7, 1
+    prompts = write_prompts(tmp_path / "p.jsonl", records)
     for method in ("ar", "ddtree"):
         out = tmp_path / f"{method}.jsonl"
         argv = [
@@ -44,10 +45,10 @@ def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
         assert main(argv) == 0
         lines = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
         assert [r["id"] for r in lines] == [f"p{i}" for i in range(5)]  # written as they finish
-        for i, r in enumerate(lines):
-            assert r["output_ids"] == golden(name)[f"greedy_{i}"].tolist()
-            assert r["num_output_tokens"] == 24 and r["finish_reason"] == "length"
-            assert sum(r["acceptance_lengths"]) + 1 == 24 and len(r["acceptance_lengths"]) == r["rounds"]
+        for i, (r, n) in enumerate(zip(lines, limits, strict=True)):
+            assert r["output_ids"] == golden(name)[f"greedy_{i}"].tolist()[:n]
+            assert r["num_output_tokens"] == n and r["finish_reason"] == "length"
+            assert sum(r["acceptance_lengths"]) + 1 == n and len(r["acceptance_lengths"]) == r["rounds"]
     summary = capsys.readouterr().out
     assert "prompts: 5" in summary and "mean acceptance length" in summary
     assert "batch size: 1 (run as 2 rows)" in summary and "batch size: 2   attention" in summary
@@ -249,7 +250,7 @@ def test_default_budget_of_moe_targets():
 
 def test_default_budget_table_lookup():
     """default_budget takes the entry of the largest rows <= the run's, then of the largest context <= its
-    mean context; run_context is the prompts' mean length plus the new tokens."""
+    mean context; run_context is the prompts' mean length plus its new tokens."""
     from ddtree_jax.budgets import DEFAULT_BUDGETS, default_budget, describe, run_context
 
     long = max(c for _, c in DEFAULT_BUDGETS)
@@ -261,7 +262,7 @@ def test_default_budget_table_lookup():
     ]
     assert default_budget(16, None, long - 1) == 7 and default_budget(64, None, long) == 15
     assert describe(DEFAULT_BUDGETS) == f"15 from batch 1, 7 from batch 16 (15 from context {long})"
-    assert run_context([10, 20, 31], 100) == 120 and run_context([], 5) == 5
+    assert run_context([110, 120, 131]) == 120 and run_context([]) == 0
 
 
 def test_run_budget_follows_target_kind_and_context(tmp_path, monkeypatch):
@@ -368,9 +369,28 @@ def test_limits_refused_before_loading(tmp_path, capsys, monkeypatch, flags, nee
         (
             b'{"id": 1, "input_ids": [1], "temprature": 0.5}\n',
             "p.jsonl:1: unknown key 'temprature' (known keys: "
-            "id, prompt, messages, input_ids, temperature, top_k, top_p, seed)",
+            "id, prompt, messages, input_ids, temperature, top_k, top_p, seed, max_new_tokens)",
         ),
-        (b'{"id": 1, "input_ids": [1], "max_new_tokens": 5}\n', "p.jsonl:1: unknown key 'max_new_tokens'"),
+        (
+            b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [1], "max_new_tokens": 129}\n',
+            "p.jsonl:2: 'max_new_tokens' 129 exceeds the run's --max-new-tokens 128",
+        ),
+        (
+            b'{"id": 1, "input_ids": [1], "max_new_tokens": 0}\n',
+            "p.jsonl:1: 'max_new_tokens' must be a positive integer, got 0",
+        ),
+        (
+            b'{"id": 1, "input_ids": [1], "max_new_tokens": "5"}\n',
+            "p.jsonl:1: 'max_new_tokens' must be a positive integer, got '5'",
+        ),
+        (
+            b'{"id": 1, "input_ids": [1], "max_new_tokens": true}\n',
+            "p.jsonl:1: 'max_new_tokens' must be a positive integer, got True",
+        ),
+        (
+            b'{"id": 1, "input_ids": [1], "max_new_tokens": 2.0}\n',
+            "p.jsonl:1: 'max_new_tokens' must be a positive integer, got 2.0",
+        ),
         (
             b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [' + b"1, " * 40 + b"1]}\n",
             "p.jsonl:2: line longer than 64 bytes (--max-line-bytes",

@@ -86,6 +86,36 @@ def test_stop_ids_and_sampling_equal_one_prompt_at_a_time():
     assert ids(together) == ids(static)
 
 
+# each prompt's own max_new_tokens (None: the run's 24; 1 finishes at the prefill's token), on prompts
+# of at most 16 tokens (the runs alone share programs); prompts 5 and 8 sample (seeded), others are greedy
+LIMITS = [5, None, 1, None, None, 9, None, 1, 5]
+SAMPLED = {5, 8}
+
+
+def test_own_max_new_tokens_equal_runs_alone():
+    """Each row stops at its prompt's own limit, in the stream (refills at batch 4) and in a static
+    batch, with the tokens of an ar run of the prompt alone at --max-new-tokens = that limit."""
+    seeded = {"temperature": 0.8, "top_p": 0.9, "seed": 3}
+    options = [
+        ({} if n is None else {"max_new_tokens": n}) | (seeded if i in SAMPLED else {})
+        for i, n in enumerate(LIMITS)
+    ]
+    gen = generator(batch_size=4, chunk=16)  # the programs of test_stop_ids_and_sampling_...
+    items = [Prompt(i, i + 1, p, o) for i, (p, o) in enumerate(zip(PROMPTS, options, strict=True))]
+    by_id = {r.id: r for r in gen.stream(items)}
+    streamed = [by_id[i] for i in range(len(PROMPTS))]
+    static = run(TP, PROMPTS, method="ar", options=options)
+    for i, n in enumerate(LIMITS):
+        r = streamed[i]
+        assert len(r.output_ids) == (n or 24) and r.finish_reason == "length"
+        assert r.output_ids == static[i].output_ids
+        if n is not None:  # (the run's own limit: test_ddtree_stream_equals_static_ar)
+            alone = run(TP, [PROMPTS[i]], max_new_tokens=n, options=[options[i]])[0]
+            assert r.output_ids == alone.output_ids, i
+    with pytest.raises(ValueError, match="max_new_tokens 25 is not in"):
+        list(gen.stream([Prompt(0, 1, [1, 2], {"max_new_tokens": 25})]))
+
+
 def test_never_more_rows_than_prompts():
     gen = generator(batch_size=1000)
     assert gen.stream_rows(2) == 2 and gen.stream_rows(5000) == 1000

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from ddtree_jax.errors import DDTreeError
 from ddtree_jax.generation import Result
 from ddtree_jax.pair import Pair, load_pair
 from ddtree_jax.prompts import Prompt
@@ -29,7 +30,7 @@ def check_generation_flags(args: argparse.Namespace) -> None:
 def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
     """Load the target (and the drafter when `with_draft`) and read the prompts as ddtree-generate does."""
     from ddtree_jax.cli import check_lengths
-    from ddtree_jax.prompts import read_prompts
+    from ddtree_jax.prompts import LIMIT, read_prompts
 
     pair = load_pair(
         args.target,
@@ -42,6 +43,12 @@ def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
         dequantize=args.dequantize,
     )
     prompts = read_prompts(args.prompts, pair.codec, not args.no_chat_template, pair.target.vocab_size)
+    for p in prompts:  # the references run one limit for every prompt
+        if LIMIT in p.options:
+            raise DDTreeError(
+                f"{args.prompts}:{p.line}: '{LIMIT}' per prompt is for ddtree-generate; the comparisons "
+                "run --max-new-tokens for every prompt"
+            )
     check_lengths(prompts, pair.target.max_position_embeddings, args.max_new_tokens)
     return Inputs(pair, prompts)
 
