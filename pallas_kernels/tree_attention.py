@@ -261,9 +261,10 @@ def resolve_tuning(
 
     Defaults by packed rows G * T: one tile of up to 128 rows; a single 16-row tile (AR decode)
     takes `DECODE_TUNING`, larger trees `TREE_TUNING` and tile the rows over the grid's first axis.
-    TREE_TUNING comes from the H200 sweep in results/h200/README.md ("Tree attention per layer"): 4 warps beat 8 everywhere,
-    3 stages beat 2 with 64-row K blocks, and 128-row query tiles halve the K/V re-reads of big
-    trees. `waves` and `min_blocks_per_split` only steer the default splits.
+    TREE_TUNING comes from the H200 sweep (results/h200/bench_attention.json, read in
+    results/h200/README.md): 4 warps beat 8 everywhere, 3 stages beat 2 with 64-row K blocks, and
+    128-row query tiles halve the K/V re-reads of big trees. `waves` and `min_blocks_per_split` only
+    steer the default splits.
     """
     b, t, hq, d = q_shape
     hkv, s = cache_shape[1], cache_shape[2]
