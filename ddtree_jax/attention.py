@@ -4,10 +4,10 @@
 through `jax.nn.dot_product_attention`, the chunk's queries against the cached prefix and, causally,
 against the chunk itself; "causal-xla" is the same composition through XLA (how CPU tests check it).
 
-"pallas-invariant" is the kernel with its cache splits fixed by the head and tree shapes alone (as for
-4 rows and a long cache: between the 33 splits one row would take and the 2 of 16 rows, so the split
-combine stays small at large batches), never by the batch or the capacity: a row's result then
-depends on its own length only (batch-invariant generation, generation.py).
+"pallas-invariant" is the kernel with its cache splits fixed by the head and tree shapes alone (the
+tree rule's splits for 4 rows and a 1M-token cache, at every T: between what one row and 16 rows
+would take, so the split merge stays small at large batches), never by the batch or the capacity: a
+row's result then depends on its own length only (batch-invariant generation, generation.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention import default_splits, merge_by_lse, resolve_tuning
+from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
@@ -39,7 +39,12 @@ def invariant(impl: str) -> str:
 def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
     """`tree_attention` with splits that depend on neither the batch nor the cache capacity."""
     tuning = resolve_tuning(q.shape, k_cache.shape)
-    splits = default_splits(SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"])
+    # The tree rule at every T, T = 1 included (9 splits at Hkv 8 for T = 1): what the H200 figures of
+    # the batch-invariant mode ran (results/notes.md); the decode rule would give 17 (not measured).
+    rule = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
+    splits = default_splits(
+        SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"], **rule
+    )
     return tree_attention(q, k_cache, *args, splits=splits, **kwargs)
 
 

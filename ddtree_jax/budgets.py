@@ -5,15 +5,16 @@ from __future__ import annotations
 
 # The ddtree budget when --budget is not given, by (rows, context): the rows each data-parallel device
 # runs (--batch-size / --dp) and the context a row reaches on average (the prompts' mean length plus
-# --max-new-tokens: a round's attention reads each row's own context, so the mean sets its cost). The
+# their new tokens: a round's attention reads each row's own context, so the mean sets its cost). The
 # entry of the largest rows <= the run's, then of the largest context <= the run's. Each is the budget
 # with the highest projected tokens/s = acceptance(budget) x ar step / ddtree round, from the bundled
 # pair's acceptance curve and Qwen3-8B-shaped round times on one H200 (results/h200/README.md,
 # "Default budget per batch size", and results/notes.md, "The budget at long context"): at 1k context
 # from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32); at batch 1, 15, 31 and 63
-# project within 2% of each other (31 highest, by 0.8%) and the smallest tree is kept; at 32k context
-# and batch 16, 15 beats 7 (2.70x against 2.52x: a tree's extra nodes read no extra K/V, and reading
-# K/V is most of a round there), while at batch 1, 15 stays ahead of 63 (2.65x against 2.23x).
+# project within 2% of each other (31 highest, by 0.8%) and the smallest tree is kept. At batch 16, 7 /
+# 15 project 2.10x / 2.08x at 8k, 2.19x / 2.22x at 16k and 2.52x / 2.70x at 32k (31: 2.07x): a tree's
+# extra nodes read no extra K/V, and reading K/V is most of a round there; at batch 1, 15 stays ahead
+# of 63 at 32k (2.65x against 2.23x).
 DEFAULT_BUDGETS = {(1, 0): 15, (16, 0): 7, (16, 16384): 15}
 # Mixture-of-experts targets: a tree's tokens select many more distinct experts than one token, so a
 # verify reads far more weight bytes than an ar step. Qwen3-30B-A3B-shaped rounds on one H200 at batch
@@ -51,6 +52,11 @@ def describe(table: dict[tuple[int, int], int]) -> str:
             f"{table[rows, contexts[0]]} from batch {rows}" + (f" ({', '.join(longer)})" if longer else "")
         )
     return ", ".join(parts)
+
+
+def rows_per_device(batch_size: int, dp: int) -> int:
+    """The rows each data-parallel device runs: the batch the measured round times are of."""
+    return -(-batch_size // dp)
 
 
 def run_context(contexts: list[int]) -> int:

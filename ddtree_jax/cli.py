@@ -11,7 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddtree_jax.budgets import DEFAULT_BUDGETS, MOE_DEFAULT_BUDGETS, default_budget, describe, run_context
+from ddtree_jax.budgets import (
+    DEFAULT_BUDGETS,
+    MOE_DEFAULT_BUDGETS,
+    default_budget,
+    describe,
+    rows_per_device,
+    run_context,
+)
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, LIMIT, MAX_LINE_BYTES, id_key, scan_prompts, tokenize
@@ -95,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=int,
         help="ddtree: tree nodes besides the root (default by rows per --dp device and the prompts' mean "
-        f"length plus --max-new-tokens: {describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: "
+        f"length plus their new tokens: {describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: "
         f"{describe(MOE_DEFAULT_BUDGETS)})",
     )
     p.add_argument(
@@ -281,12 +288,18 @@ def start_processes(args: argparse.Namespace) -> None:
         raise DDTreeError(f"--coordinator {args.coordinator}: cannot join the processes ({first})") from None
 
 
-def resolved_budget(args: argparse.Namespace, cfg=None, context: int = 0) -> int:
-    """The ddtree budget this run uses (0 for ar and dflash): --budget, else the default for its rows per
-    device, its target's kind (`cfg`) and the context its rows reach on average."""
-    if args.method != "ddtree":
-        return 0
-    return args.budget or default_budget(-(-args.batch_size // args.dp), cfg, context)
+def resolve_budget(args: argparse.Namespace, cfg, prompts: list) -> None:
+    """Fill in --budget when ddtree runs without one: the default for the run's rows per device, its
+    target's kind (`cfg`) and the mean context of `prompts` (each one's length plus its new tokens)."""
+    if args.method != "ddtree" or args.budget is not None:
+        return
+    context = run_context([len(p.input_ids) + p.options.get(LIMIT, args.max_new_tokens) for p in prompts])
+    args.budget = default_budget(rows_per_device(args.batch_size, args.dp), cfg, context)
+
+
+def resolved_budget(args: argparse.Namespace) -> int:
+    """The ddtree budget this run uses (0 for ar and dflash), once `resolve_budget` has filled it in."""
+    return args.budget if args.method == "ddtree" else 0
 
 
 def output_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -352,7 +365,7 @@ def check_memory(args: argparse.Namespace, cfg, dcfg) -> None:
 
     budget = resolved_budget(args)
     depth = (args.block_size or dcfg.block_size) - 1
-    rows = rows_to_run(args.method, -(-args.batch_size // args.dp))
+    rows = rows_to_run(args.method, rows_per_device(args.batch_size, args.dp))
     heads = cfg.dims.num_heads // args.tp if cfg.dims.num_heads % args.tp == 0 else cfg.dims.num_heads
     context = 16 + args.max_new_tokens + depth + 1  # the smallest cache a prompt gets
     per_pair = rows * heads * 4  # float32 attention scores per (tree token, key) pair
@@ -431,9 +444,7 @@ def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
     dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
-    # the budget, resolved once from the whole file (resumed or not) for every later step
-    context = run_context([len(p.input_ids) + p.options.get(LIMIT, args.max_new_tokens) for p in prompts])
-    args.budget = resolved_budget(args, cfg, context) or args.budget
+    resolve_budget(args, cfg, prompts)  # from the whole file, resumed or not: one budget per --out
     check_limits(args, cfg, dcfg)
     check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)
     settings = output_settings(args)

@@ -120,9 +120,10 @@ class Generator:
         most = self.plan_template.max_new_tokens
         limits = np.full((rows,), most, np.int32)
         for i, prompt in enumerate(batch):
-            limits[i] = n = prompt.options.get(LIMIT, most)
+            n = prompt.options.get(LIMIT, most)
             if not 1 <= n <= most:
                 raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
+            limits[i] = n
         return jnp.asarray(limits)
 
     def _settings(self, prompt: Prompt) -> dict:
@@ -138,7 +139,8 @@ class Generator:
         return SamplingParams.from_rows(rows)
 
     def _program(self, plan: Plan, args) -> Callable:
-        key = (plan, args[4] is not None)  # greedy-only and sampling programs compile apart
+        _tokens, _lengths, _active, _stop_ids, sampling, _limits = args  # Generator._inputs
+        key = (plan, sampling is not None)  # greedy-only and sampling programs compile apart
         if key not in self._compiled:
             start = time.perf_counter()
             if self.host_stepped:

@@ -1,4 +1,4 @@
-"""`scripts/profile_round.py`: where a round's device time goes, kernel by kernel.
+"""Where a round's device time goes, kernel by kernel (the library of `scripts/profile_round.py`).
 
 Builds the bench's random-weight model (`ddtree_jax.bench`), runs the ar step, the ddtree round and
 their stages alone (the bench's device loops) under `jax.profiler.trace`, and reads the captured

@@ -1,6 +1,8 @@
 """A target/drafter pair and the plan `ddtree-generate` makes for it: the CLI's defaults in one place.
 
-`make_plan` holds the defaults (budget by rows per device, branching min(budget, 32), the block-size
+`make_plan` holds the defaults (budget by rows per device at 1k context when not given: ddtree-generate
+and the comparisons resolve it from their prompts' context first, `cli.resolve_budget`; branching
+min(budget, 32), the block-size
 override, attention "auto", ar's padding to two rows); `load_pair` loads the models once for any
 number of plans; `load_generator` does both, as `ddtree-generate` does. Tools, scripts and tests call
 these instead of copying the rules.
@@ -99,22 +101,22 @@ def make_plan(
 ) -> Plan:
     """The plan ddtree-generate compiles for `batch_size` prompts per batch (None: its defaults)."""
     from ddtree_jax.attention import default_implementation
-    from ddtree_jax.budgets import default_budget
+    from ddtree_jax.budgets import default_budget, rows_per_device
 
-    rows_per_device = -(-batch_size // dp)  # the cost measured was one device's batch
+    rows = rows_per_device(batch_size, dp)
     if method == "ar":
         draft_cfg = None
     elif block_size is not None:
         if block_size > draft_cfg.block_size:
             raise DDTreeError(f"--block-size {block_size} exceeds the drafter's {draft_cfg.block_size}")
         draft_cfg = dataclasses.replace(draft_cfg, block_size=block_size)
-    budget = (budget or default_budget(rows_per_device, target_cfg)) if method == "ddtree" else 0
+    budget = (budget or default_budget(rows, target_cfg)) if method == "ddtree" else 0
     branching = branching or default_branching(method, budget)
     return Plan(
         target=target_cfg,
         draft=draft_cfg,
         method=method,
-        batch_size=rows_to_run(method, rows_per_device, target_cfg) * dp,  # padded with inactive rows
+        batch_size=rows_to_run(method, rows, target_cfg) * dp,  # padded with inactive rows
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         budget=budget,

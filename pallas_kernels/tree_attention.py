@@ -234,8 +234,8 @@ def default_splits(
     block_k: int,
     *,
     num_sms: int = NUM_SMS_H200,
-    min_blocks_per_split: int = 4,
-    waves: int = 2,
+    min_blocks_per_split: int,
+    waves: int,
 ) -> int:
     """Cache splits so that about `waves` programs run per SM, each with a few blocks to stream."""
     want = _cdiv(waves * num_sms, batch * kv_heads * row_tiles)
@@ -272,7 +272,7 @@ def resolve_tuning(
     if hq != g * hkv:
         raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
     block_q = block_q or min(max(16, _next_pow2(g * t)), 128)
-    base = DECODE_TUNING if block_q <= 16 else TREE_TUNING
+    base = DECODE_TUNING if g * t <= 16 else TREE_TUNING
     block_k = block_k or base["block_k"]
     num_warps = num_warps or base["num_warps"]
     # An explicit block_k keeps the sweep's rule: 2 stages with 128-row blocks, 3 below.

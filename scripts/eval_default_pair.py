@@ -46,7 +46,9 @@ def main() -> None:
     args = ap.parse_args()
 
     pair = load_pair(args.target, args.draft, args.dtype)
-    prompts = read_prompts(args.prompts, pair.codec, False, pair.target.vocab_size)[: args.num_prompts]
+    prompts = read_prompts(args.prompts, pair.codec, False, pair.target.vocab_size, args.max_new_tokens)[
+        : args.num_prompts
+    ]
     sampling = {"temperature": args.temperature, "seed": args.seed} if args.temperature else {}
 
     runs = []

@@ -3,7 +3,8 @@ time vs context, the stage breakdown. Needs matplotlib (not a dependency of the 
 
 Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree round(N, B), with the
 acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
-per batch size is written to default_budgets.json, the input to `budgets.DEFAULT_BUDGETS`.
+per batch size is written to default_budgets.json, the input to `budgets.DEFAULT_BUDGETS`'s 1k-context
+entries (the long-context ones: results/notes.md, "The budget at long context").
 
     python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
         results/h200/sweep/small_budgets.json results/h200/sweep/batch32_budget7.json \\

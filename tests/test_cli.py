@@ -300,6 +300,27 @@ def test_run_budget_follows_target_kind_and_context(tmp_path, monkeypatch):
     )
 
 
+def test_resumed_run_keeps_the_whole_files_budget(tmp_path, monkeypatch):
+    """On --resume the default budget comes from the whole prompts file, not from the prompts left, so
+    the settings match the first run's: contexts 2 + 4 and 12 + 4 average 11 (budget 5); the prompt
+    left alone, 16, would take 3."""
+    from ddtree_jax import budgets, cli
+    from ddtree_jax.prompts import id_key
+
+    monkeypatch.setattr(budgets, "DEFAULT_BUDGETS", {(1, 0): 15, (16, 0): 7, (16, 11): 5, (16, 16): 3})
+    monkeypatch.setattr(cli, "check_out", lambda *a: None)
+    monkeypatch.setattr(cli, "finished_ids", lambda out, settings: {id_key(0)})
+    prompts = write_prompts(
+        tmp_path / "p.jsonl", [{"id": 0, "input_ids": [1] * 2}, {"id": 1, "input_ids": [1] * 12}]
+    )
+    flags = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
+    flags += ["--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "4"]
+    left, settings, done = cli.prepare(
+        cli.build_parser().parse_args([*flags, "--batch-size", "16", "--resume"])
+    )
+    assert [p.id for p in left] == [1] and done == 1 and settings["budget"] == 5
+
+
 def test_one_ar_row_runs_as_two():
     """ar at one row per device compiles a two-row program (the faster matmul path); others do not."""
     from ddtree_jax.cli import build_parser, check_args, make_generator

@@ -191,3 +191,18 @@ def test_missing_files(setup, capsys):
     assert main(argv(tmp_path, theirs, prompts=tmp_path / "no_prompts.jsonl")) == 1
     assert f"{tmp_path / 'no_prompts.jsonl'}: file not found" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_own_max_new_tokens_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """A prompt's own max_new_tokens is ddtree-generate's: the comparisons refuse it, naming the line,
+    before any weight is read."""
+    from ddtree_jax.compare import inputs
+
+    monkeypatch.setattr(inputs, "load_pair", lambda *a, **k: pytest.fail("weights loaded"))
+    prompts = write(
+        tmp_path / "p.jsonl",
+        [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [3], "max_new_tokens": 2}],
+    )
+    theirs = write(tmp_path / "theirs.jsonl", [{"id": "a", "output_ids": [1]}])
+    assert main(argv(tmp_path, theirs, prompts=prompts)) == 1
+    assert f"{prompts}:2: 'max_new_tokens' per prompt is for ddtree-generate" in capsys.readouterr().err

@@ -192,14 +192,18 @@ def test_batch_invariant_bf16_layouts_of_the_bundled_prompts():
 
 
 def test_stream_on_a_mesh_equals_one_device(static_ar):
-    """tp 2 x dp 2 (fake CPU devices): the same tokens as one device."""
+    """tp 2 x dp 2 (fake CPU devices): the same tokens as one device, each row to its own limit."""
     cfg, params = load_target(TP, tp=2, dp=2)
     dcfg, dparams = load_drafter(DRAFT, tp=2, dp=2)
     plan = Plan(cfg, dcfg, "ddtree", 4, 16, 24, budget=7, branching=7, tp=2, dp=2)
     gen = Generator(params, dparams, plan, (), schedule=Schedule(chunk=16))
-    items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(PROMPTS)]
+    limits = [n or 24 for n in LIMITS]
+    items = [
+        Prompt(i, i + 1, p, {"max_new_tokens": n})
+        for i, (p, n) in enumerate(zip(PROMPTS, limits, strict=True))
+    ]
     by_id = {r.id: r.output_ids for r in gen.stream(items)}
-    assert [by_id[i] for i in range(len(PROMPTS))] == static_ar
+    assert [by_id[i] for i in range(len(PROMPTS))] == [o[:n] for o, n in zip(static_ar, limits, strict=True)]
 
 
 def test_causal_chunk_equals_the_reference():

@@ -87,6 +87,14 @@ def test_host_stepped_on_mesh(reference):
     assert generate("ddtree", 7, 4, 2, host_stepped=True) == reference("ddtree", 7)
 
 
+def test_own_max_new_tokens_on_a_mesh_host_stepped(reference):
+    """Each prompt's own max_new_tokens on tp 4 x dp 2, host-stepped: the reference's tokens up to it."""
+    limits = [3, NEW, 1, 7, NEW, 2, 11, NEW]
+    got = generate("ddtree", 7, 4, 2, host_stepped=True, options=[{"max_new_tokens": n} for n in limits])
+    for (ids, _, reason), (want, _, _), n in zip(got, reference("ddtree", 7), limits, strict=True):
+        assert ids == want[:n] and reason == "length"
+
+
 @pytest.mark.parametrize(
     "name,draft,method,tp,dp",
     [

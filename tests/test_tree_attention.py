@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tree_attention import (
+    TREE_TUNING,
     _combine_splits,
     default_splits,
     merge_splits,
@@ -20,6 +21,7 @@ from pallas_kernels.tree_attention import (
 )
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+TREE_RULE = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
 TOLERANCE = {F32: 1e-5, BF16: 1e-2}
 
 
@@ -148,11 +150,11 @@ def test_under_jit_and_vmap_free_shapes():
 
 
 def test_default_splits_fill_the_gpu():
-    assert default_splits(1, 8, 1, 32768, 64) == 33  # 8 programs per split -> ~264
-    assert default_splits(16, 8, 1, 32768, 64) == 3
-    assert default_splits(64, 8, 1, 32768, 64) == 1
-    assert default_splits(1, 8, 1, 256, 64) == 1  # short caches: few blocks per split
-    assert default_splits(1, 1, 1, 1 << 20, 16) == 64  # capped
+    assert default_splits(1, 8, 1, 32768, 64, **TREE_RULE) == 33  # 8 programs per split -> ~264
+    assert default_splits(16, 8, 1, 32768, 64, **TREE_RULE) == 3
+    assert default_splits(64, 8, 1, 32768, 64, **TREE_RULE) == 1
+    assert default_splits(1, 8, 1, 256, 64, **TREE_RULE) == 1  # short caches: few blocks per split
+    assert default_splits(1, 1, 1, 1 << 20, 16, **TREE_RULE) == 64  # capped
 
 
 def test_decode_tuning_fills_the_sms():

@@ -28,10 +28,18 @@ def check_generation_flags(args: argparse.Namespace) -> None:
 
 
 def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
-    """Load the target (and the drafter when `with_draft`) and read the prompts as ddtree-generate does."""
-    from ddtree_jax.cli import check_lengths
-    from ddtree_jax.prompts import LIMIT, read_prompts
+    """Load the target (and the drafter when `with_draft`), read the prompts and resolve the budget as
+    ddtree-generate does."""
+    from ddtree_jax.cli import check_lengths, resolve_budget
+    from ddtree_jax.prompts import LIMIT, scan_prompts, tokenize
 
+    records = scan_prompts(args.prompts)
+    for r in records:  # the references run one limit for every prompt; refused before any weight loads
+        if LIMIT in r.options:
+            raise DDTreeError(
+                f"{args.prompts}:{r.line}: '{LIMIT}' per prompt is for ddtree-generate; the comparisons "
+                "run --max-new-tokens for every prompt"
+            )
     pair = load_pair(
         args.target,
         args.draft if with_draft else None,
@@ -42,14 +50,10 @@ def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
         draft_yarn_scaling=args.draft_yarn_scaling,
         dequantize=args.dequantize,
     )
-    prompts = read_prompts(args.prompts, pair.codec, not args.no_chat_template, pair.target.vocab_size)
-    for p in prompts:  # the references run one limit for every prompt
-        if LIMIT in p.options:
-            raise DDTreeError(
-                f"{args.prompts}:{p.line}: '{LIMIT}' per prompt is for ddtree-generate; the comparisons "
-                "run --max-new-tokens for every prompt"
-            )
+    prompts = tokenize(records, args.prompts, pair.codec, not args.no_chat_template, pair.target.vocab_size)
     check_lengths(prompts, pair.target.max_position_embeddings, args.max_new_tokens)
+    if getattr(args, "budgets", None) is None:  # one budget for the run (lossless and reference: --budgets)
+        resolve_budget(args, pair.target, prompts)
     return Inputs(pair, prompts)
 
 
