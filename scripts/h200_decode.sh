@@ -13,21 +13,14 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/decode}
+DEADLINE=${DEADLINE:-170}
 mkdir -p "$OUT"
-left() { echo $((${DEADLINE:-170} - SECONDS)); }
-step() {
-  local name=$1 cap=$2; shift 2
-  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
-  if [ "$t" -lt 15 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name (cap $t s, $(left) s left)"
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $?"; grep -v Warning "$OUT/$name.log" | tail -n 40
-}
+source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 git log -1 --format='%H %s' > "$OUT/commit.txt" 2>&1
 # --budget-s stops starting new configurations 10 s before the step's cap (each is written as it ends).
 cap=$(( $(left) - 5 )); [ "$cap" -gt 165 ] && cap=165
-step decode "$cap" python3 scripts/bench_attention.py --nodes 1 --batches 1,4,16 --contexts 1024,8192,32768 \
+step decode 15 "$cap" python3 scripts/bench_attention.py --nodes 1 --batches 1,4,16 --contexts 1024,8192,32768 \
   --tunings "waves=2,mb=4,merge=xla;merge=xla;k=64;waves=8" --no-reference --profile --target-s 0.1 \
   --budget-s $((cap - 10)) --out "$OUT/decode.json"
 # If the step was cut before its tables, print them from the JSON written so far.

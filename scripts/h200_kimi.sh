@@ -29,18 +29,9 @@ KERNEL_S=${KERNEL_S:-105}
 MLA_ARGS=${MLA_ARGS:---heads 64,8 --batches 1 --contexts 4096,32768 --nodes 1,64 --sweep first}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
+source "$(dirname "$0")/h200_lib.sh"
 B="$PY scripts/bench.py --shape $SHAPE --num-layers $LAYERS --draft-layers 6 --block-size 8 --rounds $ROUNDS"
-left() { echo $((DEADLINE - SECONDS)); }
 # step NAME MIN_S LIMIT_S CMD...: run CMD under timeout min(LIMIT_S, time left), if MIN_S seconds are left.
-step() {
-  local name=$1 need=$2 limit=$3; shift 3
-  local t; t=$(left); [ "$limit" -lt "$t" ] && t=$limit
-  if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name (limit $t s, $(left) s left): $*"
-  [ "$DRY_RUN" = 1 ] && return
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $? after $SECONDS s"; tail -n 12 "$OUT/$name.log"
-}
 
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 # shellcheck disable=SC2086  # MLA_ARGS and B are word lists

@@ -15,21 +15,13 @@ OUT=${OUT:-results/h200/moe}
 TP=${TP:-1}
 DEADLINE=${DEADLINE:-470}
 mkdir -p "$OUT"
+source "$(dirname "$0")/h200_lib.sh"
 B="python3 scripts/bench.py --shape qwen3-30b-a3b --attention pallas --rounds 4 --contexts 1024"
-left() { echo $((DEADLINE - SECONDS)); }
-step() {  # step NAME CAP_S COMMAND...: run under timeout min(CAP_S, time left); skip under 30 s left
-  local name=$1 cap=$2; shift 2
-  local t; t=$(left); [ "$cap" -lt "$t" ] && t=$cap
-  if [ "$(left)" -lt 30 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name (cap $t s, $(left) s left)"
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $?"; tail -n 14 "$OUT/$name.log"
-}
 
-step batch 230 $B --methods ar,ddtree --budgets 7,15 --batches 1,16 --out "$OUT/batch.json"
-step ar_grouped 75 $B --methods ar --batches 1 --moe-dispatch grouped --out "$OUT/ar_grouped.json"
-step ar_split 75 $B --methods ar --batches 1 --moe-dispatch grouped_split --out "$OUT/ar_split.json"
-step dispatch 130 python3 scripts/bench_moe.py --deadline-s 95 --out "$OUT/dispatch.json"
+step batch 30 230 $B --methods ar,ddtree --budgets 7,15 --batches 1,16 --out "$OUT/batch.json"
+step ar_grouped 30 75 $B --methods ar --batches 1 --moe-dispatch grouped --out "$OUT/ar_grouped.json"
+step ar_split 30 75 $B --methods ar --batches 1 --moe-dispatch grouped_split --out "$OUT/ar_split.json"
+step dispatch 30 130 python3 scripts/bench_moe.py --deadline-s 95 --out "$OUT/dispatch.json"
 if [ "$TP" -gt 1 ]; then
   step ep$TP 120 $B --methods ar,ddtree --budgets 15 --batches 1 --tp "$TP" --moe-sharding ep --out "$OUT/ep$TP.json"
   step tpexp$TP 120 $B --methods ar,ddtree --budgets 15 --batches 1 --tp "$TP" --moe-sharding tp \

@@ -8,20 +8,13 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/perf}
+DEADLINE=${DEADLINE:-230}
 mkdir -p "$OUT"
-left() { echo $((${DEADLINE:-230} - SECONDS)); }
-step() {
-  local name=$1 cap=$2; shift 2
-  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
-  if [ "$t" -lt 15 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name (cap $t s, $(left) s left)"
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $?"; grep -v Warning "$OUT/$name.log" | tail -n 8
-}
+source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-step tree 40 python3 scripts/bench_tree.py --cases 1:63,16:7,16:15 --variants climb,paths,paths-unrolled \
+step tree 15 40 python3 scripts/bench_tree.py --cases 1:63,16:7,16:15 --variants climb,paths,paths-unrolled \
   --reps 100 --out "$OUT/tree.json"
-step stages 110 python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16 --methods ar,ddtree \
+step stages 15 110 python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16 --methods ar,ddtree \
   --budgets 63 --contexts 1024 --batches 1 --stages --out "$OUT/stages.json"
-step attention 90 python3 scripts/bench_prefix_attention.py --shapes 16:8192,1:1024,16:32768 --out "$OUT/prefix.json"
+step attention 15 90 python3 scripts/bench_prefix_attention.py --shapes 16:8192,1:1024,16:32768 --out "$OUT/prefix.json"
 date -u

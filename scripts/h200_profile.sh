@@ -18,17 +18,8 @@ DEADLINE=${DEADLINE:-240}
 PY=${PY:-python3}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
+source "$(dirname "$0")/h200_lib.sh"
 P="$PY scripts/profile_round.py --shape qwen3-8b --attention pallas --programs verify,round --rounds 4 --iters 3"
-left() { echo $((DEADLINE - SECONDS)); }
-step() {
-  local name=$1 need=$2 limit=$3; shift 3
-  local t; t=$(left); [ "$limit" -lt "$t" ] && t=$limit
-  if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name (limit $t s, $(left) s left): $*"
-  [ "$DRY_RUN" = 1 ] && return
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $? after $SECONDS s"; grep -v Warning "$OUT/$name.log" | tail -n 8
-}
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 # ~70 s: init ~10 s, compiles ar verify ~8 + round ~9, ddtree draft/build ~6 + verify ~10 + round ~17
 # shellcheck disable=SC2086  # P is a word list

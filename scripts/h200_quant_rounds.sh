@@ -10,19 +10,13 @@
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 OUT=${OUT:-results/h200/quant}
+DEADLINE=${DEADLINE:-420}
 mkdir -p "$OUT"
+source "$(dirname "$0")/h200_lib.sh"
 B="python3 scripts/bench.py --shape kimi-k2 --attention pallas --draft-layers 6 --block-size 8 --rounds 4"
-left() { echo $((${DEADLINE:-420} - SECONDS)); }
-step() {
-  local name=$1; shift
-  if [ "$(left)" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(left) s left)"
-  timeout "$(left)" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $?"; tail -n 8 "$OUT/$name.log"
-}
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-step int4 $B --quantize int4-experts --methods ar,ddtree --budgets 15,63 --batches 1,16 --contexts 1024 \
+step int4 60 $DEADLINE $B --quantize int4-experts --methods ar,ddtree --budgets 15,63 --batches 1,16 --contexts 1024 \
   --out "$OUT/int4.json"
-step fp8 $B --quantize fp8 --methods ar,ddtree --budgets 15 --batches 1 --contexts 1024 --out "$OUT/fp8.json"
+step fp8 60 $DEADLINE $B --quantize fp8 --methods ar,ddtree --budgets 15 --batches 1 --contexts 1024 --out "$OUT/fp8.json"
 date -u

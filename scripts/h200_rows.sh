@@ -16,17 +16,8 @@ DEADLINE=${DEADLINE:-480}
 PY=${PY:-python3}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
+source "$(dirname "$0")/h200_lib.sh"
 K="$PY scripts/bench.py --shape kimi-k2 --draft-layers 6 --block-size 8 --rounds 4 --attention pallas"
-left() { echo $((DEADLINE - SECONDS)); }
-step() {
-  local name=$1 need=$2 limit=$3; shift 3
-  local t; t=$(left); [ "$limit" -lt "$t" ] && t=$limit
-  if [ "$(left)" -lt "$need" ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name (limit $t s, $(left) s left): $*"
-  [ "$DRY_RUN" = 1 ] && return
-  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
-  echo "rc $? after $SECONDS s"; grep -v Warning "$OUT/$name.log" | tail -n 8
-}
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 # shellcheck disable=SC2086  # K is a word list
 step kimi2_ctx32k_b16 40 70 $K --num-layers 2 --methods ar,ddtree --budgets 15 --batches 16 \

@@ -16,19 +16,9 @@ set -u
 OUT=${OUT:-results/h200/scheduling}
 DEADLINE=${DEADLINE:-470}
 mkdir -p "$OUT"
-BEGIN=$(date +%s)
-step() {  # step NAME MAX_SECONDS command...: runs under min(MAX, what is left of DEADLINE - 5)
-    local name=$1 max=$2 left
-    shift 2
-    left=$((DEADLINE - ($(date +%s) - BEGIN) - 5))
-    if [ "$left" -lt 20 ]; then echo "$name: skipped, ${left}s left" | tee -a "$OUT/steps.log"; return; fi
-    [ "$left" -lt "$max" ] && max=$left
-    local t0=$(date +%s)
-    timeout "$max" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name: exit $? after $(($(date +%s) - t0))s (limit ${max}s)" | tee -a "$OUT/steps.log"
-}
+source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-step cudnn-check 45 python3 - "$OUT/cudnn-check.json" <<'PY'
+step cudnn-check 20 45 python3 - "$OUT/cudnn-check.json" <<'PY'
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from ddtree_jax.attention import causal_chunk
@@ -48,11 +38,11 @@ out = {"max_abs_error": err, "bf16_ok": err < 0.05, "seconds": round(sec, 5), "s
        "device": jax.devices()[0].device_kind}
 print(json.dumps(out)); open(sys.argv[1], "w").write(json.dumps(out) + "\n")
 PY
-step mixed 250 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
+step mixed 20 250 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
     --prompts 64 --min-len 64 --max-len 1024 --max-new-tokens 64 --batch-size 16 --budget 7 \
     --prefill-chunk 512 --stop-tokens 8 --batch-invariant --out "$OUT/mixed-8b.json"
-step prefill-cudnn 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
+step prefill-cudnn 20 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
     --prefill-attention causal-cudnn --out "$OUT/prefill.jsonl"
-step prefill-pallas 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
+step prefill-pallas 20 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
     --out "$OUT/prefill.jsonl"
-echo "total $(($(date +%s) - BEGIN))s" | tee -a "$OUT/steps.log"
+echo "total $SECONDS s" | tee -a "$OUT/steps.log"

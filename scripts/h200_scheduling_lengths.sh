@@ -16,20 +16,10 @@ set -u
 OUT=${OUT:-results/h200/scheduling-lengths}
 DEADLINE=${DEADLINE:-400}
 mkdir -p "$OUT"
-BEGIN=$(date +%s)
-step() {  # step NAME MAX_SECONDS command...: runs under min(MAX, what is left of DEADLINE - 5)
-    local name=$1 max=$2 left
-    shift 2
-    left=$((DEADLINE - ($(date +%s) - BEGIN) - 5))
-    if [ "$left" -lt 20 ]; then echo "$name: skipped, ${left}s left" | tee -a "$OUT/steps.log"; return; fi
-    [ "$left" -lt "$max" ] && max=$left
-    local t0=$(date +%s)
-    timeout "$max" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name: exit $? after $(($(date +%s) - t0))s (limit ${max}s)" | tee -a "$OUT/steps.log"
-}
+source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-step lengths-8b 395 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
+step lengths-8b 20 395 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
     --prompts 64 --min-len 64 --max-len 1024 --max-new-tokens 128 --min-new-tokens 8 --stop-fraction 0 \
     --batch-size 16 --budget 7 --prefill-chunk 512 --prefill-attention same --batch-invariant \
     --out "$OUT/lengths-8b.json"
-echo "total $(($(date +%s) - BEGIN))s" | tee -a "$OUT/steps.log"
+echo "total $SECONDS s" | tee -a "$OUT/steps.log"

@@ -5,30 +5,24 @@
 set -u
 export PYTHONUNBUFFERED=1
 W=/tmp/sweep
+DEADLINE=${DEADLINE:-570}
+LOGS=$W
 mkdir -p $W
+source "$(dirname "$0")/h200_lib.sh"
 B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16"
 ALL="topk sampling budgets batches stages tp1 contexts llama arbatch"
-left() { echo $((${DEADLINE:-570} - SECONDS)); }
-step() {
-  local name=$1; shift
-  case " ${STEPS:-$ALL} " in *" $name "*) ;; *) return;; esac
-  if [ "$(left)" -lt 20 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(left) s left)"
-  timeout "$(left)" "$@" > "$W/$name.log" 2>&1
-  echo "rc $?"; tail -n 3 "$W/$name.log"
-}
 
-step topk python3 scripts/bench_topk.py --out "$W/topk.json"
-step sampling $B --methods ddtree,ar --budgets 63 --contexts 1024 --batches 1 \
+step topk 20 $DEADLINE python3 scripts/bench_topk.py --out "$W/topk.json"
+step sampling 20 $DEADLINE $B --methods ddtree,ar --budgets 63 --contexts 1024 --batches 1 \
   --sampling greedy,0.7:0:1,0.7:20:0.9,0.7:0:0.9 --out "$W/sampling.json"
-step budgets $B --methods ar,dflash,ddtree --budgets 7,15,31,63,127,255 --contexts 1024 --batches 1,16 \
+step budgets 20 $DEADLINE $B --methods ar,dflash,ddtree --budgets 7,15,31,63,127,255 --contexts 1024 --batches 1,16 \
   --out "$W/budgets.json"
-step batches $B --methods ar,ddtree --budgets 15,63 --contexts 1024 --batches 4,32 --out "$W/batches.json"
-step stages $B --methods ar,ddtree --budgets 63 --contexts 1024 --batches 1,16 --stages --out "$W/stages.json"
-step tp1 $B --methods dflash,ddtree --budgets 15 --contexts 1024 --batches 1,16 --out "$W/tp1.json"
-step contexts $B --methods ar,ddtree --budgets 63 --contexts 8192,32768 --batches 16 --out "$W/contexts.json"
-step llama python3 scripts/bench.py --shape llama-3.1-8b --attention pallas --rounds 16 --methods ar,ddtree \
+step batches 20 $DEADLINE $B --methods ar,ddtree --budgets 15,63 --contexts 1024 --batches 4,32 --out "$W/batches.json"
+step stages 20 $DEADLINE $B --methods ar,ddtree --budgets 63 --contexts 1024 --batches 1,16 --stages --out "$W/stages.json"
+step tp1 20 $DEADLINE $B --methods dflash,ddtree --budgets 15 --contexts 1024 --batches 1,16 --out "$W/tp1.json"
+step contexts 20 $DEADLINE $B --methods ar,ddtree --budgets 63 --contexts 8192,32768 --batches 16 --out "$W/contexts.json"
+step llama 20 $DEADLINE python3 scripts/bench.py --shape llama-3.1-8b --attention pallas --rounds 16 --methods ar,ddtree \
   --budgets 15,63 --contexts 1024 --batches 1,16 --out "$W/llama.json"
-step arbatch $B --methods ar,ddtree --budgets 7 --contexts 1024 --batches 2,8,32 --out "$W/arbatch.json"
+step arbatch 20 $DEADLINE $B --methods ar,ddtree --budgets 7 --contexts 1024 --batches 2,8,32 --out "$W/arbatch.json"
 date -u
 tar czf "$OUT/sweep.tgz" -C /tmp sweep

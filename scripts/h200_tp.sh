@@ -6,22 +6,17 @@ set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 TP=${TP:-2}
 W=/tmp/tp
+DEADLINE=${DEADLINE:-570}
+LOGS=$W
 mkdir -p $W
+source "$(dirname "$0")/h200_lib.sh"
 B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16 --contexts 1024 --tp $TP"
-left() { echo $((${DEADLINE:-570} - SECONDS)); }
-step() {
-  local name=$1; shift
-  if [ "$(left)" -lt 20 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(left) s left)"
-  timeout "$(left)" "$@" > "$W/$name.log" 2>&1
-  echo "rc $?"; tail -n 4 "$W/$name.log"
-}
 
 nvidia-smi topo -m > $W/topo.txt 2>&1
-step rounds $B --methods ar,dflash,ddtree --budgets 15,63 --batches 1,16 --out "$W/tp$TP.json"
-step no_all_reduce $B --methods ar,ddtree --budgets 63 --batches 1,16 --drop-layer-all-reduce \
+step rounds 20 $DEADLINE $B --methods ar,dflash,ddtree --budgets 15,63 --batches 1,16 --out "$W/tp$TP.json"
+step no_all_reduce 20 $DEADLINE $B --methods ar,ddtree --budgets 63 --batches 1,16 --drop-layer-all-reduce \
   --out "$W/tp$TP-no-all-reduce.json"
-step identity python3 scripts/tp_identity.py --tp 1,$TP --models pair,shape --shape qwen3-8b \
+step identity 20 $DEADLINE python3 scripts/tp_identity.py --tp 1,$TP --models pair,shape --shape qwen3-8b \
   --methods ar,dflash,ddtree --budgets 15,63 --num-prompts 4 --max-new-tokens 32 --out "$W/identity.json"
 date -u
 tar czf "$OUT/tp.tgz" -C /tmp tp
