@@ -13,6 +13,7 @@ import argparse
 
 import numpy as np
 
+from ddtree_jax.cli import resolve_budget
 from ddtree_jax.compare import stats
 from ddtree_jax.compare.divergence import Scorer
 from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> Report:
     """Sample every prompt, test each against the exact distribution."""
     check(args)
     inputs = load_inputs(args, with_draft=args.method != "ar")
+    resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
     scorer = Scorer.load(args.target)
     defaults = sampling_from_args(args)
     per_prompt, flagged = {}, []

@@ -28,9 +28,8 @@ def check_generation_flags(args: argparse.Namespace) -> None:
 
 
 def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
-    """Load the target (and the drafter when `with_draft`), read the prompts and resolve the budget as
-    ddtree-generate does."""
-    from ddtree_jax.cli import check_lengths, resolve_budget
+    """Load the target (and the drafter when `with_draft`) and read the prompts as ddtree-generate does."""
+    from ddtree_jax.cli import check_lengths
     from ddtree_jax.prompts import LIMIT, scan_prompts, tokenize
 
     records = scan_prompts(args.prompts)
@@ -52,8 +51,6 @@ def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
     )
     prompts = tokenize(records, args.prompts, pair.codec, not args.no_chat_template, pair.target.vocab_size)
     check_lengths(prompts, pair.target.max_position_embeddings, args.max_new_tokens)
-    if getattr(args, "budgets", None) is None:  # one budget for the run (lossless and reference: --budgets)
-        resolve_budget(args, pair.target, prompts)
     return Inputs(pair, prompts)
 
 
