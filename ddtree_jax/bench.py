@@ -533,17 +533,23 @@ def main(argv: list[str] | None = None) -> int:
         common.psum = psum
 
 
-def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
-    """Time every configuration of the grid, writing the JSON after each."""
-    ceiling = read_ceiling_gbs(args.ceiling_bytes)
-    print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
-    meta = {
+def run_meta(argv: list[str]) -> dict:
+    """What every benchmark JSON records of its run: date, device, jax and Python versions, argv."""
+    return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": str(jax.devices()[0]),
         "device_kind": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "python": platform.python_version(),
-        "argv": sys.argv,
+        "argv": argv,
+    }
+
+
+def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
+    """Time every configuration of the grid, writing the JSON after each."""
+    ceiling = read_ceiling_gbs(args.ceiling_bytes)
+    print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
+    meta = run_meta(sys.argv) | {
         "shape": args.shape,
         "tp": args.tp,
         "moe_sharding": getattr(cfg, "moe_sharding", None),

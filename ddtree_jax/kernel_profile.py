@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import glob
 import json
-import platform
 import re
 import sys
 import tempfile
@@ -26,7 +25,6 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from typing import Any
 
 import jax
@@ -422,13 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
     jax.block_until_ready((params, dparams))
-    meta = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": str(jax.devices()[0]),
-        "device_kind": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "argv": sys.argv if argv is None else ["profile_round", *argv],
+    meta = bench.run_meta(sys.argv if argv is None else ["profile_round", *argv]) | {
         "shape": args.shape,
         "num_layers": cfg.num_layers,
         "init_s": time.perf_counter() - start,

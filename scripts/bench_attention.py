@@ -73,19 +73,12 @@ def device_profile(fn, args, runs: int, calls: int) -> dict:
 
     Sums the kernel events of the GPU planes' stream lines (CUPTI); per call = sum / (runs * calls).
     """
-    import glob
-    import shutil
     import tempfile
 
-    from jax.profiler import ProfileData
+    from ddtree_jax.kernel_profile import trace_calls
 
-    tmp = tempfile.mkdtemp(prefix="bench_attention_trace_")
-    try:
-        with jax.profiler.trace(tmp):
-            for _ in range(runs):
-                jax.block_until_ready(fn(*args))
-        (path,) = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        data = ProfileData.from_file(path)
+    with tempfile.TemporaryDirectory(prefix="bench_attention_trace_") as tmp:
+        data, _ = trace_calls(lambda: fn(*args), runs, tmp)
         by_name: dict[str, list] = {}
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
@@ -98,8 +91,6 @@ def device_profile(fn, args, runs: int, calls: int) -> dict:
                     entry = by_name.setdefault(ev.name, [0.0, 0])
                     entry[0] += ev.duration_ns
                     entry[1] += 1
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     n = runs * calls
     kernels = {
         name: dict(us=total / 1e3 / n, per_call=count / n)
