@@ -1,5 +1,5 @@
-"""The default ddtree budget by rows per device and context, as measured on the H200 (no jax import:
-the CLI's parser reads these tables)."""
+"""The default ddtree budget by rows per device and context, as measured on the H200, and the default
+branching (no jax import: the CLI's parser reads these tables)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ DEFAULT_BUDGETS = {(1, 0): 15, (16, 0): 7, (16, 16384): 15}
 # dispatch (results/h200/moe-dispatch/batch.json, --rounds 4) a round costs 1.40x / 1.75x an ar step at
 # budget 7 / 15 at batch 1 and 1.57x / 1.81x at batch 16: 7 at every batch size (1k context only).
 MOE_DEFAULT_BUDGETS = {(1, 0): 7}
+
+
+MAX_BRANCHING = 32  # ddtree's default candidates per depth: min(budget, MAX_BRANCHING)
+
+
+def default_branching(method: str, budget: int) -> int:
+    """Drafter candidates per depth: min(budget, 32) for ddtree, 1 for the chain methods."""
+    return min(budget, MAX_BRANCHING) if method == "ddtree" else 1
 
 
 def default_budget(batch_size: int, target_cfg=None, context: int = 0) -> int:

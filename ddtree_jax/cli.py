@@ -14,6 +14,7 @@ from typing import Any
 from ddtree_jax.budgets import (
     DEFAULT_BUDGETS,
     MOE_DEFAULT_BUDGETS,
+    default_branching,
     default_budget,
     describe,
     rows_per_device,
@@ -317,7 +318,9 @@ def output_settings(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "no_chat_template": args.no_chat_template,
         "budget": budget,
-        "branching": (args.branching or min(budget, 32)) if args.method == "ddtree" else None,
+        "branching": (args.branching or default_branching(args.method, budget))
+        if args.method == "ddtree"
+        else None,
         "block_size": args.block_size,
         "draft_window": args.draft_window,
     }
@@ -334,7 +337,7 @@ def device_memory() -> int:
 
 
 def check_limits(args: argparse.Namespace, cfg, dcfg) -> None:
-    """Upper bounds of --max-new-tokens, --block-size, --branching and --budget from the configs."""
+    """Upper bounds of --max-new-tokens, --block-size and --branching from the configs."""
     if args.max_new_tokens >= cfg.max_position_embeddings:
         raise DDTreeError(
             f"--max-new-tokens {args.max_new_tokens}: the target's context holds "
@@ -346,8 +349,14 @@ def check_limits(args: argparse.Namespace, cfg, dcfg) -> None:
         return
     if args.branching is not None and args.branching > cfg.vocab_size:
         raise DDTreeError(f"--branching {args.branching} exceeds the vocabulary ({cfg.vocab_size} tokens)")
+
+
+def check_budget(args: argparse.Namespace, cfg, dcfg) -> None:
+    """--budget (as resolved) at most the nodes of the drafter's top-k lattice."""
+    if args.method != "ddtree":
+        return
     budget = resolved_budget(args)
-    k = min(args.branching or min(budget, 32), cfg.vocab_size)
+    k = min(args.branching or default_branching(args.method, budget), cfg.vocab_size)
     depth = (args.block_size or dcfg.block_size) - 1
     lattice = sum(k**d for d in range(1, depth + 1))
     if budget > lattice:
@@ -442,10 +451,11 @@ def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
     records = scan_prompts(args.prompts, args.max_line_bytes, args.max_new_tokens)
     cfg = load_target_config(args.target)
     dcfg = load_draft_config(args.draft, cfg) if args.method != "ar" else None
+    check_limits(args, cfg, dcfg)
     codec = TextCodec(args.target) if (Path(args.target) / "tokenizer.json").exists() else None
     prompts = tokenize(records, args.prompts, codec, not args.no_chat_template, cfg.vocab_size)
     resolve_budget(args, cfg, prompts)  # from the whole file, resumed or not: one budget per --out
-    check_limits(args, cfg, dcfg)
+    check_budget(args, cfg, dcfg)
     check_lengths(prompts, cfg.max_position_embeddings, args.max_new_tokens, args.prompts)
     settings = output_settings(args)
     done = finished_ids(args.out, settings) if args.resume else set()

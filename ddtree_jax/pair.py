@@ -2,7 +2,7 @@
 
 `make_plan` holds the defaults (budget by rows per device at 1k context when not given: ddtree-generate
 and the comparisons resolve it from their prompts' context first, `cli.resolve_budget`; branching
-min(budget, 32), the block-size
+`budgets.default_branching`, the block-size
 override, attention "auto", ar's padding to two rows); `load_pair` loads the models once for any
 number of plans; `load_generator` does both, as `ddtree-generate` does. Tools, scripts and tests call
 these instead of copying the rules.
@@ -16,13 +16,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.budgets import default_branching
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.engine import Plan, rows_to_run
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
-
-MAX_BRANCHING = 32  # ddtree's default candidates per depth: min(budget, MAX_BRANCHING)
 
 
 @dataclasses.dataclass
@@ -42,11 +41,6 @@ def use_dtype(dtype: str) -> jnp.dtype:
     if dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
     return jnp.dtype(dtype)
-
-
-def default_branching(method: str, budget: int) -> int:
-    """Drafter candidates per depth: min(budget, 32) for ddtree, 1 for the chain methods."""
-    return min(budget, MAX_BRANCHING) if method == "ddtree" else 1
 
 
 def load_pair(

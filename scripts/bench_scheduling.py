@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax.budgets import default_branching  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.generation import Generator  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
@@ -100,7 +101,7 @@ def make_generator(args, cfg, params, dcfg, dparams, stop_ids, batch_invariant=F
         prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=args.budget if args.method == "ddtree" else 0,
-        branching=min(args.budget, 32) if args.method == "ddtree" else 1,
+        branching=default_branching(args.method, args.budget),
         attention=args.attention,
     )
     schedule = Schedule(
