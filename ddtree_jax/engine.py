@@ -237,7 +237,7 @@ def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, pla
         return tree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0, 1), jnp.int32))
     if plan.method == "dflash":
         return tree.chain_tree(state.bonus, tok)
-    return tree.build_tree(state.bonus, logp, tok, plan.budget)
+    return tree.lattice_tree(state.bonus, logp, tok, plan.budget)
 
 
 def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):

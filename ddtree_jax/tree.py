@@ -173,7 +173,7 @@ BUILD_VARIANTS = ("paths", "paths-unrolled", "climb")
 
 
 @partial(jax.jit, static_argnames=("budget", "variant"))
-def build_tree(
+def lattice_tree(
     bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int, variant: str = "paths"
 ) -> Tree:
     """Tree of the `budget` best lattice nodes under the root `bonus`; T = budget + 1.
