@@ -6,6 +6,7 @@ import argparse
 import collections
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,11 +37,13 @@ EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KE
   an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
 
-output: one JSON line per prompt, in input order, flushed as each prompt finishes; the settings that
-  decide its contents go to OUT.settings.json, which --resume checks.
+output: one JSON line per prompt, written as each prompt finishes (so in finishing order; with
+  --static-batches batch by batch, in input order); the settings that decide its contents go to
+  OUT.settings.json, which --resume checks.
 
 exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output path; one line on stderr);
-  {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on)."""
+  {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on);
+  {EXIT_SIGNAL + 13} when standard output closes early (--out - | head)."""
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -55,11 +58,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors exit with EXIT_ERROR, like every other error."""
+    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
 
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=_Formatter,
     )
-    p.add_argument("--target", help="HF target directory (Qwen3 or Llama 3); default: the bundled code model")
+    p.add_argument(
+        "--target",
+        help="HF target directory (any family in ddtree_jax/models: Qwen3, Llama 3, Qwen3-MoE, "
+        "DeepSeek-V3/Kimi-K2); default: the bundled code model",
+    )
     p.add_argument(
         "--draft", help="DFlash drafter directory (z-lab layout); default with no --target: the bundled one"
     )
@@ -530,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({e.kept}; --resume continues)" if e.kept else ""
         print(f"ddtree-generate: interrupted by {e}{where}", file=sys.stderr)
         return EXIT_SIGNAL + e.signum
+    except BrokenPipeError:  # standard output closed early (| head): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return EXIT_SIGNAL + signal.SIGPIPE
     except OSError as e:  # an unreadable file the checks above did not foresee: one line, no traceback
         print(f"ddtree-generate: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return EXIT_ERROR

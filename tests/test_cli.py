@@ -455,9 +455,10 @@ def test_missing_chat_template_names_the_line(tmp_path, capsys):
     ],
 )
 def test_usage_errors_exit_1(capsys, argv, needle):
-    """argparse's errors exit with 1, like every other error (the README's promise)."""
+    """argparse's errors exit with 1 and one line, like every other error (the README's promise)."""
     assert main(argv) == 1
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("ddtree-generate: error: ")
 
 
 def test_help_shows_defaults_keys_and_exit_codes(capsys):
@@ -471,8 +472,11 @@ def test_help_shows_defaults_keys_and_exit_codes(capsys):
         "(default: 8388608)",
         "keys: id, prompt, messages, input_ids, temperature, top_k, top_p, seed",
         "130 after SIGINT, 143 after SIGTERM",
+        "written as each prompt finishes (so in finishing order",
+        "DeepSeek-V3/Kimi-K2",
     ):
         assert needle in text, needle
+    assert "in input order, flushed" not in text
 
 
 @pytest.mark.parametrize("which", ["prompts_dir", "target_file", "target_missing"])
@@ -491,3 +495,34 @@ def test_wrong_kinds_of_path(tmp_path, capsys, which):
     assert (
         err.startswith("ddtree-generate: error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
     )
+
+
+def test_stdout_closed_early_ends_quietly(tmp_path):
+    """`--out - | head -1`: once the reader is gone the run stops with 141 (128 + SIGPIPE), as other
+    tools do, and no error line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    short = [p for p in golden_prompts("qwen3_gqa1") if len(p) <= 16]  # 40 lines: far more than one
+    records = [{"id": i, "input_ids": short[i % len(short)]} for i in range(40)]
+    prompts = write_prompts(tmp_path / "p.jsonl", records)
+    argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(prompts), "--out", "-"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "4", "--batch-size", "1"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    root = Path(__file__).parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_jax.cli", *argv],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = json.loads(proc.stdout.readline())
+    proc.stdout.close()  # what head does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert first["id"] in range(40)
+    assert "rror" not in err and "Traceback" not in err and "Broken pipe" not in err
