@@ -7,7 +7,7 @@ against the chunk itself; "causal-xla" is the same composition through XLA (how 
 "pallas-invariant" is the kernel with its cache splits fixed by the head and tree shapes alone (the
 tree rule's splits for 4 rows and a 1M-token cache, at every T: between what one row and 16 rows
 would take, so the split merge stays small at large batches), never by the batch or the capacity: a
-row's result then depends on its own length only (batch-invariant generation, generation.py).
+row's result then depends on its own length only (batch-invariant generation, scheduler.py).
 """
 
 from __future__ import annotations

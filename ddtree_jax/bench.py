@@ -28,13 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import drafter, engine, models, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
-from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
+from ddtree_jax.engine import MAX_STOP_IDS, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
 from ddtree_jax.models import common, moe
 from ddtree_jax.models.deepseek_v3 import DeepseekV3Config
 from ddtree_jax.models.mla import MLADims
 from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
-from ddtree_jax.pair import make_plan
+from ddtree_jax.pair import batch_shape, make_plan
+from ddtree_jax.programs import Programs, Shape
 from ddtree_jax.quant import load as quant_load
 from ddtree_jax.quant.formats import Fp8Block, Int4Group
 from ddtree_jax.sampling import GREEDY, SamplingParams
@@ -176,28 +177,35 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
 
 
 def synthetic_state(
-    plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None, active: int | None = None
+    plan: Plan,
+    shape: Shape,
+    context: int,
+    seed: int,
+    dtype,
+    sampling: dict | None = None,
+    active: int | None = None,
 ) -> DecodeState:
-    """A batch mid-generation: random K/V committed up to `context` in both caches, placed on the
-    plan's mesh (K/V heads split over "model", rows over "data"). Rows from `active` on (default: none)
-    are padding, as `ddtree-generate` pads: done, with one cached token."""
+    """A batch of `shape` mid-generation: random K/V committed up to `context` in both caches, placed
+    on the plan's mesh (K/V heads split over "model", rows over "data"). Rows from `active` on (default:
+    none) are padding, as `ddtree-generate` pads: done, with one cached token."""
     key = jax.random.key(seed)
-    b, s = plan.batch_size, plan.capacity
+    b, s = shape.rows, shape.capacity
     padding = jnp.arange(b) >= (b if active is None else active)
 
-    def cache(shapes) -> KVCache:  # random leaves of the family's entry shapes (global, placed below)
+    def layers(shapes) -> list:  # random leaves of the family's entry shapes (global, placed below)
         leaves, tree = jax.tree.flatten(shapes)
         keys = jax.random.split(key, len(leaves))
-        made = [_normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-        lengths = jnp.where(padding, 1, context).astype(jnp.int32)  # a buffer per cache: both are donated
-        return KVCache(jax.tree.unflatten(tree, made), lengths)
+        return jax.tree.unflatten(
+            tree, [_normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+        )
 
     t = plan.target
+    lengths = jnp.where(padding, 1, context).astype(jnp.int32)  # the one length both caches read
     state = DecodeState(
-        cache=cache(models.family(t).cache_shapes(t, b, s, plan.tp, dtype)),
+        cache=KVCache(layers(models.family(t).cache_shapes(t, b, s, plan.tp, dtype)), lengths),
         draft_cache=None
         if plan.method == "ar"
-        else cache(drafter.cache_shapes(plan.draft, b, s, plan.tp, dtype)),
+        else layers(drafter.cache_shapes(plan.draft, b, s, plan.tp, dtype)),
         bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
         output=jnp.zeros((b, plan.max_new_tokens + plan.path_slots), jnp.int32),
         num_output=jnp.zeros((b,), jnp.int32),
@@ -206,6 +214,7 @@ def synthetic_state(
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
         max_new_tokens=jnp.full((b,), plan.max_new_tokens, jnp.int32),
+        stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
         sampling=None if sampling is None else SamplingParams.from_rows([sampling] * b),
     )
     return place_state(state, plan)
@@ -231,10 +240,10 @@ def mesh_program(fn, plan: Plan, in_specs, out_specs, donate=(), **static):
     )
 
 
-def decode_rounds(params, draft_params, state, stop_ids, *, plan: Plan, rounds: int):
+def decode_rounds(params, draft_params, state, *, plan: Plan, rounds: int):
     """`rounds` decode rounds in one program (the device loop)."""
     return jax.lax.fori_loop(
-        0, rounds, lambda _, s: engine.decode_round(params, draft_params, s, stop_ids, plan), state
+        0, rounds, lambda _, s: engine.decode_round(params, draft_params, s, plan), state
     )
 
 
@@ -242,7 +251,7 @@ def round_program(plan: Plan, rounds: int):
     """`decode_rounds`, jitted on the plan's mesh (the state is donated)."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
-    return mesh_program(decode_rounds, plan, (tspec, dspec, sspec, ALL), sspec, donate=(2,), rounds=rounds)
+    return mesh_program(decode_rounds, plan, (tspec, dspec, sspec), sspec, donate=(2,), rounds=rounds)
 
 
 # The stage loops below chain each pass to the previous one through a value that depends on all of
@@ -260,9 +269,9 @@ def draft_passes(params, draft_params, state, *, plan: Plan, rounds: int):
 
     def body(_, carry):
         bonus = (state.bonus + carry) % plan.target.vocab_size
-        lengths = state.draft_cache.lengths + _never(carry)
+        lengths = state.cache.lengths + _never(carry)
         passed = dataclasses.replace(
-            state, bonus=bonus, draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths)
+            state, bonus=bonus, cache=dataclasses.replace(state.cache, lengths=lengths)
         )
         _, tok = engine.draft(params, draft_params, passed, plan)
         return jnp.sum(tok, axis=(1, 2)) % plan.target.vocab_size
@@ -301,22 +310,34 @@ def verify_passes(params, state, t, *, plan: Plan, rounds: int):
     return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
 
 
-def stage_programs(plan: Plan, rounds: int) -> dict:
-    """The device-loop stage timers, jitted on the plan's mesh: name -> program.
+def walk_passes(t, choice, *, plan: Plan, rounds: int):
+    """`rounds` walks of one tree; each pass's choices depend on all of the last walk."""
 
-    verify(params, state, tree); draft(params, draft_params, state); tree_build(state, logp, tok).
-    """
+    def body(_, carry):
+        w = engine.walk(t, choice + _never(carry)[:, None], plan)
+        mixed = w.path.sum(-1) + w.length + w.bonus + w.emitted.sum(-1)
+        return mixed % plan.target.vocab_size
+
+    return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
+
+
+def stage_programs(plan: Plan, rounds: int) -> dict:
+    """The device-loop stage timers (engine.STAGES but commit), jitted on the plan's mesh: name ->
+    program. draft(params, draft_params, state); build(state, logp, tok); verify(params, state, tree);
+    walk(tree, choice)."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
-    programs = {"verify": mesh_program(verify_passes, plan, (tspec, sspec, ROW), ROW, rounds=rounds)}
+    programs = {}
     if plan.method != "ar":
         programs["draft"] = mesh_program(draft_passes, plan, (tspec, dspec, sspec), ROW, rounds=rounds)
-        programs["tree_build"] = mesh_program(build_passes, plan, (sspec, ROW, ROW), ROW, rounds=rounds)
+        programs["build"] = mesh_program(build_passes, plan, (sspec, ROW, ROW), ROW, rounds=rounds)
+    programs["verify"] = mesh_program(verify_passes, plan, (tspec, sspec, ROW), ROW, rounds=rounds)
+    programs["walk"] = mesh_program(walk_passes, plan, (ROW, ROW), ROW, rounds=rounds)
     return programs
 
 
 def stage_args(params, dparams, state: DecodeState, plan: Plan) -> dict[str, tuple]:
-    """The arguments of each `stage_programs` program: one draft and one tree built from `state`."""
+    """The arguments of each `stage_programs` program: one draft, tree and verify from `state`."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
     logp = tok = None
@@ -325,12 +346,20 @@ def stage_args(params, dparams, state: DecodeState, plan: Plan) -> dict[str, tup
             params, dparams, state
         )
     t = mesh_program(engine.build, plan, (sspec, ROW, ROW), ROW)(state, logp, tok)
-    return {"verify": (params, state, t), "draft": (params, dparams, state), "tree_build": (state, logp, tok)}
+    choice = mesh_program(lambda *a, plan: engine.verify(*a, plan)[0], plan, (tspec, sspec, ROW), ROW)(
+        params, state, t
+    )
+    return {
+        "draft": (params, dparams, state),
+        "build": (state, logp, tok),
+        "verify": (params, state, t),
+        "walk": (t, choice),
+    }
 
 
 def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict[str, float]:
     """Each stage alone in a device loop (no host sync between passes), ms per pass; the caller adds
-    walk + commit as what remains of the round (`walk_commit_rest`)."""
+    the commit as what remains of the round (`commit`: the commit and the loop's own cost)."""
     programs = stage_programs(plan, rounds)
     args = stage_args(params, dparams, state, plan)
     return {
@@ -378,6 +407,7 @@ def bench_one(
     params,
     dparams,
     plan: Plan,
+    shape: Shape,
     context: int,
     rounds: int,
     ceiling_gbs: float,
@@ -386,20 +416,17 @@ def bench_one(
     batch: int | None = None,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
-    (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the plan
-    runs more (`engine.rows_to_run`); the floor counts only their K/V."""
-    batch = batch or plan.batch_size
+    (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the shape
+    runs more (`programs.rows_to_run`); the floor counts only their K/V."""
+    batch = batch or shape.rows
     dparams = None if plan.method == "ar" else dparams
-    stop = jnp.full((8,), -1, jnp.int32)
-    if plan.tp * plan.dp > 1:
-        stop = jax.device_put(stop, NamedSharding(make_mesh(plan.tp, plan.dp), ALL))
 
     def fresh(seed: int) -> DecodeState:  # callers drop their last state first: at 32k one fills half the GPU
-        return synthetic_state(plan, context, seed, params["embed"].dtype, sampling, batch)
+        return synthetic_state(plan, shape, context, seed, params["embed"].dtype, sampling, batch)
 
     state = fresh(0)
     start = time.perf_counter()
-    compiled = round_program(plan, rounds).lower(params, dparams, state, stop).compile()
+    compiled = round_program(plan, rounds).lower(params, dparams, state).compile()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(3):
@@ -407,26 +434,28 @@ def bench_one(
         state = fresh(0)
         jax.block_until_ready(state)
         start = time.perf_counter()
-        jax.block_until_ready(compiled(params, dparams, state, stop))
+        jax.block_until_ready(compiled(params, dparams, state))
         times.append((time.perf_counter() - start) / rounds)
     round_ms = 1e3 * statistics.median(times)
 
     stage_ms, device_ms = {}, {}
     if stages:
-        stepper = engine.HostStepper(plan)
+        from ddtree_jax.scheduler import HostStepper
+
+        stepper = HostStepper(Programs(params, dparams, plan, 256, plan.attention))
         state = None
         state = fresh(1)
         for _ in range(rounds + 2):  # round 1 compiles (kept apart), round 2 warms up
-            state = stepper.round(params, dparams, state, stop)
+            state = stepper.round(state)
         stage_ms = {k: 1e3 * statistics.median(v[1:]) for k, v in stepper.times.items()}
         state = None
         state = fresh(2)
         device_ms = device_stage_ms(params, dparams, state, plan, rounds)
-        device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
+        device_ms["commit"] = round_ms - sum(device_ms.values())
 
     # one device's K/V: its rows, its share of every layer's cache entry
     t = plan.target
-    shapes = models.family(t).cache_shapes(t, plan.batch_size, plan.capacity, plan.tp, params["embed"].dtype)
+    shapes = models.family(t).cache_shapes(t, shape.rows, shape.capacity, plan.tp, params["embed"].dtype)
     kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
     tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
@@ -435,7 +464,7 @@ def bench_one(
         "budget": plan.budget,
         "tree_size": plan.tree_size,
         "batch": batch,
-        "rows": plan.batch_size,
+        "rows": shape.rows,
         "context": context,
         "attention": plan.attention,
         "tp": plan.tp,
@@ -584,11 +613,11 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
             budget=budget or None,
             attention=attention,
             tp=args.tp,
-            prompt_len=context,
         )
         try:
+            shape = batch_shape(plan, batch, context)
             row = bench_one(
-                params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling, batch
+                params, dparams, plan, shape, context, args.rounds, ceiling, args.stages, sampling, batch
             )
         except Exception as e:  # keep the other configurations
             row = {

@@ -90,12 +90,12 @@ def check_divisible(cfg: DraftConfig, tp: int) -> None:
 
 
 def load(
-    directory, target_cfg, dtype: jnp.dtype, sharding, yarn_scaling: str | None = None
+    directory, target_cfg, dtype: jnp.dtype, sharding, yarn_scaling: str | None = None, cfg=None
 ) -> tuple[DraftConfig, Params]:
     """Config and parameters of a z-lab DFlash drafter directory, converted and placed
-    (`yarn_scaling`: config.load_draft_config)."""
+    (`yarn_scaling`: config.load_draft_config; `cfg`: its config already read)."""
     from ddtree_jax.checkpoint import load_params
     from ddtree_jax.config import load_draft_config
 
-    cfg = load_draft_config(directory, target_cfg, yarn_scaling)
+    cfg = cfg or load_draft_config(directory, target_cfg, yarn_scaling)
     return cfg, load_params(directory, weight_specs(cfg), dtype, sharding)

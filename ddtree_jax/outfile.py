@@ -17,8 +17,7 @@ from ddtree_jax.errors import DDTreeError
 from ddtree_jax.prompts import id_key
 
 # The settings that decide what an output line holds. --resume refuses to continue a file made with
-# other values. Batch size, --tp/--dp, --attention and --host-stepped change speed, not outputs
-# (DESIGN.md: the same tokens whatever the batch or the mesh), so they may differ.
+# other values.
 SETTINGS = (
     "target",
     "draft",
@@ -34,6 +33,23 @@ SETTINGS = (
     "branching",
     "block_size",
     "draft_window",
+    "draft_yarn_scaling",
+    "dequantize",
+)
+# The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
+# on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
+# refuses to change them unless both runs are float32.
+SCHEDULE_SETTINGS = (
+    "batch_size",
+    "static_batches",
+    "batch_invariant",
+    "host_stepped",
+    "tp",
+    "dp",
+    "prefill_chunk",
+    "prefill_attention",
+    "attention",
+    "moe_sharding",
 )
 STDOUT = "-"
 
@@ -117,7 +133,10 @@ def _check_settings(path: Path, settings: dict[str, Any]) -> None:
         ) from None
     except json.JSONDecodeError:
         raise DDTreeError(f"--resume: {sidecar}: not valid JSON") from None
-    diff = [k for k in SETTINGS if stored.get(k) != settings.get(k)]
+    keys = SETTINGS
+    if not stored.get("dtype") == settings.get("dtype") == "float32":
+        keys += SCHEDULE_SETTINGS
+    diff = [k for k in keys if stored.get(k) != settings.get(k)]
     if diff:
         what = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)!r} (now {settings.get(k)!r})" for k in diff)
         raise DDTreeError(f"--resume: {path} was made with other settings: {what}")

@@ -62,11 +62,17 @@ def forward(
 
 
 def load(
-    directory, dtype: jnp.dtype, sharding, dequantize: bool = False, **options
+    directory,
+    dtype: jnp.dtype,
+    sharding,
+    dequantize: bool = False,
+    cfg: TargetConfig | None = None,
+    **options,
 ) -> tuple[TargetConfig, Params]:
     """Config and parameters of an HF target directory, converted to `dtype` and placed (`options`:
-    family settings, e.g. `moe_sharding`). A quantized checkpoint keeps its quantized weights as
-    stored (ddtree_jax.quant), or expands them to `dtype` with `dequantize`."""
+    family settings, e.g. `moe_sharding`; `cfg`: its config already read). A quantized checkpoint
+    keeps its quantized weights as stored (ddtree_jax.quant), or expands them to `dtype` with
+    `dequantize`."""
     from pathlib import Path
 
     from ddtree_jax.checkpoint import load_params
@@ -75,7 +81,7 @@ def load(
     from ddtree_jax.quant import formats
     from ddtree_jax.quant import load as quant_load
 
-    cfg = load_target_config(directory, **options)
+    cfg = cfg or load_target_config(directory, **options)
     specs = weight_specs(cfg)
     scheme = getattr(cfg, "quantization", None)  # only families that read quantized weights have it
     if scheme is None:

@@ -24,9 +24,9 @@ def test_bench_tiny_writes_every_configuration(tmp_path):
     for r in rows:
         assert "error" not in r, r.get("error")
         assert r["round_ms"] > 0 and r["target_floor_ms"] > 0
-        assert set(r["stages_ms"]) >= {"tree_build", "verify", "walk_commit"}
-        drafted = {"draft", "tree_build"} if r["method"] == "ddtree" else set()
-        assert set(r["device_stages_ms"]) == {"verify", "walk_commit_rest"} | drafted
+        drafted = {"draft", "build"} if r["method"] == "ddtree" else set()
+        assert set(r["stages_ms"]) == {"build", "verify", "walk", "commit"} | drafted  # engine.STAGES
+        assert set(r["device_stages_ms"]) == {"verify", "walk", "commit"} | drafted
         assert all(r["device_stages_ms"][k] > 0 for k in {"verify"} | drafted)
     assert data["meta"]["read_ceiling_gbs"] > 0
 
@@ -65,15 +65,18 @@ def test_padding_rows_are_inactive_as_generation_pads():
     import jax.numpy as jnp
     import numpy as np
 
-    from ddtree_jax import bench, engine
+    from ddtree_jax import bench
     from ddtree_jax.engine import Plan
+    from ddtree_jax.pair import batch_shape
 
     cfg = bench.SHAPES["tiny"]
-    plan = Plan(cfg, None, "ar", engine.rows_to_run("ar", 1), 32, 64)
-    state = bench.synthetic_state(plan, 32, 0, jnp.float32, active=1)
+    plan = Plan(cfg, None, "ar", 64)
+    shape = batch_shape(plan, 1, 32)
+    assert shape.rows == 2
+    state = bench.synthetic_state(plan, shape, 32, 0, jnp.float32, active=1)
     np.testing.assert_array_equal(state.cache.lengths, [32, 1])
     np.testing.assert_array_equal(state.done, [False, True])
-    full = bench.synthetic_state(plan, 32, 0, jnp.float32)
+    full = bench.synthetic_state(plan, shape, 32, 0, jnp.float32)
     np.testing.assert_array_equal(full.cache.lengths, [32, 32])
     assert not full.done.any()
 
@@ -105,22 +108,25 @@ def test_stage_loops_keep_every_pass_inside_the_loop():
 
     from ddtree_jax import bench, drafter, engine, target
     from ddtree_jax.engine import Plan
+    from ddtree_jax.programs import Shape
     from ddtree_jax.weights import random_params
 
     cfg = bench.SHAPES["tiny"]
     dcfg = bench.draft_shape(cfg, 1, 4)
     params = random_params(target.weight_specs(cfg), 0, jnp.float32)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.float32)
-    plan = Plan(cfg, dcfg, "ddtree", 2, 32, 64, 7, 7, "reference")
+    plan = Plan(cfg, dcfg, "ddtree", 64, 7, 7, "reference")
     sampled = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 0}
-    state = bench.synthetic_state(plan, 32, 0, jnp.float32, sampled)
+    state = bench.synthetic_state(plan, Shape.of(plan, 2, 32), 32, 0, jnp.float32, sampled)
     logp, tok = engine.draft(params, dparams, state, plan)
     tree = engine.build(state, logp, tok, plan)
+    choice = engine.verify(params, state, tree, plan)[0]
     programs = bench.stage_programs(plan, 4)
     loops = {
         "draft": programs["draft"].lower(params, dparams, state),
-        "build": programs["tree_build"].lower(state, logp, tok),
+        "build": programs["build"].lower(state, logp, tok),
         "verify": programs["verify"].lower(params, state, tree),
+        "walk": programs["walk"].lower(tree, choice),
     }
     for name, lowered in loops.items():
         hlo = lowered.compile().as_text()

@@ -106,8 +106,6 @@ def test_greedy_finds_injected_bug(tmp_path, prompts, monkeypatch):
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--method", "ddtree"], "--method does not apply"),
-        (["--budget", "7"], "--budget does not apply: use --budgets"),
         (["--budgets", "7,x"], "--budgets '7,x': expected a comma list of integers"),
         (["--budgets", "0"], "every budget must be >= 1"),
         (["--temperature", "-1"], "--temperature must be >= 0"),

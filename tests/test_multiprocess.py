@@ -1,5 +1,5 @@
-"""Two processes of four CPU devices each, joined by jax.distributed, generate what one process of
-eight devices generates (the README's multi-host recipe, on one machine)."""
+"""Two processes of four CPU devices each, joined by jax.distributed, run the same host loop and generate
+what one process of eight devices generates (the README's multi-host recipe, on one machine)."""
 
 import json
 import os
@@ -53,4 +53,4 @@ def test_two_processes_match_one(tmp_path):
     one = (tmp_path / "one.jsonl").read_text().splitlines()
     two = (tmp_path / "two.jsonl").read_text().splitlines()
     by_id = lambda lines: sorted(map(json.loads, lines), key=lambda r: str(r["id"]))  # noqa: E731
-    assert by_id(two) == by_id(one)  # one process streams (lines in finish order), two run static batches
+    assert by_id(two) == by_id(one)  # both run continuous batching (lines in finishing order)

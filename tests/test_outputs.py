@@ -209,3 +209,55 @@ def test_interrupt_then_resume(tmp_path, sig):
     assert main(argv(prompts, out, "--resume")) == 0
     assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
     assert rows(out) == rows(tmp_path / "whole.jsonl")
+
+
+def test_resume_refuses_settings_that_change_bfloat16_outputs(tmp_path, capsys):
+    """In bfloat16 a row's numerics depend on the run's shapes, kernels and reduction orders: --resume
+    refuses another --batch-size, --static-batches, --batch-invariant, --tp / --dp or --prefill-chunk
+    (float32 outputs do not depend on them: test_resume_refuses_other_settings)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "o.jsonl"
+    bf16 = argv(prompts, out, "--dtype", "bfloat16")  # (the later --dtype wins)
+    assert main(bf16) == 0
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    for flags, needle in (
+        (["--batch-size", "3"], "--batch-size 2 (now 3)"),
+        (["--static-batches"], "--static-batches False (now True)"),
+        (["--batch-invariant"], "--batch-invariant False (now True)"),
+        (["--tp", "2"], "--tp 1 (now 2)"),
+        (["--dp", "2"], "--dp 1 (now 2)"),
+        (["--prefill-chunk", "64"], "--prefill-chunk 256 (now 64)"),
+    ):
+        assert main([*bf16, "--resume", *flags]) == 1
+        assert needle in capsys.readouterr().err
+    assert len(rows(out)) == 1
+
+
+def bundled_lines(n: int) -> list[str]:
+    return (ROOT / "ddtree_jax" / "assets" / "default_pair" / "prompts.jsonl").read_text().splitlines()[:n]
+
+
+def by_id(path: Path) -> dict:
+    return {str(r["id"]): r for r in rows(path)}
+
+
+@pytest.mark.parametrize("policy", [[], ["--static-batches"]])
+def test_resume_reproduces_an_uninterrupted_bfloat16_run(tmp_path, policy):
+    """The bundled pair in bfloat16 (ddtree-generate's defaults but the length): a file cut after its
+    first k lines and resumed holds what the uninterrupted run wrote, line for line. The rows, prompt
+    slots, cache capacity and order of the run come from the whole prompts file, and each prompt's
+    prefill depends on it alone (continuous batching); static runs rerun a batch they cut."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(bundled_lines(10)) + "\n")
+    flags = ["--prompts", str(prompts), "--max-new-tokens", "40", "--batch-size", "4", *policy]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*flags, "--out", str(whole)]) == 0
+    lines = whole.read_text().splitlines(keepends=True)
+    for k in (3, 6):
+        cut = tmp_path / f"cut{k}.jsonl"
+        cut.write_text("".join(lines[:k]))
+        (tmp_path / f"cut{k}.jsonl.settings.json").write_text(
+            (tmp_path / "whole.jsonl.settings.json").read_text()
+        )
+        assert main([*flags, "--out", str(cut), "--resume"]) == 0
+        assert by_id(cut) == by_id(whole), k

@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddtree_jax.cli import resolve_budget
 from ddtree_jax.compare import outputs
 from ddtree_jax.compare.divergence import Scorer, divergence
-from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
+from ddtree_jax.compare.inputs import (
+    check_generation_flags,
+    generate_all,
+    load_inputs,
+    resolve_budget,
+    settings_of,
+)
 from ddtree_jax.compare.outputs import OutputRecord
 from ddtree_jax.compare.plots import histogram_bars
 from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
@@ -46,7 +51,7 @@ def run(args: argparse.Namespace) -> Report:
     check_generation_flags(args)
     theirs = outputs.read_outputs(args.theirs)  # bad input fails before any model loads
     inputs = load_inputs(args, with_draft=args.ours is None and args.method != "ar")
-    resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
+    args = resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
     their_by_id = outputs.match_prompts(theirs, inputs.prompts, args.prompts)
     our_by_id = outputs.match_prompts(our_records(args, inputs), inputs.prompts, args.prompts)
     sampling = sampling_from_args(args)
