@@ -63,10 +63,11 @@ class Requests:
 REQUEST_SPECS = Requests(ROW, ROW, ROW, ROW, ROW)
 
 
-def prompt_slots(length: int, chunk: int) -> int:
+def prompt_slots(length: int) -> int:
     """The prompt slots of a batch whose longest prompt has `length` tokens, the one bucket rule: the
-    next power of two, at least one chunk (a whole number of chunks, so few shapes compile)."""
-    return max(chunk, 1 << (length - 1).bit_length())
+    next power of two, at least 16 (few shapes compile; a prefill chunk is the smaller of its own size
+    and these slots, so the slots are whole chunks)."""
+    return max(16, 1 << (length - 1).bit_length())
 
 
 def rows_to_run(method: str, rows: int, cfg: TargetConfig) -> int:
@@ -132,11 +133,12 @@ def prefill(
     chunk: int,
     attention: str,
 ) -> DecodeState:
-    """The state of the R requests [R, P] (P a multiple of `chunk`; this device's rows): prompts run
-    chunk by chunk through the cache path (`attention`: the chunks' implementation), caches of
-    `capacity` slots, the first token chosen; a request bound for row `rows` or beyond is inactive."""
+    """The state of the R requests [R, P] (this device's rows): prompts run in chunks of min(`chunk`,
+    P) tokens through the cache path (`attention`: the chunks' implementation), caches of `capacity`
+    slots, the first token chosen; a request bound for row `rows` or beyond is inactive."""
     cfg, (r, p) = plan.target, req.tokens.shape
     axis, dtype = plan.model_axis, params["embed"].dtype
+    chunk = min(chunk, p)  # a chunk of the whole prompt buffer is one pass
     if p % chunk:
         raise ValueError(f"prompt width {p} is not a multiple of the chunk {chunk}")
     tail = tail_chunk(chunk)

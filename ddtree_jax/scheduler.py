@@ -191,7 +191,7 @@ class Generator:
         waiting = collections.deque(self._order(prompts, kept))
         sampled = any(self._settings(p)["temperature"] != 0 for p in prompts)
         longest = max(len(p.input_ids) for p in prompts)
-        run = _Run(prompts, b, sampled, Shape.of(self.plan, b, prompt_slots(longest, self.schedule.chunk)))
+        run = _Run(prompts, b, sampled, Shape.of(self.plan, b, prompt_slots(longest)))
         step = self._static_step if self.schedule.policy == "static" else self._continuous_step
         while waiting or any(i is not None for i in run.row_of):
             begin, compiled = time.perf_counter(), self.compile_seconds
@@ -220,7 +220,7 @@ class Generator:
         """The next batch, in its own state from prefill to its slowest row's end."""
         take = [waiting.popleft() for _ in range(min(self.schedule.batch_size, len(waiting)))]
         longest = max(len(run.prompts[i].input_ids) for i in take)
-        shape = Shape.of(self.plan, run.rows, prompt_slots(longest, self.schedule.chunk))
+        shape = Shape.of(self.plan, run.rows, prompt_slots(longest))
         req = self._requests(run, take, list(range(len(take))), run.rows, shape)
         for r, i in enumerate(take):
             run.row_of[r] = i

@@ -49,7 +49,7 @@ def prefill_flops(cfg, length: int) -> float:
 
 def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
     """Time the prefill of one random prompt of `length` tokens in chunks of `chunk`."""
-    slots = prompt_slots(length, chunk)
+    slots = prompt_slots(length)
     plan = Plan(
         cfg,
         dcfg if args.method != "ar" else None,

@@ -125,8 +125,16 @@ def test_rows_rule():
         assert moe.rows(1) == 1, policy
 
 
-def test_prompt_slots_pad_to_chunks():
-    assert [programs.prompt_slots(n, 256) for n in (1, 256, 257, 700, 2049)] == [256, 256, 512, 1024, 4096]
+def test_one_bucket_rule_and_chunk_steps():
+    assert [programs.prompt_slots(n) for n in (1, 16, 17, 256, 257, 700, 2049)] == [
+        16,
+        16,
+        32,
+        256,
+        512,
+        1024,
+        4096,
+    ]
     # full chunks of 256 while more than 192 tokens are left, then tail chunks of 64
     got = [programs.chunk_steps(n, 256) for n in (3, 64, 65, 192, 193, 256, 300, 3000)]
     assert got == [(0, 1), (0, 1), (0, 2), (0, 3), (1, 0), (1, 0), (1, 1), (11, 3)]
