@@ -170,6 +170,13 @@ def resolve_tuning(
     return tun
 
 
+def interpret_params(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | bool:
+    """`plgpu.kernel`'s interpret argument: the GPU interpreter's parameters, or False (compile)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else False
+
+
 def _pack_inputs(q, k_new, v_new, mask, tun: Tuning):
     """q -> [B, Hkv, Rq, D] (row = node * G + head, zero rows past R); k_new, v_new ->
     [B, Hkv, Tn, D] (zero rows past T); mask -> float32 bias [B, Rq, Tn] (0 seen, MASK_VALUE not)."""
@@ -266,6 +273,13 @@ def _tree_attention_kernel(
         def _new(i):
             rows = pl.ds(i * bk, bk)
             issue(n_cache + i, kn_ref.at[bi, hi_, rows], vn_ref.at[bi, hi_, rows])
+
+        # Observe the consumption of the last slots too: a waiter sees every phase of a barrier (what
+        # jax's GPU interpreter checks; on the GPU it only delays this warpgroup's exit).
+        @pl.loop(jnp.maximum(n_cache + n_new - stages, 0), n_cache + n_new)
+        def _drain(j):
+            plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
+            plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
 
     @pl.when(wg < c_wgs)
     def _compute_warpgroup():
@@ -422,7 +436,7 @@ def tree_attention_mgpu(
     mask: jax.Array,
     *,
     window: int | None = None,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
     block_k: int | None = None,
     stages: int | None = None,
     compute_wgs: int | None = None,
@@ -433,13 +447,15 @@ def tree_attention_mgpu(
 ) -> jax.Array:
     """Mosaic GPU tree attention; same contract as `tree_attention_reference` (16-bit q and cache).
 
-    Tuning (static; None = `resolve_tuning`'s default). `interpret=True` runs jax's GPU interpreter
-    on the CPU (the "smem" mma form).
+    Tuning (static; None = `resolve_tuning`'s default). `interpret` (True or the interpreter's
+    parameters, e.g. with race detection) runs jax's GPU interpreter on the CPU (the "smem" mma form).
     """
     b, t, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     if k_new.shape != (b, t, hkv, d) or mask.shape != (b, t, t) or k_cache.shape != (b, hkv, s, d):
-        raise ValueError(f"shapes q {q.shape}, k_cache {k_cache.shape}, k_new {k_new.shape}, mask {mask.shape}")
+        raise ValueError(
+            f"shapes q {q.shape}, k_cache {k_cache.shape}, k_new {k_new.shape}, mask {mask.shape}"
+        )
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_cache.dtype != q.dtype or k_new.dtype != q.dtype:
         raise ValueError(f"q, caches and new K/V must share a 16-bit dtype, got {q.dtype}, {k_cache.dtype}")
     if interpret:
@@ -470,7 +486,7 @@ def tree_attention_mgpu(
         thread_name="wg",
         scratch_types=_scratch(tun, d, q.dtype),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        interpret=interpret_params(interpret),
         kernel_name="tree_attention_mgpu",
     )(lengths.astype(jnp.int32), qp, k_cache, v_cache, kn, vn, bias)
     if tun.splits > 1:
