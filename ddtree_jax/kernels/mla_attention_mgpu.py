@@ -41,6 +41,7 @@ from ddtree_jax.kernels.tree_attention_mgpu import (
     MMA_FORMS,
     SMEM_LIMIT,
     WG_ROWS,
+    compute_registers,
     interpret_params,
 )
 from pallas_kernels.mla_attention import _check_shapes, mla_attention_reference
@@ -50,7 +51,6 @@ __all__ = ["mla_attention_mgpu", "mla_attention_reference", "resolve_tuning", "T
 
 MAX_SPLITS = 256
 SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 kB
-COMPUTE_REGISTERS = 232
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +278,7 @@ def _mla_attention_kernel(
 
     @pl.when(wg == 0)
     def _score_warpgroup():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(compute_registers(2), action="increase")
         rows = pl.ds(row0, WG_ROWS)
         plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows], ql_smem, q_bar)
         plgpu.copy_gmem_to_smem(qr_ref.at[bi, rows], qr_smem, q_bar)
@@ -356,7 +356,7 @@ def _mla_attention_kernel(
 
     @pl.when(wg == 1)
     def _value_warpgroup():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(compute_registers(2), action="increase")
 
         def step(j, acc):
             slot = lax.rem(j, stages)

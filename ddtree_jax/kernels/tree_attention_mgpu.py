@@ -59,7 +59,13 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory of one H100/H200 block
 SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 MAX_SPLITS = 64
 MMA_FORMS = ("registers", "smem")
-COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # per thread, set_max_registers (3 warpgroups)
+MEMORY_REGISTERS = 40  # per thread: the TMA warpgroup gives its registers to the compute ones
+
+
+def compute_registers(compute_wgs: int) -> int:
+    """Registers per thread of a compute warpgroup: the rule of Pallas's warp-specialised pipeline
+    (64k registers less the memory warpgroup's, shared evenly, at most 256, a multiple of 8)."""
+    return min(256, (512 - MEMORY_REGISTERS) // compute_wgs) // 8 * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +289,7 @@ def _tree_attention_kernel(
 
     @pl.when(wg < c_wgs)
     def _compute_warpgroup():
-        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(compute_registers(c_wgs), action="increase")
         row0 = row_tile * tun.block_q + wg * WG_ROWS
         my_q = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi_, pl.ds(row0, WG_ROWS)], my_q, q_bar.at[wg])
