@@ -110,3 +110,30 @@ def test_lowers_for_cuda_kimi_k2_shapes(t, h, b):
 )
 def test_lowers_for_cuda_other_tunings(t, h, kwargs):
     assert "mosaic_gpu" in lower_for_h200(2, t, h, 4096, **kwargs)
+
+
+def test_kimi_k2_round_with_mosaic_attention_lowers_for_cuda():
+    """`--attention mosaic` wired through the engine: a whole ddtree round at Kimi-K2 width (2 layers)
+    lowers for CUDA with the Mosaic MLA kernel in the target and the Mosaic GQA kernel in the drafter."""
+    import dataclasses
+
+    from ddtree_jax import drafter, engine, target
+    from ddtree_jax.bench import SHAPES, draft_shape, synthetic_state
+    from ddtree_jax.weights import assemble
+
+    cfg = dataclasses.replace(SHAPES["kimi-k2"], num_layers=2)
+    plan = engine.Plan(cfg, draft_shape(cfg, 1, 8), "ddtree", 1, 1024, 64, 15, 15, "mosaic")
+
+    def abstract(specs):
+        return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, BF16))
+
+    state = jax.eval_shape(lambda: synthetic_state(plan, 1024, 0, BF16))
+    stop = jax.ShapeDtypeStruct((8,), jnp.int32)
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=H200
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        fn = jax.jit(lambda p, d, s, st: engine.decode_round(p, d, s, st, plan))
+        args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(plan.draft)), state, stop)
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_attention_mgpu" in text and "tree_attention_mgpu" in text
