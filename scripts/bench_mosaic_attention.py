@@ -444,6 +444,11 @@ def time_row(run: Run, row: dict, kernels: dict, inputs, pick, reference_name: s
                 row["kernels"][name]["max_abs_vs_" + reference_name] = errors(out, first[reference_name])[
                     "max_abs"
                 ]
+    # Time ratios the goals are stated in: each kernel against Triton and, at T = 1, the bundled kernel.
+    times = {k: v["s"] for k, v in row["kernels"].items() if "s" in v}
+    for base in ("triton", "bundled-decode"):
+        if base in times:
+            row[f"x_{base}"] = {k: t / times[base] for k, t in times.items() if k != base}
     sink.append(row)
     run.save()
     cells = []
@@ -625,6 +630,9 @@ def print_table(results: dict) -> None:
                 else f"{k} {next(iter(v.values()))[:60]}"
                 for k, v in row.get("kernels", {}).items()
             ]
+            for base in ("triton", "bundled-decode"):
+                if f"x_{base}" in row:
+                    cells.append(f"/{base}: " + " ".join(f"{k} {x:.2f}" for k, x in row[f"x_{base}"].items()))
             print(f"{head} | {floors} | " + " | ".join(cells or [row.get("skipped") or row.get("error", "")]))
     if "hang" in results:
         print("HANG:", results["hang"])
