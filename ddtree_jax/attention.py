@@ -8,6 +8,9 @@ against the chunk itself; "causal-xla" is the same composition through XLA (how 
 tree rule's splits for 4 rows and a 1M-token cache, at every T: between what one row and 16 rows
 would take, so the split merge stays small at large batches), never by the batch or the capacity: a
 row's result then depends on its own length only (batch-invariant generation, generation.py).
+
+"mosaic" is the Mosaic GPU kernel (`ddtree_jax.kernels.tree_attention_mgpu`: wgmma, TMA, Hopper
+only); it has no batch-invariant form yet, so batch-invariant runs take "pallas-invariant".
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels import tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
 
-IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
+IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant", "mosaic")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
 SPLIT_ROWS, LONG_CACHE = 4, 1 << 20  # the batch and capacity the invariant splits are chosen for
 
@@ -33,7 +37,7 @@ def default_implementation() -> str:
 
 def invariant(impl: str) -> str:
     """The batch-invariant form of an implementation."""
-    return "pallas-invariant" if impl == "pallas" else impl
+    return "pallas-invariant" if impl in ("pallas", "mosaic") else impl
 
 
 def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
@@ -95,6 +99,8 @@ def kernel(impl: str) -> Callable:
     """The tree-attention function of `impl` (all share one signature: pallas_kernels)."""
     if impl in PREFILL_IMPLEMENTATIONS:
         return functools.partial(causal_chunk, implementation=impl.removeprefix("causal-"))
-    return {"pallas": tree_attention, "pallas-invariant": pallas_invariant}.get(
-        impl, tree_attention_reference
-    )
+    return {
+        "pallas": tree_attention,
+        "pallas-invariant": pallas_invariant,
+        "mosaic": tree_attention_mgpu,
+    }.get(impl, tree_attention_reference)

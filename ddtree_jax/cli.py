@@ -124,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention",
-        choices=["auto", "reference", "pallas"],
+        choices=["auto", "reference", "pallas", "mosaic"],
         default="auto",
-        help="decode attention: the Pallas kernel (auto on GPU) or the jnp reference",
+        help="decode attention: the Pallas kernel (auto on GPU), the Mosaic GPU one (Hopper) or the jnp "
+        "reference",
     )
     p.add_argument("--host-stepped", action="store_true", help="drive rounds from Python, time each stage")
     p.add_argument(
