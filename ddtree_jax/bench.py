@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, models, target
+from ddtree_jax import compile_cache, drafter, engine, models, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
@@ -501,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
+    compile_cache.add_flag(p)
     args = p.parse_args(argv)
+    compile_cache.enable(args.compile_cache)
     if args.drop_layer_all_reduce and args.tp == 1:
         p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
 
