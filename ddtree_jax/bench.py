@@ -60,6 +60,10 @@ SHAPES = {
         131072,
     ),
     "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+    # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
+    "default-pair": TargetConfig(
+        "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), True, 4096
+    ),
     "qwen3-30b-a3b": Qwen3MoeConfig(
         "qwen3_moe",
         151936,

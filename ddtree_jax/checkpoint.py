@@ -4,6 +4,7 @@ and dtype conversions done on the devices; orbax save/restore and the `--params-
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -19,6 +20,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -269,6 +271,7 @@ def stored_spec(spec: WeightSpec) -> WeightSpec:
 
 
 LOAD_THREADS = min(16, os.cpu_count() or 1)  # blocks read and sent to their devices at once
+READ_AHEAD_BYTES = 4 << 30  # blocks of later tensors in host memory at once (a tensor's own: any size)
 _DEVICE_CONVERTS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -288,17 +291,21 @@ def load_params(
 def _load_safetensors(
     directory: str | Path, specs: list[WeightSpec], dtype: jnp.dtype, placement: Placement
 ) -> Params:
-    """`load_params` from the HF files: the tensors' blocks are read ahead (at most LOAD_THREADS
-    tensors beyond the one being finished) while earlier tensors are transposed on their devices."""
+    """`load_params` from the HF files: later tensors' blocks are read (READ_AHEAD_BYTES of them at
+    most, whole tensors) while earlier ones are finished on their devices."""
     ckpt = Checkpoint(directory)
+    placed, started, ahead = {}, collections.deque(), 0
     with _reader_pool() as pool:
-        started = [start_tensor(ckpt, spec, dtype, placement, pool) for spec in specs[:LOAD_THREADS]]
-        placed = {}
-        for i, spec in enumerate(specs):
-            if i + LOAD_THREADS < len(specs):
-                started.append(start_tensor(ckpt, specs[i + LOAD_THREADS], dtype, placement, pool))
-            placed[spec.path] = started[i]()
-            started[i] = None  # its blocks are on the devices now
+        for spec in specs:
+            reading = start_tensor(ckpt, spec, dtype, placement, pool)
+            started.append((spec, reading))
+            ahead += reading.nbytes
+            while len(started) > 1 and (ahead > READ_AHEAD_BYTES or len(started) > 2 * LOAD_THREADS):
+                done, reading = started.popleft()
+                placed[done.path] = reading.finish()
+                ahead -= reading.nbytes
+        for done, reading in started:
+            placed[done.path] = reading.finish()
     return assemble(specs, lambda spec: placed[spec.path])
 
 
@@ -318,15 +325,23 @@ def place_tensor(ckpt: Checkpoint, spec: WeightSpec, dtype: jnp.dtype, placement
     """One spec'd tensor converted to `dtype` (float32 where the spec says) and placed, each device's
     block read on its own."""
     with _reader_pool() as pool:
-        return start_tensor(ckpt, spec, dtype, placement, pool)()
+        return start_tensor(ckpt, spec, dtype, placement, pool).finish()
+
+
+class Reading(NamedTuple):
+    """A tensor whose device blocks are being read: their bytes, and the call that waits for them
+    and returns the placed array."""
+
+    nbytes: int
+    finish: Callable[[], jax.Array]
 
 
 def start_tensor(
     ckpt: Checkpoint, spec: WeightSpec, dtype: jnp.dtype, placement: Placement, pool: ThreadPoolExecutor
-) -> Callable[[], jax.Array]:
+) -> Reading:
     """Start reading one spec'd tensor's device blocks on `pool` (each sent to its device from the
-    reading thread); returns the call that waits for them and finishes the array: placed as the file
-    stores it (`stored_spec`), then transposed and converted on the devices into `spec`'s placement."""
+    reading thread). Finishing waits for them: the array placed as the file stores it (`stored_spec`),
+    then transposed and converted on the devices into `spec`'s placement."""
     want = np.dtype(np.float32 if spec.float32 else dtype)
     stored = stored_spec(spec)
     pieces = [ckpt.stored(stored_spec(piece)) for piece in spec.pieces()]
@@ -343,6 +358,7 @@ def start_tensor(
         return [jax.device_put(block, device) for device in devices]
 
     futures = [pool.submit(read_block, tuple(slice(*k) for k in key), devs) for key, devs in by_index.items()]
+    nbytes = sum(math.prod(b - a for a, b in key) for key in by_index) * pieces[0].dtype.itemsize
 
     def finish() -> jax.Array:
         arrays = [a for f in futures for a in f.result()]
@@ -351,7 +367,7 @@ def start_tensor(
             return placed
         return _transform(spec.transpose, jnp.dtype(want), placement(spec))(placed)
 
-    return finish
+    return Reading(nbytes, finish)
 
 
 def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:

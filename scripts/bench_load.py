@@ -1,7 +1,8 @@
 """Load times of a random-weight model of a real shape: HF safetensors against the orbax params cache.
 
-Writes random bfloat16 weights once as an HF directory (`checkpoint.save_hf`; kept with --keep and
-reused while its config matches), then times `target.load` from the safetensors files, the first
+Writes random bfloat16 weights once as a sharded HF directory (~4 GB files and their index, as published
+checkpoints come; kept with --keep and reused while its config matches), then times `target.load` from
+the safetensors files (the first load apart: it compiles the on-device transposes), the first
 `--params-cache` load (safetensors read plus the orbax save) and the cached restores, each until every
 array is on its devices. "cold" runs first drop the files from the page cache: as root through
 /proc/sys/vm/drop_caches (every clean page of the machine), else posix_fadvise(DONTNEED) on each file
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import shutil
 import sys
@@ -26,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
 
 from ddtree_jax import target, train  # noqa: E402
 from ddtree_jax.bench import SHAPES, run_meta  # noqa: E402
-from ddtree_jax.checkpoint import params_cache, save_hf  # noqa: E402
+from ddtree_jax.checkpoint import params_cache, write_safetensors  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
-from ddtree_jax.weights import random_params  # noqa: E402
 
 
 def drop_caches() -> bool:
@@ -78,17 +81,43 @@ def timed_load(checkpoint: Path, cache: Path | None, tp: int) -> float:
     return seconds
 
 
+SHARD_BYTES = 4 << 30  # HF's sharded checkpoints hold up to ~5 GB per file (Qwen3-8B: 5 files)
+
+
+def random_bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Finite bfloat16 values like a weight's: random sign and mantissa, exponents 2^-9 .. 2^-6 (about
+    as compressible as real weights); made from random bytes, fast enough for 16 GB."""
+    bits = np.frombuffer(rng.bytes(2 * math.prod(shape)), np.uint16)
+    exponent = (118 + ((bits >> 7) & 3)).astype(np.uint16) << 7
+    return ((bits & 0x807F) | exponent).view(ml_dtypes.bfloat16).reshape(shape)
+
+
 def write_checkpoint(cfg, checkpoint: Path, keep: bool) -> float:
-    """Random bf16 weights of `cfg` as an HF directory (reused when --keep finds the same config);
-    returns the seconds spent writing (0 when reused)."""
+    """Random bf16 weights of `cfg` as a sharded HF directory (model-0000i-of-0000n.safetensors and
+    the index; reused when --keep finds the same config); returns the seconds spent (0 when reused)."""
     config = train.target_hf_config(cfg)
     stamp = checkpoint / "config.json"
     if keep and stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(config)):
         return 0.0
     shutil.rmtree(checkpoint, ignore_errors=True)
-    specs = target.weight_specs(cfg)
+    checkpoint.mkdir(parents=True)
     start = time.perf_counter()
-    save_hf(random_params(specs, 0, jnp.bfloat16), specs, checkpoint, config)
+    shards, size = [[]], 0
+    for spec in target.weight_specs(cfg):
+        for piece in spec.pieces():
+            nbytes = 2 * math.prod(piece.hf_shape)
+            if size and size + nbytes > SHARD_BYTES:
+                shards, size = [*shards, []], 0
+            shards[-1].append(piece)
+            size += nbytes
+    rng = np.random.default_rng(0)
+    weight_map = {}
+    for i, pieces in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(checkpoint / name, {p.hf_name: random_bf16(rng, p.hf_shape) for p in pieces})
+        weight_map |= {p.hf_name: name for p in pieces}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}) + "\n")
+    stamp.write_text(json.dumps(config, indent=2) + "\n")
     return time.perf_counter() - start
 
 
@@ -146,6 +175,8 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"{name}: {seconds:.2f} s ({size / 1e9 / seconds:.2f} GB/s)", flush=True)
 
+    # the first load also compiles the loader's on-device transposes (once per process and shape)
+    record("safetensors_first", timed_load(checkpoint, None, args.tp))
     for _ in range(args.repeats):
         result["evicted_by"] = evict(checkpoint, args.evict)
         record("safetensors_cold", timed_load(checkpoint, None, args.tp))
