@@ -2,7 +2,8 @@
 
 Default: on, under `$XDG_CACHE_HOME/ddtree-jax/xla` (else `~/.cache/ddtree-jax/xla`); `--compile-cache
 DIR` puts it elsewhere, `--compile-cache off` turns it off. A cache directory set in the environment
-(`JAX_COMPILATION_CACHE_DIR`) wins over the default, not over the flag, and is left to JAX as it is.
+(`JAX_COMPILATION_CACHE_DIR`) wins over the default, not over the flag, and is left to JAX as it is;
+`JAX_ENABLE_COMPILATION_CACHE=false` without the flag means off.
 
 What keys an entry (jax/_src/cache_key.py, 0.11.2): the program's StableHLO, the jaxlib version, the
 backend's platform and platform version (the CUDA version on GPU), the devices' topology fingerprint
@@ -38,6 +39,7 @@ from ddtree_jax.errors import DDTreeError
 
 OFF = "off"
 ENV_DIR = "JAX_COMPILATION_CACHE_DIR"
+ENV_ENABLE = "JAX_ENABLE_COMPILATION_CACHE"
 ENV_MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # Programs that compile faster than this are not written. JAX's default (1 s) leaves out most of a small
 # model's programs on a GPU; below ~0.1 s a cache read costs about what it saves.
@@ -77,6 +79,8 @@ def enable(setting: str | None) -> Path | None:
     if setting is not None and not setting.strip():
         raise DDTreeError("--compile-cache: give a directory or 'off'")
     jax_cache.reset_cache()  # forget a cache set up before (JAX sets one up at its first compile)
+    if setting is None and os.environ.get(ENV_ENABLE, "").strip().lower() in ("0", "false"):
+        setting = OFF  # the user turned JAX's cache off in the environment
     if setting is not None and setting.strip().lower() == OFF:
         jax.config.update("jax_enable_compilation_cache", False)
         return None

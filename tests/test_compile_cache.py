@@ -189,3 +189,43 @@ def test_default_directory_and_minimum(tmp_path, monkeypatch):
 def test_empty_flag_refused():
     with pytest.raises(DDTreeError, match="--compile-cache"):
         compile_cache.enable(" ")
+
+
+def test_generate_keeps_its_programs_in_the_flag_directory(tmp_path, events):
+    """ddtree-generate with --compile-cache DIR writes its programs there (the checked entries); run
+    again in the same process with JAX's in-memory caches dropped, it reads them instead of compiling
+    and writes the same tokens."""
+    import json
+
+    from conftest import FIXTURES, golden_prompts
+
+    from ddtree_jax import generation
+    from ddtree_jax.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": 0, "input_ids": golden_prompts("qwen3_gqa1")[2]}) + "\n")
+    outputs = []
+    for run in ("first", "second"):
+        generation.STREAM_PROGRAMS.clear()  # the Generator's own cache of compiled programs
+        jax.clear_caches()
+        events.clear()
+        out = tmp_path / f"{run}.jsonl"
+        argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(prompts), "--out", str(out)]
+        assert main([*argv, "--max-new-tokens", "5", "--compile-cache", str(tmp_path / "cc")]) == 0
+        outputs.append(json.loads(out.read_text())["output_ids"])
+        if run == "first":
+            (where,) = (tmp_path / "cc").iterdir()
+            assert where.name == compile_cache.subdirectory()
+            assert len(list(where.glob("*-ddtree"))) >= 2  # at least the prefill and the decode chunk
+            assert count(events, "cache_misses") >= 2
+    assert count(events, "cache_hits") >= 2  # (a program near the 0.2 s floor may be written only now)
+    assert outputs[0] == outputs[1]
+
+
+def test_environment_can_turn_it_off(tmp_path, monkeypatch, events):
+    """JAX_ENABLE_COMPILATION_CACHE=false and no flag: off, as JAX would have it; the flag still wins."""
+    monkeypatch.setenv(compile_cache.ENV_ENABLE, "false")
+    assert compile_cache.enable(None) is None
+    compile_fresh()
+    assert count(events, "compile_requests_use_cache") == 0
+    assert compile_cache.enable(str(tmp_path)) == tmp_path / compile_cache.subdirectory()
