@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, models, target
+from ddtree_jax import compile_cache, drafter, engine, models, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
@@ -60,6 +60,10 @@ SHAPES = {
         131072,
     ),
     "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+    # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
+    "default-pair": TargetConfig(
+        "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), True, 4096
+    ),
     "qwen3-30b-a3b": Qwen3MoeConfig(
         "qwen3_moe",
         151936,
@@ -501,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
+    compile_cache.add_flag(p)
     args = p.parse_args(argv)
+    compile_cache.enable(args.compile_cache)
     if args.drop_layer_all_reduce and args.tp == 1:
         p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
 

@@ -149,3 +149,15 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
     cfg = SHAPES["qwen3-30b-a3b"]
     assert moe.expected_distinct(cfg.num_experts, cfg.top_k, 1) == 8
     assert round(moe.expected_distinct(cfg.num_experts, cfg.top_k, 8)) == 52
+
+
+def test_default_pair_shape_is_the_bundled_target():
+    """ddtree-bench's `default-pair` shape is the bundled target's config (its stop ids aside)."""
+    import dataclasses
+
+    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.cli import BUNDLED
+    from ddtree_jax.config import load_target_config
+
+    bundled = load_target_config(BUNDLED / "target")
+    assert dataclasses.replace(bundled, eos_token_ids=()) == SHAPES["default-pair"]
