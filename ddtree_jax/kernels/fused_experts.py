@@ -299,10 +299,22 @@ def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
             n = len(_buffers(op, stages, dtype))
             bufs.append(list(flat[at : at + n]))
             at += n
+
+        # allocated in every program, used in those of a tile: the GPU interpreter's bookkeeping of
+        # shared memory needs every device to allocate alike (expert parallelism diverges here)
+        @pl.when(e >= 0)
+        def _():
+            run(xs, bufs, deq, o_smem, barrier)
+
+    def run(xs, bufs, deq, o_smem, barrier):
         # a traced step: INT4 boxes may reach past K (TMA fills zeros), which a static start would refuse
         lax.fori_loop(0, min(stages, steps), lambda s, _: issue(s, s, xs, bufs, barrier), None)
 
-        def accumulate(*accs):
+        def accumulate(acc):
+            # one accumulator, a 64-row slice per weight: the GPU interpreter keeps one register
+            # allocation per program apart from other devices' (two raced under shard_map)
+            accs = [acc.at[pl.ds(i * BLOCK_N, BLOCK_N)] for i in range(len(ops))]
+
             def step(s, carry):
                 slot = lax.rem(s, stages)
                 plgpu.barrier_wait(barrier.at[slot])
@@ -319,12 +331,14 @@ def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
                 return carry
 
             lax.fori_loop(0, steps, step, None)
+            out = acc[...]
             if len(accs) == 2:  # gate, up -> silu(gate) * up
-                g, u = accs[0][...], accs[1][...]
+                g = lax.slice(out, (0, 0), (BLOCK_N, block_t))
+                u = lax.slice(out, (BLOCK_N, 0), (2 * BLOCK_N, block_t))
                 return g / (1.0 + jnp.exp(-g)) * u
-            return accs[0][...]
+            return out
 
-        out = pl.run_scoped(accumulate, *[plgpu.ACC((BLOCK_N, block_t), jnp.float32) for _ in ops])
+        out = pl.run_scoped(accumulate, plgpu.ACC((len(ops) * BLOCK_N, block_t), jnp.float32))
         rows, cols = pl.ds(t * block_t, block_t), pl.ds(c * BLOCK_N, BLOCK_N)
         if rows_first:
             o_smem.T[...] = out.astype(out_dtype)
@@ -336,9 +350,7 @@ def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
         plgpu.copy_smem_to_gmem(o_smem, dst)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(e >= 0)
-    def _():
-        pl.run_scoped(in_smem, *scratch)
+    pl.run_scoped(in_smem, *scratch)
 
 
 def expert_matmul(
