@@ -32,11 +32,14 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.collectives import Axis
 from ddtree_jax.errors import DDTreeError
@@ -69,6 +72,37 @@ GPU_GATHER_MAX_TOKENS = 4
 # measured on the H200: scripts/bench_moe_fused.py decides it), above it `grouped`; 0 turns it off.
 FUSED_MAX_TOKENS = 128
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
+
+
+class RoutingLog:
+    """The routing of every `run_experts` call traced while the log is active (`with RoutingLog() as
+    log:` around tracing a program; read after running it): per call site in trace order (one per MoE
+    layer of a traced forward) the chosen experts [N, k] (global ids) of each execution, as device 0 of
+    the model axis sees them (its tokens are every device's). A host callback per call: for a program
+    run once to count experts (`ddtree_jax.bench.chosen_expert_floor`), never for one that is timed."""
+
+    active: RoutingLog | None = None  # the log that `run_experts` feeds at trace time
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+        self._sites = 0
+
+    def __enter__(self) -> RoutingLog:
+        RoutingLog.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        RoutingLog.active = None
+
+    def record(self, experts: jax.Array, model_axis: Axis) -> None:
+        """At trace time: a callback that stores this call site's experts [N, k] at every execution."""
+        site, self._sites = self._sites, self._sites + 1
+        device = jnp.int32(0) if model_axis is None else jax.lax.axis_index(model_axis)
+        jax.debug.callback(functools.partial(self._store, site), experts, device)
+
+    def _store(self, site: int, experts, device) -> None:
+        if int(device) == 0:
+            self.calls[site].append(np.asarray(experts))
 
 
 class Routing(NamedTuple):
@@ -297,6 +331,8 @@ def run_experts(
     Expert weights are any `quant.Weight`. Any router can feed it (a family's own scores, groups or
     bias); no all-reduce here: the caller adds the layer's. `dispatch` None picks one by token count.
     """
+    if RoutingLog.active is not None:
+        RoutingLog.active.record(routing.experts, model_axis)
     experts, here = _local(routing, num_experts(p["experts_gate"]), model_axis, sharding)
     dispatch = dispatch or choose_dispatch(x.shape[0])
     names = DISPATCHES + GPU_DISPATCHES + INTERPRETED_DISPATCHES
