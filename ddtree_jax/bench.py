@@ -440,10 +440,12 @@ def bench_one(
     stages: bool,
     sampling=None,
     batch: int | None = None,
+    chosen_floor: bool = True,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
     (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the plan
-    runs more (`engine.rows_to_run`); the floor counts only their K/V."""
+    runs more (`engine.rows_to_run`); the floor counts only their K/V. `chosen_floor`: for a MoE
+    target also the floor of the experts chosen (`chosen_expert_floor`; compiles the round again)."""
     batch = batch or plan.batch_size
     dparams = None if plan.method == "ar" else dparams
     stop = jnp.full((8,), -1, jnp.int32)
@@ -487,7 +489,7 @@ def bench_one(
     tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
     chosen = {}
-    if models.family(t).ROUTED_EXPERTS:  # the floor of the experts the router chose (MoE targets)
+    if chosen_floor and models.family(t).ROUTED_EXPERTS:  # the floor of the experts the router chose
         state = None
         log = record_routing(params, dparams, fresh(0), stop, plan, rounds)
         chosen = chosen_expert_floor(log, params, t, plan, batch)
@@ -562,6 +564,13 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="DeepSeek-V3 shapes: the target's weights in a published quantized form: fp8 (128x128 blocks, "
         "every projection, as DeepSeek-V3/Kimi-K2) or int4-experts (group 32, routed experts, as Kimi-K2.5)",
+    )
+    p.add_argument(
+        "--chosen-floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="MoE shapes: also the floor of the experts the router chose, which round_over_floor then "
+        "divides by (costs a second compile of each configuration's round)",
     )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
@@ -652,7 +661,16 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         )
         try:
             row = bench_one(
-                params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling, batch
+                params,
+                dparams,
+                plan,
+                context,
+                args.rounds,
+                ceiling,
+                args.stages,
+                sampling,
+                batch,
+                args.chosen_floor,
             )
         except Exception as e:  # keep the other configurations
             row = {

@@ -140,7 +140,12 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
     from ddtree_jax.models import moe
 
     moe_tiny = [a if a != "tiny" else "tiny-moe" for a in TINY]
-    for extra in ([], ["--tp", "4", "--moe-sharding", "ep"], ["--tp", "2", "--moe-sharding", "tp"]):
+    # the floor of the experts chosen compiles each round twice: on the expert-parallel mesh only
+    for extra in (
+        ["--no-chosen-floor"],
+        ["--tp", "4", "--moe-sharding", "ep"],
+        ["--tp", "2", "--moe-sharding", "tp", "--no-chosen-floor"],
+    ):
         out = tmp_path / "bench.json"
         argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batches", "1", *extra]
         assert main([*argv, "--out", str(out)]) == 0
@@ -149,7 +154,10 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
         ar, small, big = rows
         assert (ar["floor_tokens"], small["floor_tokens"], big["floor_tokens"]) == (1, 4, 16)
         assert ar["target_floor_ms"] < small["target_floor_ms"] < big["target_floor_ms"]
-        for r in rows:  # beside it the floor of the experts chosen, which round_over_floor divides by
+        for r in rows:  # beside it, unless refused, the floor of the experts chosen: round_over_floor's
+            if "--no-chosen-floor" in extra:
+                assert "chosen_floor_ms" not in r
+                continue
             assert r["round_over_floor"] == pytest.approx(r["round_ms"] / r["chosen_floor_ms"])
             assert r["round_over_uniform_floor"] == pytest.approx(r["round_ms"] / r["target_floor_ms"])
             assert 1 <= r["chosen_distinct_experts"] <= 8
