@@ -397,6 +397,9 @@ def combine(y_t: jax.Array, row: jax.Array, here: jax.Array, weights: jax.Array)
     return jnp.einsum("hnk,nk->nh", jnp.where(here[None], picked, 0.0), w)
 
 
+# jitted: a forward's layers share one trace and one lowering of it (Mosaic's layout inference runs
+# once, not once per layer: ~1 s a layer on the CPU otherwise)
+@functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
 def fused_experts(
     x: jax.Array,
     experts: jax.Array,
