@@ -8,22 +8,23 @@ that does not fit costs that phase only; device memory is freed between phases) 
 ($OUT/<phase>.json) after every case; a phase starts no case past its share, and is killed --grace-s
 after it. When `check` finds the fused kernel wrong on bf16 or fails to run it, the later phases run
 without it (moe.FUSED_MAX_TOKENS = 0, dispatch `fused` left out). $OUT/summary.json lists the phases.
+A second call with --skip-done <the first call's out dir> measures only what the first one left.
 
 Phases, in order (--phases picks some; share of the deadline in brackets):
-  check           [0.08] kernels.fused_experts against fused_experts_reference (bf16, as the model runs
+  check           [0.12] kernels.fused_experts against fused_experts_reference (bf16, as the model runs
                   it) and a float32 reference; Qwen3-30B-A3B's layer (128 experts, hidden 2048, width
                   768, top-8) in bf16 at 1 / 8 / 64 / 128 tokens, FP8 and INT4 at 1 / 64; Kimi-K2's (384
                   experts, hidden 7168, width 2048) in INT4 at 1 / 16 and bf16 at 1
-  qwen3-dispatch  [0.17] ms a layer of a stack of 4 Qwen3-30B-A3B expert layers at 1-128 tokens: fused,
+  qwen3-dispatch  [0.16] ms a layer of a stack of 4 Qwen3-30B-A3B expert layers at 1-128 tokens: fused,
                   gather (up to 16 tokens), grouped (the Triton kernel), sorted (ragged_dot; 1, 16, 128)
-  qwen3-rounds    [0.30] ddtree-bench rows of the Qwen3-30B-A3B shape (bf16, Pallas attention, 1k
+  qwen3-rounds    [0.28] ddtree-bench rows of the Qwen3-30B-A3B shape (bf16, Pallas attention, 1k
                   context): ar and ddtree 7 at batch 1, ar at 16, ddtree 7 at 16, ddtree 3 / 15 at 1 and
                   16, then the old one-token dispatch (gather) for ar at batch 1; each with the floor of
                   the experts chosen
-  kimi-dispatch   [0.10] 2 Kimi-K2 MoE layers, INT4 (1-128 tokens) then bf16 (1, 16, 128)
-  kimi2-rounds    [0.15] Kimi-K2 shape cut to 2 layers (--num-layers 2, 6 draft layers, blocks of 8):
+  kimi-dispatch   [0.08] 2 Kimi-K2 MoE layers, INT4 (1-128 tokens) then bf16 (1, 16, 128)
+  kimi2-rounds    [0.18] Kimi-K2 shape cut to 2 layers (--num-layers 2, 6 draft layers, blocks of 8):
                   ar and ddtree 15 at batch 1 and 16
-  kimi4-rounds    [0.20] the same at 4 layers (108 GB of bf16 target weights)
+  kimi4-rounds    [0.18] the same at 4 layers (108 GB of bf16 target weights)
 
 --tiny runs every phase on the CPU at toy sizes (kernels interpreted): a check that the command runs.
 """
@@ -42,13 +43,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a source tree
 
-PHASES = {  # name -> share of the deadline
-    "check": 0.08,
-    "qwen3-dispatch": 0.17,
-    "qwen3-rounds": 0.30,
-    "kimi-dispatch": 0.10,
-    "kimi2-rounds": 0.15,
-    "kimi4-rounds": 0.20,
+PHASES = {  # name -> share of the deadline (about what its first cases need on the H200, estimated)
+    "check": 0.12,
+    "qwen3-dispatch": 0.16,
+    "qwen3-rounds": 0.28,
+    "kimi-dispatch": 0.08,
+    "kimi2-rounds": 0.18,
+    "kimi4-rounds": 0.18,
 }
 LAYERS = {  # expert layer shapes: experts, hidden, width, top-k
     "qwen3": (128, 2048, 768, 8),
@@ -57,14 +58,14 @@ LAYERS = {  # expert layer shapes: experts, hidden, width, top-k
 TINY_LAYERS = {"qwen3": (4, 128, 128, 2), "kimi": (8, 128, 128, 2)}
 CHECK_CASES = [  # (layer, format, tokens), in order
     ("qwen3", "bf16", 1),
-    ("qwen3", "bf16", 64),
     ("qwen3", "int4", 1),
     ("qwen3", "fp8", 1),
+    ("qwen3", "bf16", 64),
+    ("kimi", "int4", 1),
     ("qwen3", "bf16", 8),
     ("qwen3", "bf16", 128),
     ("qwen3", "int4", 64),
     ("qwen3", "fp8", 64),
-    ("kimi", "int4", 1),
     ("kimi", "int4", 16),
     ("kimi", "bf16", 1),
 ]
@@ -106,40 +107,17 @@ TINY_ROUNDS = {
 def orchestrate(args) -> int:
     """Run the phases one after another, each under its share of the deadline; write summary.json."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # Kimi-K2 at 4 layers needs 115 GB
     start, share, summary, no_fused = time.monotonic(), 0.0, [], args.no_fused
     for name in args.phases:
         share += PHASES[name] / sum(PHASES[p] for p in args.phases)
         left = start + share * args.deadline_s - time.monotonic()
         entry = {"phase": name, "limit_s": round(left, 1)}
         if left < args.min_phase_s:
-            summary.append(entry | {"status": f"skipped: {left:.0f} s left of its share"})
-            continue
-        cmd = [
-            sys.executable,
-            __file__,
-            "--phase",
-            name,
-            "--out-dir",
-            str(args.out_dir),
-            "--deadline-s",
-            f"{left:.0f}",
-        ]
-        cmd += ["--tiny"] * args.tiny + ["--no-fused"] * no_fused
-        t0 = time.monotonic()
-        with open(args.out_dir / f"{name}.log", "w") as log:
-            try:
-                rc = subprocess.run(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=left + args.grace_s
-                ).returncode
-                status = "done" if rc == 0 else f"exit {rc}"
-            except subprocess.TimeoutExpired:
-                status = f"killed after {left + args.grace_s:.0f} s"
-        entry |= {"status": status, "seconds": round(time.monotonic() - t0, 1)}
-        if name == "check" and not no_fused:
-            no_fused = fused_is_wrong(args.out_dir / "check.json")
-            entry["fused_wrong"] = no_fused
+            entry["status"] = f"skipped: {left:.0f} s left of its share"
+        else:
+            entry |= run_phase(args, name, left, no_fused)
+        if name == "check" and not no_fused and "seconds" in entry:
+            no_fused = entry["fused_wrong"] = fused_is_wrong(args.out_dir / "check.json", args.skip_done)
         summary.append(entry)
         print(json.dumps(entry), flush=True)
         (args.out_dir / "summary.json").write_text(
@@ -149,12 +127,43 @@ def orchestrate(args) -> int:
     return 0
 
 
-def fused_is_wrong(path: Path) -> bool:
-    """Whether the check found a bf16 case wrong or not run (the rounds and dispatches are bf16)."""
+def run_phase(args, name: str, left: float, no_fused: bool) -> dict:
+    """One phase in a child process, stopped from starting cases after `left` seconds and killed
+    --grace-s later; its output in $OUT/<phase>.log."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        name,
+        "--out-dir",
+        str(args.out_dir),
+        "--deadline-s",
+        f"{left:.0f}",
+    ]
+    cmd += ["--tiny"] * args.tiny + ["--no-fused"] * no_fused
+    cmd += ["--skip-done", str(args.skip_done)] if args.skip_done else []
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # Kimi-K2 at 4 layers needs 115 GB
+    t0 = time.monotonic()
+    with open(args.out_dir / f"{name}.log", "w") as log:
+        try:
+            done = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=left + args.grace_s
+            )
+            status = "done" if done.returncode == 0 else f"exit {done.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"killed after {left + args.grace_s:.0f} s"
+    return {"status": status, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def fused_is_wrong(path: Path, earlier: Path | None = None) -> bool:
+    """Whether the check (at `path`, with the --skip-done run's in `earlier`) found a bf16 case wrong,
+    or ran none (the rounds and dispatches are bf16)."""
     if not path.exists():
         return True
-    cases = [c for c in json.loads(path.read_text())["cases"] if c.get("format") == "bf16"]
-    return not cases or any(not c.get("ok") for c in cases if "skipped" not in c)
+    cases = json.loads(path.read_text())["cases"] + done_cases(earlier / "check.json" if earlier else None)
+    ran = [c for c in cases if c.get("format") == "bf16" and "skipped" not in c]
+    return not ran or not all(c.get("ok") for c in ran)
 
 
 # ---- the children: one phase each ----------------------------------------------------------------
@@ -169,6 +178,7 @@ class Phase:
 
         self.path = args.out_dir / f"{name}.json"
         self.deadline = time.monotonic() + args.deadline_s
+        self.done = done_cases(args.skip_done / f"{name}.json" if args.skip_done else None)
         self.cases: list[dict] = []
         self.meta = bench.run_meta(sys.argv) | {"phase": name, "tiny": args.tiny, "no_fused": args.no_fused}
         self.meta |= {"hopper": moe.hopper(), "fused_max_tokens": moe.FUSED_MAX_TOKENS}
@@ -186,9 +196,21 @@ class Phase:
         self.path.write_text(json.dumps({"meta": self.meta, "cases": self.cases}, indent=1) + "\n")
 
 
+def done_cases(path: Path | None) -> list[dict]:
+    """The labels of the cases an earlier run of a phase measured (its JSON at `path`), if any."""
+    if path is None or not path.exists():
+        return []
+    return [c for c in json.loads(path.read_text())["cases"] if "skipped" not in c and "error" not in c]
+
+
 def run_cases(phase: Phase, cases: list[tuple[dict, callable]]) -> None:
-    """Each (label, run) in order: run() -> fields, or the error; none starts past the deadline."""
+    """Each (label, run) in order: run() -> fields, or the error; none starts past the deadline, nor
+    one that the --skip-done run measured."""
+    done = phase.done
     for label, run in cases:
+        if any(all(c.get(k) == v for k, v in label.items()) for c in done):
+            phase.add(label | {"skipped": "measured in the --skip-done run"})
+            continue
         if phase.time_left() <= 0:
             phase.add(label | {"skipped": "deadline"})
             continue
@@ -252,7 +274,7 @@ def check_phase(args) -> None:
 
         return case
 
-    cases = CHECK_CASES[:4] + CHECK_CASES[8:9] if args.tiny else CHECK_CASES  # interpreted: a few
+    cases = CHECK_CASES[:5] if args.tiny else CHECK_CASES  # interpreted: a few
     run_cases(phase, [({"layer": lay, "format": f, "tokens": n}, run(lay, f, n)) for lay, f, n in cases])
 
 
@@ -348,6 +370,10 @@ def rounds_phase(args, name: str) -> None:
         shape, num_layers = TINY_ROUNDS[name]
         draft_layers, block_size, context, rounds, attention = 1, 4, 32, 2, "reference"
         rows = [r for r in rows if r[1] in (0, 3, 15)][:3]
+    labels = [{"method": m, "budget": b, "batch": n, "forced_dispatch": d} for m, b, n, d in rows]
+    if all(any(all(c.get(k) == v for k, v in label.items()) for c in phase.done) for label in labels):
+        run_cases(phase, [(label, dict) for label in labels])  # all measured before: no weights to make
+        return
     if args.no_fused:
         moe.FUSED_MAX_TOKENS = 0
     cfg = bench.SHAPES[shape]
@@ -381,7 +407,6 @@ def rounds_phase(args, name: str) -> None:
 
         return case
 
-    labels = [{"method": m, "budget": b, "batch": n, "forced_dispatch": d} for m, b, n, d in rows]
     run_cases(phase, [(label, run(*row)) for label, row in zip(labels, rows, strict=True)])
 
 
@@ -424,6 +449,11 @@ def main() -> int:
         "--no-fused", action="store_true", help="leave the fused kernel out (moe.FUSED_MAX_TOKENS = 0)"
     )
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU, kernels interpreted")
+    ap.add_argument(
+        "--skip-done",
+        type=Path,
+        help="the --out-dir of an earlier run: its measured cases are skipped (a second call completes it)",
+    )
     args = ap.parse_args()
     args.phases = args.phases.split(",")
     unknown = [p for p in args.phases if p not in PHASES]
