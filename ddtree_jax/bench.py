@@ -427,6 +427,7 @@ def record_routing(params, dparams, state: DecodeState, stop, plan: Plan, rounds
     with moe.RoutingLog() as log:
         compiled = round_program(plan, rounds).lower(params, dparams, state, stop).compile()
     jax.block_until_ready(compiled(params, dparams, state, stop))
+    jax.effects_barrier()  # every callback has run
     return log.calls
 
 
