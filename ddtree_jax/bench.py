@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -378,6 +379,62 @@ def step_weight_bytes(params, cfg: TargetConfig, tokens: int = 1) -> float:
     return held - models.family(cfg).unread_weight_bytes(params, cfg, tokens, _device_bytes)
 
 
+def distinct_per_device(experts: np.ndarray, num_experts: int, tp: int, sharding: str) -> int:
+    """The most distinct experts one device must read for the chosen experts [..., k] (global ids):
+    under expert parallelism ("ep", tp > 1) each device reads its own E / tp experts' share, else every
+    device reads (its columns of) all of them."""
+    chosen = np.unique(experts)
+    if sharding != "ep" or tp == 1:
+        return int(chosen.size)
+    return int(np.bincount(chosen // (num_experts // tp), minlength=tp).max())
+
+
+def chosen_expert_floor(
+    log: dict[int, list[np.ndarray]], params, cfg: TargetConfig, plan: Plan, batch: int
+) -> dict:
+    """Weight bytes one device must read per round given the experts the router chose (`log`:
+    moe.RoutingLog.calls of `rounds` rounds: per MoE layer in order, the experts [rows x T, k] of each
+    round), counting the live rows' tokens only: all it holds, less the embedding table, less each
+    sparse layer's held experts that no live token chose (the busiest device under "ep"). Returns
+    {"weight_bytes": mean over rounds, "distinct_experts": mean distinct a layer and round}."""
+    sparse = [p for i, p in enumerate(params["layers"]) if cfg.is_sparse(i)]
+    if len(log) != len(sparse):
+        raise ValueError(
+            f"the routing log has {len(log)} MoE call sites, the target {len(sparse)} sparse layers"
+        )
+    held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
+    # every expert expected (a huge token count): what is left unread is the embedding table alone
+    static = held - models.family(cfg).unread_weight_bytes(params, cfg, 1 << 40, _device_bytes)
+    rows, live = plan.batch_size // plan.dp, -(-batch // plan.dp)
+    sharding = getattr(cfg, "moe_sharding", "ep")
+    per_round, distinct = [], []
+    for site, p in enumerate(sparse):
+        local = moe.num_experts(p["experts_gate"])  # experts a device holds (all of them under "tp")
+        if sharding == "ep" and plan.tp > 1:
+            local //= plan.tp
+        expert_bytes = (
+            sum(_device_bytes(a) for n in moe.EXPERT_WEIGHTS for a in jax.tree.leaves(p[n])) / local
+        )
+        for r, experts in enumerate(log[site]):
+            tokens = experts.reshape(rows, -1, experts.shape[-1])[:live]
+            count = distinct_per_device(tokens, cfg.num_experts, plan.tp, sharding)
+            distinct.append(count)
+            if r == len(per_round):
+                per_round.append(static)
+            per_round[r] -= (local - count) * expert_bytes
+    return {"weight_bytes": float(np.mean(per_round)), "distinct_experts": float(np.mean(distinct))}
+
+
+def record_routing(params, dparams, state: DecodeState, stop, plan: Plan, rounds: int) -> dict:
+    """`rounds` rounds of a separately compiled program that logs every MoE layer's routing (one
+    host callback a layer and round: never the timed program) -> moe.RoutingLog.calls."""
+    with moe.RoutingLog() as log:
+        compiled = round_program(plan, rounds).lower(params, dparams, state, stop).compile()
+    jax.block_until_ready(compiled(params, dparams, state, stop))
+    jax.effects_barrier()  # every callback has run
+    return log.calls
+
+
 def bench_one(
     params,
     dparams,
@@ -388,10 +445,12 @@ def bench_one(
     stages: bool,
     sampling=None,
     batch: int | None = None,
+    chosen_floor: bool = True,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
     (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the plan
-    runs more (`engine.rows_to_run`); the floor counts only their K/V."""
+    runs more (`engine.rows_to_run`); the floor counts only their K/V. `chosen_floor`: for a MoE
+    target also the floor of the experts chosen (`chosen_expert_floor`; compiles the round again)."""
     batch = batch or plan.batch_size
     dparams = None if plan.method == "ar" else dparams
     stop = jnp.full((8,), -1, jnp.int32)
@@ -434,6 +493,14 @@ def bench_one(
     kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
     tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
+    chosen = {}
+    if chosen_floor and models.family(t).ROUTED_EXPERTS:  # the floor of the experts the router chose
+        state = None
+        log = record_routing(params, dparams, fresh(0), stop, plan, rounds)
+        chosen = chosen_expert_floor(log, params, t, plan, batch)
+        chosen_ms = 1e3 * (chosen["weight_bytes"] + kv_bytes) / (ceiling_gbs * 1e9)
+        chosen = {"chosen_floor_ms": chosen_ms, "chosen_distinct_experts": chosen["distinct_experts"]}
+        chosen |= {"round_over_uniform_floor": round_ms / floor_ms}
     return {
         "method": plan.method,
         "budget": plan.budget,
@@ -450,9 +517,9 @@ def bench_one(
         "device_stages_ms": device_ms,
         "target_floor_ms": floor_ms,
         "floor_tokens": tokens,
-        "round_over_floor": round_ms / floor_ms,
+        "round_over_floor": round_ms / chosen.get("chosen_floor_ms", floor_ms),
         "compile_s": compile_s,
-    }
+    } | chosen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,6 +569,13 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="DeepSeek-V3 shapes: the target's weights in a published quantized form: fp8 (128x128 blocks, "
         "every projection, as DeepSeek-V3/Kimi-K2) or int4-experts (group 32, routed experts, as Kimi-K2.5)",
+    )
+    p.add_argument(
+        "--chosen-floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="MoE shapes: also the floor of the experts the router chose, which round_over_floor then "
+        "divides by (costs a second compile of each configuration's round)",
     )
     p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
     p.add_argument("--out", required=True)
@@ -594,7 +668,16 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         )
         try:
             row = bench_one(
-                params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling, batch
+                params,
+                dparams,
+                plan,
+                context,
+                args.rounds,
+                ceiling,
+                args.stages,
+                sampling,
+                batch,
+                args.chosen_floor,
             )
         except Exception as e:  # keep the other configurations
             row = {

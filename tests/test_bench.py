@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ddtree_jax.bench import main
 
 TINY = ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32", "--rounds", "2"]
@@ -132,12 +134,18 @@ def test_stage_loops_keep_every_pass_inside_the_loop():
 
 def test_bench_moe_shape_and_its_floor(tmp_path):
     """A MoE shape runs on one device and on an expert-parallel mesh; its floor counts the experts its
-    tokens are expected to select, so a larger tree's floor reads more expert bytes."""
+    tokens are expected to select, so a larger tree's floor reads more expert bytes; the floor of the
+    experts the router chose sits beside it (tests/test_chosen_floor.py checks its count)."""
     from ddtree_jax.bench import SHAPES
     from ddtree_jax.models import moe
 
     moe_tiny = [a if a != "tiny" else "tiny-moe" for a in TINY]
-    for extra in ([], ["--tp", "4", "--moe-sharding", "ep"], ["--tp", "2", "--moe-sharding", "tp"]):
+    # the floor of the experts chosen compiles each round twice: on the expert-parallel mesh only
+    for extra in (
+        ["--no-chosen-floor"],
+        ["--tp", "4", "--moe-sharding", "ep"],
+        ["--tp", "2", "--moe-sharding", "tp", "--no-chosen-floor"],
+    ):
         out = tmp_path / "bench.json"
         argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batches", "1", *extra]
         assert main([*argv, "--out", str(out)]) == 0
@@ -146,6 +154,13 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
         ar, small, big = rows
         assert (ar["floor_tokens"], small["floor_tokens"], big["floor_tokens"]) == (1, 4, 16)
         assert ar["target_floor_ms"] < small["target_floor_ms"] < big["target_floor_ms"]
+        for r in rows:  # beside it, unless refused, the floor of the experts chosen: round_over_floor's
+            if "--no-chosen-floor" in extra:
+                assert "chosen_floor_ms" not in r
+                continue
+            assert r["round_over_floor"] == pytest.approx(r["round_ms"] / r["chosen_floor_ms"])
+            assert r["round_over_uniform_floor"] == pytest.approx(r["round_ms"] / r["target_floor_ms"])
+            assert 1 <= r["chosen_distinct_experts"] <= 8
     cfg = SHAPES["qwen3-30b-a3b"]
     assert moe.expected_distinct(cfg.num_experts, cfg.top_k, 1) == 8
     assert round(moe.expected_distinct(cfg.num_experts, cfg.top_k, 8)) == 52
