@@ -3,7 +3,9 @@ interrupted only between lines (SIGINT, SIGTERM)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -52,8 +54,62 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
+def lock_path(out: Path) -> Path:
+    """The lock file held while a run writes an outputs file: OUT.lock, beside it."""
+    return out.with_name(out.name + ".lock")
+
+
+# The locks this process holds: resolved --out path -> the open lock file. One run at a time per process
+# (a new check_out releases the last run's lock), every lock released at exit.
+_locks: dict[Path, int] = {}
+
+
+def lock_out(target: Path, out: str) -> None:
+    """Hold an exclusive lock on --out (its resolved path) for this run, or refuse: another run writing
+    the same file would splice its lines into ours and rewrite the settings sidecar."""
+    if target in _locks:
+        return
+    release_locks()
+    path = lock_path(target)
+    while True:  # the holder unlinks the lock file before closing it: lock, then check it is still there
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip()
+            os.close(fd)
+            pid = f" (pid {holder})" if holder.isdigit() else ""
+            raise DDTreeError(
+                f"--out {out}: another run{pid} is writing it (lock {path}); "
+                "wait for it or choose another --out"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _locks[target] = fd
+
+
+def release_locks() -> None:
+    """Drop every --out lock this process holds (the lock file is removed while still locked)."""
+    while _locks:
+        target, fd = _locks.popitem()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path(target))
+        os.close(fd)
+
+
+atexit.register(release_locks)
+
+
 def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
-    """Refuse an --out that would be lost or would clobber something, before any work starts."""
+    """Refuse an --out that would be lost or would clobber something, before any work starts; then lock
+    it for this run (`lock_out`)."""
     if resume and overwrite:
         raise DDTreeError("--resume and --overwrite exclude each other")
     if out == STDOUT:
@@ -72,6 +128,7 @@ def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
         raise DDTreeError(f"--out {out}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise DDTreeError(f"--out {out}: directory {parent} is not writable")
+    lock_out(target, out)
     if target.exists():
         if not os.access(target, os.W_OK):
             raise DDTreeError(f"--out {out}: not writable")
@@ -151,10 +208,11 @@ class Writer:
                 self.written += 1
 
     def close(self) -> None:
-        """Close the file (not standard output)."""
+        """Close the file (not standard output) and release the run's lock on it."""
         if self.file is not None and self.file is not sys.stdout:
             self.file.close()
         self.file = None
+        release_locks()
 
 
 class _Guard:

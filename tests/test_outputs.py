@@ -209,3 +209,55 @@ def test_interrupt_then_resume(tmp_path, sig):
     assert main(argv(prompts, out, "--resume")) == 0
     assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
     assert rows(out) == rows(tmp_path / "whole.jsonl")
+
+
+HOLD = """
+import sys
+from ddtree_jax.outfile import check_out
+check_out(sys.argv[1], sys.argv[2], resume=False, overwrite=True)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_second_writer_refused(reference, tmp_path, capsys, no_loading):
+    """While another process writes --out, a run on the same file (here through a symlink) is refused
+    with one line before any work, and neither the file nor its settings sidecar changes."""
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps(expected[0]) + "\n")
+    sidecar = tmp_path / "o.jsonl.settings.json"
+    sidecar.write_text('{"first": "run"}\n')
+    (tmp_path / "link.jsonl").symlink_to(out)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), str(prompts)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for extra in (["--overwrite"], ["--resume"], []):
+            assert main(argv(prompts, tmp_path / "link.jsonl", *extra)) == 1
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"pid {holder.pid}) is writing it" in err[0], err
+            assert str(out) in err[0]
+        assert out.read_text() == json.dumps(expected[0]) + "\n"
+        assert sidecar.read_text() == '{"first": "run"}\n'
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert not (tmp_path / "o.jsonl.lock").exists()  # the holder removed its lock on exit
+
+
+def test_lock_released_after_run_and_after_a_kill(reference, tmp_path):
+    """A finished run leaves no lock file; a killed holder's lock file does not block the next run."""
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), str(prompts)], cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline() == "locked\n"
+    holder.kill()
+    holder.wait(timeout=60)
+    assert (tmp_path / "o.jsonl.lock").exists()
+    assert main(argv(prompts, out)) == 0
+    assert rows(out) == expected and not (tmp_path / "o.jsonl.lock").exists()
