@@ -2,7 +2,9 @@
 
 Writes random bfloat16 weights once as an HF directory (`checkpoint.save_hf`), then times
 `target.load` from the safetensors files, the first `--params-cache` load (safetensors read plus
-the orbax save) and the cached restores. "cold" runs first evict the files from the page cache
+the orbax save) and the cached restores; and, warm, the two checks every load makes (checkpoint_checks:
+the headers against the config, the weights' finiteness, with and without compiling its reductions),
+which the load times include. "cold" runs first evict the files from the page cache
 (posix_fadvise DONTNEED, no root needed); "warm" runs read them again at once. One JSON file out.
 
     python3 scripts/bench_load.py --shape qwen3-8b --dir /tmp/load --out $OUT/load_times.json
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from ddtree_jax import target, train  # noqa: E402
+from ddtree_jax import checkpoint_checks, models, target, train  # noqa: E402
 from ddtree_jax.bench import SHAPES  # noqa: E402
 from ddtree_jax.checkpoint import params_cache, save_hf  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
@@ -58,6 +60,25 @@ def timed_load(checkpoint: Path, cache: Path | None, tp: int) -> float:
     seconds = time.perf_counter() - start
     del params
     gc.collect()
+    return seconds
+
+
+def timed_checks(checkpoint: Path, tp: int) -> dict[str, float]:
+    """Seconds of the load's checks on their own: headers against the config, weights finite (the
+    first time compiling its reductions, then compiled)."""
+    cfg, params = target.load(checkpoint, jnp.bfloat16, param_sharding(make_mesh(tp)))
+    specs = target.weight_specs(cfg)
+    seconds = {}
+    start = time.perf_counter()
+    checkpoint_checks.check_against_config(checkpoint, specs, models.family(cfg).ignored_tensors(cfg))
+    seconds["check_headers"] = time.perf_counter() - start
+    for name in ("check_finite_compiling", "check_finite"):
+        if name == "check_finite_compiling":
+            checkpoint_checks._finite.cache_clear()
+            jax.clear_caches()
+        start = time.perf_counter()
+        checkpoint_checks.check_finite(checkpoint, params, specs)
+        seconds[name] = time.perf_counter() - start
     return seconds
 
 
@@ -105,6 +126,8 @@ def main() -> int:
         evict(checkpoint)
         record("safetensors_cold", timed_load(checkpoint, None, args.tp))
         record("safetensors_warm", timed_load(checkpoint, None, args.tp))
+    for name, seconds in timed_checks(checkpoint, args.tp).items():
+        record(name, seconds)
     evict(checkpoint)
     record("convert_cold", timed_load(checkpoint, cache, args.tp))  # read + orbax save
     for _ in range(args.repeats):
