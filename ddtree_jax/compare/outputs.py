@@ -148,6 +148,26 @@ def tokens_of(record: OutputRecord, codec: TextCodec | None) -> list[int]:
     return codec.encode(record.text, add_special_tokens=False)
 
 
+def texts_to_compare(
+    ours: OutputRecord, theirs: OutputRecord, codec: TextCodec | None
+) -> tuple[str, str] | None:
+    """(our text, their text) when one side gives text only (the other's text as given, else decoded
+    with our tokenizer), special tokens' text left out of both when the target has a tokenizer (SGLang's
+    text skips them by default, ours keeps its stop token); None when both give output_ids."""
+    if ours.output_ids is not None and theirs.output_ids is not None:
+        return None
+
+    def text(record: OutputRecord, other: OutputRecord) -> str:
+        if record.text is not None:
+            return record.text
+        if codec is None:
+            raise DDTreeError(f"{other.where}: only 'text' given, and the target has no tokenizer.json")
+        return codec.decode(record.output_ids)
+
+    pair = text(ours, theirs), text(theirs, ours)
+    return pair if codec is None else (codec.without_special(pair[0]), codec.without_special(pair[1]))
+
+
 RATIO = "completion_tokens / spec_verify_ct"
 
 
