@@ -282,9 +282,9 @@ def _load_cached(
         try:
             params = restore_converted(entry / "params", abstract)
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            _drop_closed_loop_reports()
             raise DDTreeError(
-                f"--params-cache: cannot restore {entry} ({first}); delete it to rebuild"
+                f"--params-cache: cannot restore {entry} ({_gist(e)}); delete it to rebuild"
             ) from None
         _note(f"params cache: restored {directory} from {entry} ({time.perf_counter() - start:.1f} s)")
         return params
@@ -298,6 +298,33 @@ def _load_cached(
         raise DDTreeError(f"--params-cache {cache}: cannot write the cache ({e.strerror})") from None
     _note(f"params cache: converted {directory} into {entry} ({time.perf_counter() - start:.1f} s)")
     return params
+
+
+def _drop_closed_loop_reports() -> None:
+    """After a failed restore, tensorstore's other reads still finish and try to wake orbax's event
+    loop, already closed: each reports "Event loop is closed" through sys.unraisablehook, a traceback
+    per read after our one-line error. Drop those reports (and only those)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        ):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def _gist(error: Exception, width: int = 120) -> str:
+    """A restore error in one short phrase: tensorstore's first line holds its whole JSON spec and a
+    chain of 'Error opening ...' contexts; keep the status code and the innermost cause."""
+    text = str(error).strip()
+    first = text.splitlines()[0].split(" [tensorstore_spec")[0] if text else type(error).__name__
+    if len(first) <= width:
+        return first
+    code = first.split(":")[0] if first.split(":")[0].isupper() else ""
+    return (f"{code}: " if code else "") + "..." + first[-(width - len(code) - 5) :]
 
 
 def _note(message: str) -> None:
@@ -319,7 +346,8 @@ def restore_converted(directory: str | Path, abstract: Params) -> Params:
     """Restore parameters saved by `save_converted`; `abstract` gives shapes, dtypes and shardings."""
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer().restore(Path(directory).absolute(), abstract)
+    with ocp.StandardCheckpointer() as checkpointer:  # closed even when the restore fails (its threads)
+        return checkpointer.restore(Path(directory).absolute(), abstract)
 
 
 _DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}

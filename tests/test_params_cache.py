@@ -108,3 +108,34 @@ def test_damaged_entry_refused(tmp_path):
     (entry / "params").mkdir()
     with pytest.raises(DDTreeError, match=f"cannot restore {entry} .*delete it to rebuild"):
         load(FIXTURES / "qwen3_gqa1", cache=tmp_path)
+
+
+def test_damaged_chunks_one_short_line(tmp_path):
+    """An entry missing its data chunks: ddtree-generate says so in one short line naming the entry,
+    with no traceback after it (tensorstore's other reads once each printed one at exit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    load(FIXTURES / "qwen3_gqa1", cache=tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    shutil.rmtree(entry / "params" / "d")
+    (tmp_path / "p.jsonl").write_text('{"id": 0, "input_ids": [3, 4, 5]}\n')
+    argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(tmp_path / "p.jsonl")]
+    argv += [
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--params-cache",
+        str(tmp_path / "cache"),
+        "--dtype",
+        "float32",
+    ]
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "ddtree_jax.cli", *argv], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in done.stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"ddtree-generate: error: --params-cache: cannot restore {entry} (")
+    assert lines[0].endswith("); delete it to rebuild") and len(lines[0]) < 300
+    assert not (tmp_path / "o.jsonl").exists()
