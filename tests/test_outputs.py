@@ -1,5 +1,6 @@
 """`ddtree-generate --out`: checked before any work, written line by line, resumable, interruptible."""
 
+import codecs
 import json
 import os
 import signal
@@ -261,3 +262,53 @@ def test_lock_released_after_run_and_after_a_kill(reference, tmp_path):
     assert (tmp_path / "o.jsonl.lock").exists()
     assert main(argv(prompts, out)) == 0
     assert rows(out) == expected and not (tmp_path / "o.jsonl.lock").exists()
+
+
+def test_refused_resume_leaves_the_file_as_it_was(reference, tmp_path, capsys, no_loading):
+    """A --resume refused (other settings) has not yet dropped the cut-short last line: the file is
+    byte for byte what it was."""
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    (tmp_path / "o.jsonl.settings.json").write_text(json.dumps({"method": "ar", "max_new_tokens": 6}) + "\n")
+    kept = "".join(json.dumps(r) + "\n" for r in expected[:2]) + json.dumps(expected[2])[:10]
+    out.write_text(kept)
+    assert main(argv(prompts, out, "--resume", "--max-new-tokens", "7")) == 1
+    assert "was made with other settings" in capsys.readouterr().err
+    assert out.read_text() == kept
+
+
+def test_resume_refuses_changed_prompts(reference, tmp_path, capsys):
+    """The sidecar keeps each prompt's digest: resuming after a prompt was edited is refused naming its
+    id (its old output would stay); once its line is deleted from --out, --resume generates it anew."""
+    prompts, expected = reference
+    local = tmp_path / "p.jsonl"
+    local.write_bytes(prompts.read_bytes())
+    out = tmp_path / "o.jsonl"
+    assert main(argv(local, out)) == 0
+    digests = json.loads((tmp_path / "o.jsonl.settings.json").read_text())["prompt_sha256"]
+    assert sorted(digests) == sorted(json.dumps(f"p{i}") for i in range(5))
+    lines = local.read_text().splitlines()
+    edited = json.loads(lines[1])
+    edited["input_ids"] = edited["input_ids"][1:]  # p1 now asks something else
+    local.write_text("\n".join([*lines[:1], json.dumps(edited), *lines[2:]]) + "\n")
+    before = out.read_bytes()
+    assert main(argv(local, out, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert "1 prompts changed since their outputs" in err and '"p1"' in err and out.read_bytes() == before
+    out.write_text(
+        "".join(line + "\n" for line in out.read_text().splitlines() if json.loads(line)["id"] != "p1")
+    )
+    assert main(argv(local, out, "--resume")) == 0
+    assert main(argv(local, tmp_path / "fresh.jsonl")) == 0
+    regenerated = {r["id"]: r for r in rows(out)}
+    assert regenerated == {r["id"]: r for r in rows(tmp_path / "fresh.jsonl")}
+    assert regenerated["p1"] != expected[1]
+
+
+def test_prompts_file_with_a_byte_order_mark(reference, tmp_path):
+    """A UTF-8 byte-order mark at the start of the prompts file (Windows editors write one) is read past."""
+    prompts, expected = reference
+    local = tmp_path / "p.jsonl"
+    local.write_bytes(codecs.BOM_UTF8 + prompts.read_bytes())
+    assert main(argv(local, tmp_path / "o.jsonl")) == 0
+    assert rows(tmp_path / "o.jsonl") == expected

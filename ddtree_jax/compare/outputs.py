@@ -105,7 +105,7 @@ def read_outputs(path: str | Path) -> list[OutputRecord]:
     """Every non-empty line of an outputs file, in order."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is no part of line 1
     except FileNotFoundError:
         raise DDTreeError(f"{path}: file not found") from None
     except UnicodeDecodeError:
