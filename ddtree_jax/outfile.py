@@ -21,7 +21,7 @@ from ddtree_jax.prompts import id_key, scan_prompts
 
 # The settings that decide what an output line holds. --resume refuses to continue a file made with
 # other values. Batch size, --tp/--dp, --attention and --host-stepped change speed, not outputs
-# (DESIGN.md: the same tokens whatever the batch or the mesh), so they may differ.
+# (docs/design.md: the same tokens whatever the batch or the mesh), so they may differ.
 SETTINGS = (
     "target",
     "draft",

@@ -11,7 +11,7 @@ that prefix with an ancestor-only 4-D attention mask, which transformers 5 takes
 (`masking_utils`: a 4-D mask is returned unchanged; eager attention adds it to the scores). `ar` is
 plain greedy steps over HF's K/V cache.
 
-The round, as DESIGN.md describes it: draft a block `[bonus, mask x D]`, build the tree, verify it,
+The round, as docs/design.md describes it: draft a block `[bonus, mask x D]`, build the tree, verify it,
 walk from the root along the target's choices, commit the walked path. A round's acceptance length
 is the number of tokens it adds to the output (accepted draft tokens plus the bonus, cut by a stop id
 or by `max_new_tokens`); the prefill's token belongs to no round.
