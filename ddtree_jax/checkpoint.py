@@ -279,13 +279,14 @@ def _load_cached(
         abstract = assemble(
             specs, lambda s: jax.ShapeDtypeStruct(placement.placed_shape(s), dtype, sharding=placement(s))
         )
+        previous_hook = _drop_closed_loop_reports()
         try:
             params = restore_converted(entry / "params", abstract)
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
-            _drop_closed_loop_reports()
             raise DDTreeError(
                 f"--params-cache: cannot restore {entry} ({_gist(e)}); delete it to rebuild"
             ) from None
+        sys.unraisablehook = previous_hook  # restored: nothing is left in flight
         _note(f"params cache: restored {directory} from {entry} ({time.perf_counter() - start:.1f} s)")
         return params
     params = _load_safetensors(directory, specs, dtype, placement)
@@ -300,10 +301,11 @@ def _load_cached(
     return params
 
 
-def _drop_closed_loop_reports() -> None:
-    """After a failed restore, tensorstore's other reads still finish and try to wake orbax's event
-    loop, already closed: each reports "Event loop is closed" through sys.unraisablehook, a traceback
-    per read after our one-line error. Drop those reports (and only those)."""
+def _drop_closed_loop_reports():
+    """When a restore fails, tensorstore's other reads still finish and try to wake orbax's event loop,
+    already closed: each reports "Event loop is closed" through sys.unraisablehook, a traceback per read
+    around our one-line error (during the failing restore and at exit). Drop those reports (and only
+    those) from here on; returns the hook in place before, for a restore that succeeds to put back."""
     previous = sys.unraisablehook
 
     def hook(unraisable) -> None:
@@ -314,6 +316,7 @@ def _drop_closed_loop_reports() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    return previous
 
 
 def _gist(error: Exception, width: int = 120) -> str:
