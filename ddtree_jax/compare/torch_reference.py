@@ -107,8 +107,8 @@ class DraftLayer(nn.Module):
 def use_legacy_yarn(cfg) -> None:
     """A yarn drafter's cos/sin factor as older transformers computed it, 0.1 ln(factor) + 1, unless its
     config gives `attention_factor` or `dflash_config.yarn_scaling` says "hf" (the convention the
-    published Kimi-K2.5 drafter was trained with; README "Drafter RoPE"). Written into the config's
-    rope parameters, which HF's rotary embedding reads."""
+    published Kimi-K2.5 drafter was trained with; docs/architectures.md, "Drafter RoPE"). Written into
+    the config's rope parameters, which HF's rotary embedding reads."""
     for params in {id(p): p for p in (getattr(cfg, "rope_parameters", None), cfg.rope_scaling) if p}.values():
         legacy = cfg.dflash_config.get("yarn_scaling", "legacy") == "legacy"
         if params.get("rope_type") == "yarn" and params.get("attention_factor") is None and legacy:
