@@ -156,3 +156,29 @@ def test_non_finite_quantized_field_refused(tmp_path):
         DDTreeError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' \(scale field\) holds NaN"
     ):
         load(d)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_finite_checks_host_and_device_agree_with_numpy(dtype):
+    """The two finiteness checks (the bytes on CPU devices, a jitted reduction elsewhere) against numpy,
+    per stacked piece, on a tp 4 mesh: a NaN, an infinity (none in float8_e4m3fn), the largest finite
+    value and a negative zero."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ddtree_jax.checkpoint_checks import CHUNK, _device_finite, _host_finite
+
+    dt = jnp.dtype(dtype)
+    host = np.ones((8, 3, CHUNK // 2 + 4), np.float32)  # several chunks per row, split 4 ways
+    host[1, 2, -1] = np.nan
+    host[5, 0, 7] = np.inf if dtype != "float8_e4m3fn" else np.nan
+    host[6, 1, 3] = float(jnp.finfo(dt).max)
+    host[7, 0, 0] = -0.0
+    mesh = make_mesh(4, 1)
+    for spec in (P(), P("model"), P(None, None, "model")):  # replicated, experts split, columns split
+        x = jax.device_put(jnp.asarray(host, dt), NamedSharding(mesh, spec))
+        want = np.isfinite(np.asarray(x.astype(jnp.float32))).reshape(8, -1).all(axis=1)
+        assert list(np.flatnonzero(~want)) == [1, 5]
+        np.testing.assert_array_equal(_host_finite(x, True), want)
+        np.testing.assert_array_equal(np.asarray(_device_finite(True)(x)), want)
+        assert not _host_finite(x, False)[0] and not bool(_device_finite(False)(x))
