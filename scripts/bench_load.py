@@ -74,7 +74,7 @@ def timed_checks(checkpoint: Path, tp: int) -> dict[str, float]:
     seconds["check_headers"] = time.perf_counter() - start
     for name in ("check_finite_compiling", "check_finite"):
         if name == "check_finite_compiling":
-            checkpoint_checks._finite.cache_clear()
+            checkpoint_checks._device_finite.cache_clear()
             jax.clear_caches()
         start = time.perf_counter()
         checkpoint_checks.check_finite(checkpoint, params, specs)
