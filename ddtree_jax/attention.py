@@ -10,6 +10,10 @@ tree rule's splits for 4 rows and a 1M-token cache, at every T: between what one
 would take, so the split merge stays small at large batches), never by the batch or the capacity: a
 row's result then depends on its own length only (batch-invariant generation, generation.py). The
 MLA kernel has the same form: its splits by its own rule for 4 rows and a 1M-token cache.
+
+"mosaic" is the Mosaic GPU kernel of each kind (`ddtree_jax.kernels.tree_attention_mgpu`,
+`mla_attention_mgpu`: wgmma, TMA, Hopper only); it has no batch-invariant form yet, so
+batch-invariant runs take "pallas-invariant".
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu
+from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu
 from pallas_kernels import mla_attention as mla_kernel
 from pallas_kernels import tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
 
-IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
+IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant", "mosaic")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
 SPLIT_ROWS, LONG_CACHE = 4, 1 << 20  # the batch and capacity the invariant splits are chosen for
 
@@ -36,7 +42,7 @@ def default_implementation() -> str:
 
 def invariant(impl: str) -> str:
     """The batch-invariant form of an implementation."""
-    return "pallas-invariant" if impl == "pallas" else impl
+    return "pallas-invariant" if impl in ("pallas", "mosaic") else impl
 
 
 def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
@@ -108,12 +114,13 @@ def prefill_implementation(impl: str, dtype: jnp.dtype, head_dim: int, batch_inv
 
 
 # Per attention kind, every implementation by name; those of one kind share one signature (GQA:
-# tree_attention's, MLA: mla_attention's, both in pallas_kernels).
+# tree_attention's, MLA: mla_attention's, both in pallas_kernels; the Mosaic kernels in ddtree_jax.kernels).
 KERNELS: dict[str, dict[str, Callable]] = {
     "gqa": {
         "reference": tree_attention_reference,
         "pallas": tree_attention,
         "pallas-invariant": pallas_invariant,
+        "mosaic": tree_attention_mgpu,
         "causal-cudnn": functools.partial(causal_chunk, implementation="cudnn"),
         "causal-xla": functools.partial(causal_chunk, implementation="xla"),
     },
@@ -121,6 +128,7 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "reference": mla_kernel.mla_attention_reference,
         "pallas": mla_kernel.mla_attention,
         "pallas-invariant": mla_invariant,
+        "mosaic": mla_attention_mgpu,
     },
 }
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, models, target
+from ddtree_jax import compile_cache, drafter, engine, models, target
 from ddtree_jax.attention import IMPLEMENTATIONS
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
@@ -64,6 +64,10 @@ SHAPES = {
         131072,
     ),
     "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+    # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
+    "default-pair": TargetConfig(
+        "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), True, 4096
+    ),
     "qwen3-30b-a3b": Qwen3MoeConfig(
         "qwen3_moe",
         151936,
@@ -468,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddtree-bench",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog=f"shapes: {', '.join(sorted(SHAPES))} (tiny*: CPU-sized smoke tests; the others real widths). "
+        epilog=f"shapes: {', '.join(sorted(SHAPES))} (tiny*, default-pair: CPU-sized; the others: real "
+        "widths). "
         f"exit status: 0 every configuration measured; {EXIT_ERROR} a bad flag or --out (refused before any "
         "work), or a configuration that failed (its row in --out holds the error). Progress goes to stderr.",
     )
@@ -529,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ceiling-bytes", type=int, default=4 << 30, help="bytes summed to measure the read ceiling"
     )
     p.add_argument("--out", required=True, help="the JSON written (rewritten after every configuration)")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -606,7 +612,7 @@ def check_args(args: argparse.Namespace) -> Grid:
         k = min(default_branching("ddtree", budget), cfg.vocab_size)
         if budget > sum(k**d for d in range(1, depth + 1)):
             raise DDTreeError(f"--budgets: {budget} exceeds the drafter's lattice ({depth} depths of {k})")
-    pallas = [a for a in grid.attentions if a.startswith("pallas")]
+    pallas = [a for a in grid.attentions if a != "reference"]  # the Pallas kernels: Triton and Mosaic GPU
     if pallas and jax.default_backend() != "gpu":
         raise DDTreeError(
             f"--attention {pallas[0]}: the Pallas kernels need a GPU (backend: {jax.default_backend()})"
@@ -649,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, grid: Grid) -> int:
     """Make the random-weight models of the checked flags and sweep the grid."""
+    compile_cache.enable(args.compile_cache)  # before the first compile
     cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddtree_jax import compile_cache
 from ddtree_jax.budgets import (
     DEFAULT_BUDGETS,
     MOE_DEFAULT_BUDGETS,
@@ -124,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention",
-        choices=["auto", "reference", "pallas"],
+        choices=["auto", "reference", "pallas", "mosaic"],
         default="auto",
-        help="decode attention: the Pallas kernel (auto on GPU) or the jnp reference",
+        help="decode attention: the Pallas kernel (auto on GPU), the Mosaic GPU one (Hopper) or the jnp "
+        "reference",
     )
     p.add_argument("--host-stepped", action="store_true", help="drive rounds from Python, time each stage")
     p.add_argument(
@@ -167,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert the checkpoints once into orbax checkpoints under DIR (keyed by the checkpoint's "
         "files, --dtype and the layout) and restore them from there afterwards (default: off)",
     )
+    compile_cache.add_flag(p)
     p.add_argument(
         "--max-line-bytes",
         type=int,
@@ -503,6 +506,7 @@ def run(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     prompts, settings, done = prepare(args)
+    compile_cache.enable(args.compile_cache)  # after prepare: jax.distributed starts first
     report = sys.stderr if args.out == STDOUT else sys.stdout
     if not prompts:
         print(f"all {done} prompts are already in {args.out}: nothing to do", file=report)

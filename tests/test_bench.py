@@ -224,3 +224,15 @@ def test_a_failed_configuration_exits_1(tmp_path, capsys, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["error"] == "RuntimeError: out of memory" and rows[1]["round_ms"] > 0
     assert "1 of 2 configurations failed" in capsys.readouterr().err
+
+
+def test_default_pair_shape_is_the_bundled_target():
+    """ddtree-bench's `default-pair` shape is the bundled target's config (its stop ids aside)."""
+    import dataclasses
+
+    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.cli import BUNDLED
+    from ddtree_jax.config import load_target_config
+
+    bundled = load_target_config(BUNDLED / "target")
+    assert dataclasses.replace(bundled, eos_token_ids=()) == SHAPES["default-pair"]

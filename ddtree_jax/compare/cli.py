@@ -69,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: list[str]) -> str:
     """Run the sub-command and write its report; returns the one-line verdict."""
+    from ddtree_jax import compile_cache
     from ddtree_jax.compare.report import check_report_dir, run_metadata, write_report
 
     start = time.perf_counter()
     report_dir = Path(args.report)
     check_report_dir(report_dir)
+    compile_cache.enable(args.compile_cache)  # the flag comes with ddtree-generate's (add_generation_flags)
     report = subcommand(args.command).run(args)
     write_report(report_dir, report, run_metadata(argv, time.perf_counter() - start))
     return f"{args.command}: {report.verdict}: {report.summary}"
