@@ -1,4 +1,5 @@
-"""Which attention implementation a forward pass uses: the jnp reference or the Pallas kernel.
+"""Which attention implementation a forward pass uses: the jnp reference or the Pallas kernel, one
+table per attention kind (GQA over a K/V cache, MLA over a latent cache); an unknown name is refused.
 
 "causal-cudnn" (a prefill chunk only, chosen by `prefill_implementation`): cuDNN flash attention
 through `jax.nn.dot_product_attention`, the chunk's queries against the cached prefix and, causally,
@@ -7,10 +8,12 @@ against the chunk itself; "causal-xla" is the same composition through XLA (how 
 "pallas-invariant" is the kernel with its cache splits fixed by the head and tree shapes alone (the
 tree rule's splits for 4 rows and a 1M-token cache, at every T: between what one row and 16 rows
 would take, so the split merge stays small at large batches), never by the batch or the capacity: a
-row's result then depends on its own length only (batch-invariant generation, generation.py).
+row's result then depends on its own length only (batch-invariant generation, generation.py). The
+MLA kernel has the same form: its splits by its own rule for 4 rows and a 1M-token cache.
 
-"mosaic" is the Mosaic GPU kernel (`ddtree_jax.kernels.tree_attention_mgpu`: wgmma, TMA, Hopper
-only); it has no batch-invariant form yet, so batch-invariant runs take "pallas-invariant".
+"mosaic" is the Mosaic GPU kernel of each kind (`ddtree_jax.kernels.tree_attention_mgpu`,
+`mla_attention_mgpu`: wgmma, TMA, Hopper only); it has no batch-invariant form yet, so
+batch-invariant runs take "pallas-invariant".
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu
 from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu
+from pallas_kernels import mla_attention as mla_kernel
 from pallas_kernels import tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
 
@@ -50,6 +55,19 @@ def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.A
         SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"], **rule
     )
     return tree_attention(q, k_cache, *args, splits=splits, **kwargs)
+
+
+def mla_invariant(
+    q_latent: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, *args, **kwargs
+) -> jax.Array:
+    """`mla_attention` with splits that depend on neither the batch nor the cache capacity."""
+    tuning = mla_kernel.resolve_tuning(q_latent.shape, latent_cache.shape[1])
+    per_sm = 2 if tuning["block_q"] <= 16 and tuning["num_warps"] <= 4 else 1  # as resolve_tuning's
+    programs = tuning["row_tiles"] * tuning["value_splits"]
+    splits = mla_kernel.default_splits(
+        SPLIT_ROWS, programs, LONG_CACHE, tuning["block_k"], programs_per_sm=per_sm
+    )
+    return mla_kernel.mla_attention(q_latent, q_rope, latent_cache, *args, splits=splits, **kwargs)
 
 
 def causal_chunk(
@@ -95,12 +113,30 @@ def prefill_implementation(impl: str, dtype: jnp.dtype, head_dim: int, batch_inv
     return impl
 
 
-def kernel(impl: str) -> Callable:
-    """The tree-attention function of `impl` (all share one signature: pallas_kernels)."""
-    if impl in PREFILL_IMPLEMENTATIONS:
-        return functools.partial(causal_chunk, implementation=impl.removeprefix("causal-"))
-    return {
+# Per attention kind, every implementation by name; those of one kind share one signature (GQA:
+# tree_attention's, MLA: mla_attention's, both in pallas_kernels; the Mosaic kernels in ddtree_jax.kernels).
+KERNELS: dict[str, dict[str, Callable]] = {
+    "gqa": {
+        "reference": tree_attention_reference,
         "pallas": tree_attention,
         "pallas-invariant": pallas_invariant,
         "mosaic": tree_attention_mgpu,
-    }.get(impl, tree_attention_reference)
+        "causal-cudnn": functools.partial(causal_chunk, implementation="cudnn"),
+        "causal-xla": functools.partial(causal_chunk, implementation="xla"),
+    },
+    "mla": {
+        "reference": mla_kernel.mla_attention_reference,
+        "pallas": mla_kernel.mla_attention,
+        "pallas-invariant": mla_invariant,
+        "mosaic": mla_attention_mgpu,
+    },
+}
+
+
+def kernel(impl: str, kind: str = "gqa") -> Callable:
+    """The attention function named `impl` for attention `kind` ("gqa" or "mla"); an unknown name is
+    refused, naming the known ones (never a silent fallback to the reference)."""
+    table = KERNELS[kind]
+    if impl not in table:
+        raise ValueError(f"no {kind.upper()} attention implementation {impl!r}; known: {', '.join(table)}")
+    return table[impl]

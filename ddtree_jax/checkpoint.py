@@ -454,13 +454,14 @@ def _load_cached(
         abstract = assemble(
             specs, lambda s: jax.ShapeDtypeStruct(placement.placed_shape(s), dtype, sharding=placement(s))
         )
+        previous_hook = _drop_closed_loop_reports()
         try:
             params = restore_converted(entry / "params", abstract)
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DDTreeError(
-                f"--params-cache: cannot restore {entry} ({first}); delete it to rebuild"
+                f"--params-cache: cannot restore {entry} ({_gist(e)}); delete it to rebuild"
             ) from None
+        sys.unraisablehook = previous_hook  # restored: nothing is left in flight
         _note(f"params cache: restored {directory} from {entry} ({time.perf_counter() - start:.1f} s)")
         return params
     params = _load_safetensors(directory, specs, dtype, placement)
@@ -473,6 +474,35 @@ def _load_cached(
         raise DDTreeError(f"--params-cache {cache}: cannot write the cache ({e.strerror})") from None
     _note(f"params cache: converted {directory} into {entry} ({time.perf_counter() - start:.1f} s)")
     return params
+
+
+def _drop_closed_loop_reports():
+    """When a restore fails, tensorstore's other reads still finish and try to wake orbax's event loop,
+    already closed: each reports "Event loop is closed" through sys.unraisablehook, a traceback per read
+    around our one-line error (during the failing restore and at exit). Drop those reports (and only
+    those) from here on; returns the hook in place before, for a restore that succeeds to put back."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        ):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    return previous
+
+
+def _gist(error: Exception, width: int = 120) -> str:
+    """A restore error in one short phrase: tensorstore's first line holds its whole JSON spec and a
+    chain of 'Error opening ...' contexts; keep the status code and the innermost cause."""
+    text = str(error).strip()
+    first = text.splitlines()[0].split(" [tensorstore_spec")[0] if text else type(error).__name__
+    if len(first) <= width:
+        return first
+    code = first.split(":")[0] if first.split(":")[0].isupper() else ""
+    return (f"{code}: " if code else "") + "..." + first[-(width - len(code) - 5) :]
 
 
 def _note(message: str) -> None:
@@ -494,7 +524,8 @@ def restore_converted(directory: str | Path, abstract: Params) -> Params:
     """Restore parameters saved by `save_converted`; `abstract` gives shapes, dtypes and shardings."""
     import orbax.checkpoint as ocp
 
-    return ocp.StandardCheckpointer().restore(Path(directory).absolute(), abstract)
+    with ocp.StandardCheckpointer() as checkpointer:  # closed even when the restore fails (its threads)
+        return checkpointer.restore(Path(directory).absolute(), abstract)
 
 
 _DTYPE_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}

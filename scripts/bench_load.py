@@ -7,7 +7,9 @@ the safetensors files (the first load apart: it compiles the on-device transpose
 array is on its devices. "cold" runs first drop the files from the page cache: as root through
 /proc/sys/vm/drop_caches (every clean page of the machine), else posix_fadvise(DONTNEED) on each file
 (no root needed; a file system may ignore it); "warm" runs read them again at once. One JSON file out,
-rewritten after every timing, with GB/s of safetensors bytes.
+rewritten after every timing, with GB/s of safetensors bytes; and, warm, the two checks every load makes
+(checkpoint_checks: the headers against the config, the weights' finiteness, the first time with its
+compilation where it compiles), which the load times include.
 
     python3 scripts/bench_load.py --shape qwen3-8b --dir /tmp/load --out $OUT/load_times.json
     python3 scripts/bench_load.py --shape qwen3-8b --num-layers 2 --vocab-size 32768 --out /tmp/l.json
@@ -31,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ddtree_jax import target, train  # noqa: E402
+from ddtree_jax import checkpoint_checks, models, target, train  # noqa: E402
 from ddtree_jax.bench import SHAPES, run_meta  # noqa: E402
 from ddtree_jax.checkpoint import params_cache, write_safetensors  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
@@ -121,6 +123,25 @@ def write_checkpoint(cfg, checkpoint: Path, keep: bool) -> float:
     return time.perf_counter() - start
 
 
+def timed_checks(checkpoint: Path, tp: int) -> dict[str, float]:
+    """Seconds of the load's checks on their own: headers against the config, weights finite (the
+    first time compiling its reductions where it compiles, then compiled)."""
+    cfg, params = target.load(checkpoint, jnp.bfloat16, param_sharding(make_mesh(tp)))
+    specs = target.weight_specs(cfg)
+    seconds = {}
+    start = time.perf_counter()
+    checkpoint_checks.check_against_config(checkpoint, specs, models.family(cfg).ignored_tensors(cfg))
+    seconds["check_headers"] = time.perf_counter() - start
+    for name in ("check_finite_compiling", "check_finite"):
+        if name == "check_finite_compiling":
+            checkpoint_checks._device_finite.cache_clear()
+            jax.clear_caches()
+        start = time.perf_counter()
+        checkpoint_checks.check_finite(checkpoint, params, specs)
+        seconds[name] = time.perf_counter() - start
+    return seconds
+
+
 def main() -> int:
     """Write the checkpoint, time each way of loading it, write the JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -181,6 +202,8 @@ def main() -> int:
         result["evicted_by"] = evict(checkpoint, args.evict)
         record("safetensors_cold", timed_load(checkpoint, None, args.tp))
         record("safetensors_warm", timed_load(checkpoint, None, args.tp))
+    for name, seconds in timed_checks(checkpoint, args.tp).items():
+        record(name, seconds)
     if not args.no_orbax:
         evict(checkpoint, args.evict)
         record("convert_cold", timed_load(checkpoint, cache, args.tp))  # read + orbax save

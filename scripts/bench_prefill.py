@@ -31,7 +31,7 @@ from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.weights import random_params  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (DESIGN.md)
+PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (docs/design.md)
 
 
 def prefill_flops(cfg, length: int) -> float:

@@ -1,5 +1,5 @@
 """Two processes of four CPU devices each, joined by jax.distributed, generate what one process of
-eight devices generates (the README's multi-host recipe, on one machine)."""
+eight devices generates (docs/devices.md's multi-host recipe, on one machine)."""
 
 import json
 import os

@@ -44,9 +44,16 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
             parser.set_defaults(**{action.dest: action.default})  # ddtree-generate's checks read them
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors exit 1, like every other error (sub-parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-compare's parser: one sub-parser per module in SUBCOMMANDS."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ddtree-compare",
         description="Compare decoders' outputs, acceptance and sampling distributions; write a report.",
     )
@@ -77,10 +84,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 when it ran, whatever the verdict)."""
     argv = sys.argv[1:] if argv is None else argv
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (1)
+        return e.code if isinstance(e.code, int) else 1
+    if importlib.util.find_spec("matplotlib") is None:  # the report's plots; --help reads without it
         print("ddtree-compare: error: needs matplotlib: pip install 'ddtree-jax[compare]'", file=sys.stderr)
         return 1
-    args = build_parser().parse_args(argv)
     try:
         print(run(args, argv))
     except DDTreeError as e:

@@ -165,7 +165,7 @@ def _gather(p: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
 
 
 def _mgpu_ragged_dot(lhs: jax.Array, rhs: Weight, sizes: jax.Array) -> jax.Array:
-    """`jax.lax.ragged_dot` by JAX's bundled Hopper kernel (blocks as DESIGN.md measured them best)."""
+    """`jax.lax.ragged_dot` by JAX's bundled Hopper kernel (blocks as docs/design.md records them best)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     if not isinstance(rhs, jax.Array):
@@ -282,7 +282,7 @@ def _dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
 def expected_distinct(num_experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts `tokens` tokens select when each picks top_k of num_experts uniformly and
     independently: E (1 - (1 - k/E)^N); exactly k for one token. (Qwen3-30B-A3B shapes on the H200,
-    DESIGN.md: 8 / 51 / 127 / 128 measured at 1 / 8 / 64 / 512 tokens; this gives 8 / 51.6 / 125.9 /
+    docs/design.md: 8 / 51 / 127 / 128 measured at 1 / 8 / 64 / 512 tokens; this gives 8 / 51.6 / 125.9 /
     128.)"""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
