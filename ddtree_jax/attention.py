@@ -13,7 +13,9 @@ MLA kernel has the same form: its splits by its own rule for 4 rows and a 1M-tok
 
 "mosaic" is the Mosaic GPU kernel of each kind (`ddtree_jax.kernels.tree_attention_mgpu`,
 `mla_attention_mgpu`: wgmma, TMA, Hopper only); it has no batch-invariant form yet, so
-batch-invariant runs take "pallas-invariant".
+batch-invariant runs take "pallas-invariant". A cache whose capacity is not a multiple of 8 goes to
+the Triton kernel instead: Mosaic GPU's TMA in jax 0.11.2 reads it in 8-row tiles (results/notes.md;
+the engine pads capacities to 64, so only other callers meet it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu
-from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu
+from ddtree_jax.kernels.tree_attention_mgpu import TMA_ROW_TILE, tree_attention_mgpu
 from pallas_kernels import mla_attention as mla_kernel
 from pallas_kernels import tree_attention, tree_attention_reference
 from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
@@ -113,6 +115,20 @@ def prefill_implementation(impl: str, dtype: jnp.dtype, head_dim: int, batch_inv
     return impl
 
 
+def mosaic_gqa(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
+    """`tree_attention_mgpu`, or the Triton kernel for a cache [B, Hkv, S, D] with S not a multiple of 8
+    (Mosaic GPU's TMA cannot read it in jax 0.11.2: `TMA_ROW_TILE`)."""
+    fn = tree_attention if k_cache.shape[2] % TMA_ROW_TILE else tree_attention_mgpu
+    return fn(q, k_cache, *args, **kwargs)
+
+
+def mosaic_mla(q_latent: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, *args, **kwargs) -> jax.Array:
+    """`mla_attention_mgpu`, or the Triton kernel for a latent cache [B, S, C] with S not a multiple of 8
+    (as `mosaic_gqa`)."""
+    fn = mla_kernel.mla_attention if latent_cache.shape[1] % TMA_ROW_TILE else mla_attention_mgpu
+    return fn(q_latent, q_rope, latent_cache, *args, **kwargs)
+
+
 # Per attention kind, every implementation by name; those of one kind share one signature (GQA:
 # tree_attention's, MLA: mla_attention's, both in pallas_kernels; the Mosaic kernels in ddtree_jax.kernels).
 KERNELS: dict[str, dict[str, Callable]] = {
@@ -120,7 +136,7 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "reference": tree_attention_reference,
         "pallas": tree_attention,
         "pallas-invariant": pallas_invariant,
-        "mosaic": tree_attention_mgpu,
+        "mosaic": mosaic_gqa,
         "causal-cudnn": functools.partial(causal_chunk, implementation="cudnn"),
         "causal-xla": functools.partial(causal_chunk, implementation="xla"),
     },
@@ -128,7 +144,7 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "reference": mla_kernel.mla_attention_reference,
         "pallas": mla_kernel.mla_attention,
         "pallas-invariant": mla_invariant,
-        "mosaic": mla_attention_mgpu,
+        "mosaic": mosaic_mla,
     },
 }
 

@@ -68,6 +68,7 @@ def test_default_tuning_for_kimi_k2_shapes():
         ((1, 1, 64, 512), 1024, 32, {}, "rope dim"),
         ((1, 1, 64, 512), 32, 64, {}, "shorter than one block"),
         ((1, 1, 64, 512), 1024, 64, {"stages": 3}, "shared memory"),
+        ((1, 16, 8, 512), 1500, 64, {}, "not a multiple of 8"),
     ],
 )
 def test_rejects_bad_shapes_and_tunings(q_shape, s, r, kwargs, match):

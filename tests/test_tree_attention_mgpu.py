@@ -13,6 +13,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_tree_attention import H200, check_close, make_inputs
 
+from ddtree_jax import attention
 from ddtree_jax.kernels.tree_attention_mgpu import (
     SMEM_LIMIT,
     resolve_tuning,
@@ -38,6 +39,9 @@ CASES = [
     (64, 2, 2, 320, [320], "causal", BF16, 100, {"block_k": 64, "splits": 2, "stages": 3}),
     # 132 rows: two row tiles of 128, rows that see no token at all, float16.
     (33, 4, 1, 192, [190, 64], "sparse", F16, 40, {"block_k": 64, "splits": 1}),
+    # The H200 check's T = 16 window case, small: a window start inside a block, 2 splits, and a cache
+    # of 200 (a multiple of 8, not of the block: the last block shifted back to row 136).
+    (16, 4, 1, 200, [200, 150], "tree", BF16, 60, {"block_k": 64, "splits": 2}),
 ]
 
 
@@ -70,7 +74,7 @@ def test_default_tuning_for_qwen3_8b_shapes():
     for t in (1, 16, 64):
         for b, s in ((1, 1024), (16, 32768)):
             assert smem_bytes(tun(b, t, s), 128) <= SMEM_LIMIT
-    assert tun(1, 1, 100).block_k == 64
+    assert tun(1, 1, 104).block_k == 64
 
 
 @pytest.mark.parametrize(
@@ -81,6 +85,7 @@ def test_default_tuning_for_qwen3_8b_shapes():
         ((1, 1, 30, 128), (1, 8, 1024, 128), {}, "multiple of K/V heads"),
         ((1, 64, 32, 128), (1, 8, 1024, 128), {"stages": 3, "splits": 2}, "shared memory"),
         ((1, 1, 32, 128), (1, 8, 1024, 128), {"mma_form": "tmem"}, "mma_form"),
+        ((2, 16, 32, 128), (2, 8, 1500, 128), {}, "not a multiple of 8"),
     ],
 )
 def test_rejects_bad_shapes_and_tunings(q_shape, cache_shape, kwargs, match):
@@ -133,3 +138,32 @@ def test_lowers_for_cuda_qwen3_8b_shapes(b, t, s):
 )
 def test_lowers_for_cuda_other_tunings(t, g, d, dtype, kwargs):
     assert "mosaic_gpu" in lower_for_h200(2, t, 8, g, d, 1024, dtype, **kwargs)
+
+
+@pytest.mark.parametrize("splits", [None, 1])
+def test_lowers_for_cuda_bench_window_check(splits):
+    """scripts/bench_mosaic_attention.py's T = 16 window check (B 2, Hkv 8, G 4, D 128, window 300) at
+    S = 1528: a multiple of 8 whose last block starts at row 1400 (not a multiple of 128)."""
+    assert "mosaic_gpu" in lower_for_h200(2, 16, 8, 4, 128, 1528, window=300, splits=splits)
+
+
+def test_cache_not_a_multiple_of_8_goes_to_triton():
+    """The H200 check's first form of that case, S = 1500: Mosaic GPU cannot read the cache (its TMA
+    reads 8-row tiles; the kernel refuses it), so the "mosaic" dispatch lowers the Triton kernel."""
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        lower_for_h200(2, 16, 8, 4, 128, 1500, window=300)
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in make_inputs(
+        0, b=2, t=16, hkv=8, g=4, d=128, s=1500, lengths=[1500, 1100], mask_kind="tree", dtype=BF16
+    )]  # fmt: skip
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        fn = jax.jit(lambda *a: attention.kernel("mosaic", "gqa")(*a, window=300))
+        text = fn.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text
+
+
+def test_dispatch_matches_reference_for_a_cache_not_a_multiple_of_8():
+    """The "mosaic" dispatch at S = 100 (the Triton kernel, interpreted) against the jnp reference."""
+    args = make_inputs(5, b=2, t=16, hkv=1, g=4, d=64, s=100, lengths=[100, 37], mask_kind="tree", dtype=BF16)
+    out = attention.kernel("mosaic", "gqa")(*args, window=30, interpret=True)
+    check_close(out, tree_attention_reference(*args, window=30), BF16)

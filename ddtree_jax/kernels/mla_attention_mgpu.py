@@ -40,6 +40,8 @@ from ddtree_jax.kernels.tree_attention_mgpu import (
     MEMORY_REGISTERS,
     MMA_FORMS,
     SMEM_LIMIT,
+    TMA_ROW_TILE,
+    TMA_ROW_TILE_WHY,
     WG_ROWS,
     compute_registers,
     interpret_params,
@@ -125,6 +127,8 @@ def resolve_tuning(
         raise ValueError(f"block_k = {block_k} must be a multiple of 64 up to 256")
     if cache_len < block_k:
         raise ValueError(f"cache length {cache_len} is shorter than one block of {block_k} entries")
+    if cache_len % TMA_ROW_TILE:
+        raise ValueError(f"cache length {cache_len} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
     stages = stages or 2
     mma_form = mma_form or "registers"
     if mma_form not in MMA_FORMS:

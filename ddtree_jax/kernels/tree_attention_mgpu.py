@@ -18,7 +18,7 @@ elsewhere). `plgpu.kernel` grid (row tiles, B * Hkv, splits); a program (CUDA bl
   float32 accumulator), the online softmax in base 2 (finite running-max start, as the Triton
   kernel), O += P V (wgmma, P in registers), releasing K as soon as S is read and V after P V.
   Only the first and the last block of a sequence's range are masked (window start, length end);
-  the last block of a cache whose S is not a multiple of block_k is read shifted back so that TMA
+  the last block of a cache whose S (a multiple of 8) is not one of block_k is read shifted back so that TMA
   never leaves the cache, its already-seen keys masked. In-flight blocks add the bias.
 With one split the program writes the normalised output (bf16, through shared memory and TMA);
 with several, float32 partials (acc, max, sum in log2 units) that `_combine_splits` (the Triton
@@ -60,6 +60,13 @@ SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
 MAX_SPLITS = 64
 MMA_FORMS = ("registers", "smem")
 MEMORY_REGISTERS = 40  # per thread: the TMA warpgroup gives its registers to the compute ones
+# Mosaic GPU (jax 0.11.2) copies a cache block into its (8, 64)-tiled shared-memory slot by a TMA over
+# the cache viewed as 8-row tiles: the cache's length must be a multiple of 8 (else lowering fails:
+# "dimension 2 must have size smaller or a multiple of its tiling 8"), and so must every block's first
+# row, the shifted-back last block's S - block_k included (else layout inference fails on an
+# AssertionError in its own error path). attention.py sends such caches to the Triton kernel.
+TMA_ROW_TILE = 8
+TMA_ROW_TILE_WHY = "Mosaic GPU's TMA reads the cache in tiles of 8 rows (use the Triton kernel)"
 
 
 def compute_registers(compute_wgs: int) -> int:
@@ -144,6 +151,8 @@ def resolve_tuning(
         raise ValueError(f"block_k = {block_k} must be 64, 128, 192 or 256")
     if s < block_k:
         raise ValueError(f"cache length {s} is shorter than one block of {block_k} rows")
+    if s % TMA_ROW_TILE:
+        raise ValueError(f"cache length {s} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
     stages = stages or 2
     compute_wgs = compute_wgs or (1 if rows <= WG_ROWS else 2)
     if compute_wgs not in (1, 2):
