@@ -13,22 +13,27 @@ import functools
 import itertools
 import json
 import math
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, models, target
+from ddtree_jax import compile_cache, drafter, engine, models, target
+from ddtree_jax.attention import IMPLEMENTATIONS
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
 from ddtree_jax.engine import MAX_STOP_IDS, ROW, DecodeState, Plan
+from ddtree_jax.errors import DDTreeError
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
 from ddtree_jax.models import common, moe
 from ddtree_jax.models.deepseek_v3 import DeepseekV3Config
@@ -61,6 +66,10 @@ SHAPES = {
         131072,
     ),
     "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
+    # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
+    "default-pair": TargetConfig(
+        "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), True, 4096
+    ),
     "qwen3-30b-a3b": Qwen3MoeConfig(
         "qwen3_moe",
         151936,
@@ -368,10 +377,6 @@ def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int
     }
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def parse_sampling(text: str) -> dict | None:
     """'greedy' -> None; 'T:top_k:top_p' -> the settings of every row (seed 0)."""
     if text == "greedy":
@@ -403,6 +408,62 @@ def step_weight_bytes(params, cfg: TargetConfig, tokens: int = 1) -> float:
     return held - models.family(cfg).unread_weight_bytes(params, cfg, tokens, _device_bytes)
 
 
+def distinct_per_device(experts: np.ndarray, num_experts: int, tp: int, sharding: str) -> int:
+    """The most distinct experts one device must read for the chosen experts [..., k] (global ids):
+    under expert parallelism ("ep", tp > 1) each device reads its own E / tp experts' share, else every
+    device reads (its columns of) all of them."""
+    chosen = np.unique(experts)
+    if sharding != "ep" or tp == 1:
+        return int(chosen.size)
+    return int(np.bincount(chosen // (num_experts // tp), minlength=tp).max())
+
+
+def chosen_expert_floor(
+    log: dict[int, list[np.ndarray]], params, cfg: TargetConfig, plan: Plan, shape: Shape, batch: int
+) -> dict:
+    """Weight bytes one device must read per round given the experts the router chose (`log`:
+    moe.RoutingLog.calls of `rounds` rounds: per MoE layer in order, the experts [rows x T, k] of each
+    round), counting the live rows' tokens only: all it holds, less the embedding table, less each
+    sparse layer's held experts that no live token chose (the busiest device under "ep"). Returns
+    {"weight_bytes": mean over rounds, "distinct_experts": mean distinct a layer and round}."""
+    sparse = [p for i, p in enumerate(params["layers"]) if cfg.is_sparse(i)]
+    if len(log) != len(sparse):
+        raise ValueError(
+            f"the routing log has {len(log)} MoE call sites, the target {len(sparse)} sparse layers"
+        )
+    held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
+    # every expert expected (a huge token count): what is left unread is the embedding table alone
+    static = held - models.family(cfg).unread_weight_bytes(params, cfg, 1 << 40, _device_bytes)
+    rows, live = shape.rows // plan.dp, -(-batch // plan.dp)
+    sharding = getattr(cfg, "moe_sharding", "ep")
+    per_round, distinct = [], []
+    for site, p in enumerate(sparse):
+        local = moe.num_experts(p["experts_gate"])  # experts a device holds (all of them under "tp")
+        if sharding == "ep" and plan.tp > 1:
+            local //= plan.tp
+        expert_bytes = (
+            sum(_device_bytes(a) for n in moe.EXPERT_WEIGHTS for a in jax.tree.leaves(p[n])) / local
+        )
+        for r, experts in enumerate(log[site]):
+            tokens = experts.reshape(rows, -1, experts.shape[-1])[:live]
+            count = distinct_per_device(tokens, cfg.num_experts, plan.tp, sharding)
+            distinct.append(count)
+            if r == len(per_round):
+                per_round.append(static)
+            per_round[r] -= (local - count) * expert_bytes
+    return {"weight_bytes": float(np.mean(per_round)), "distinct_experts": float(np.mean(distinct))}
+
+
+def record_routing(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict:
+    """`rounds` rounds of a separately compiled program that logs every MoE layer's routing (one
+    host callback a layer and round: never the timed program) -> moe.RoutingLog.calls."""
+    with moe.RoutingLog() as log:
+        compiled = round_program(plan, rounds).lower(params, dparams, state).compile()
+    jax.block_until_ready(compiled(params, dparams, state))
+    jax.effects_barrier()  # every callback has run
+    return log.calls
+
+
 def bench_one(
     params,
     dparams,
@@ -414,10 +475,12 @@ def bench_one(
     stages: bool,
     sampling=None,
     batch: int | None = None,
+    chosen_floor: bool = True,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
     (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the shape
-    runs more (`programs.rows_to_run`); the floor counts only their K/V."""
+    runs more (`programs.rows_to_run`); the floor counts only their K/V. `chosen_floor`: for a MoE
+    target also the floor of the experts chosen (`chosen_expert_floor`; compiles the round again)."""
     batch = batch or shape.rows
     dparams = None if plan.method == "ar" else dparams
 
@@ -459,6 +522,14 @@ def bench_one(
     kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
     tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
+    chosen = {}
+    if chosen_floor and models.family(t).ROUTED_EXPERTS:  # the floor of the experts the router chose
+        state = None
+        log = record_routing(params, dparams, fresh(0), plan, rounds)
+        chosen = chosen_expert_floor(log, params, t, plan, shape, batch)
+        chosen_ms = 1e3 * (chosen["weight_bytes"] + kv_bytes) / (ceiling_gbs * 1e9)
+        chosen = {"chosen_floor_ms": chosen_ms, "chosen_distinct_experts": chosen["distinct_experts"]}
+        chosen |= {"round_over_uniform_floor": round_ms / floor_ms}
     return {
         "method": plan.method,
         "budget": plan.budget,
@@ -475,24 +546,51 @@ def bench_one(
         "device_stages_ms": device_ms,
         "target_floor_ms": floor_ms,
         "floor_tokens": tokens,
-        "round_over_floor": round_ms / floor_ms,
+        "round_over_floor": round_ms / chosen.get("chosen_floor_ms", floor_ms),
         "compile_s": compile_s,
-    }
+    } | chosen
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: sweep the configurations and write one JSON file."""
-    p = argparse.ArgumentParser(prog="ddtree-bench", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+METHODS = ("ar", "dflash", "ddtree")
+EXIT_ERROR = 1  # a bad flag or --out (one line, before any work), or a configuration that failed
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-bench's flags (their defaults shown by --help)."""
+    p = _Parser(
+        prog="ddtree-bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"shapes: {', '.join(sorted(SHAPES))} (tiny*, default-pair: CPU-sized; the others: real "
+        "widths). "
+        f"exit status: 0 every configuration measured; {EXIT_ERROR} a bad flag or --out (refused before any "
+        "work), or a configuration that failed (its row in --out holds the error). Progress goes to stderr.",
+    )
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        required=True,
+        help="the random-weight target (no default: it decides everything the run measures, and the "
+        "real-width ones take many GB)",
+    )
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
-    p.add_argument("--draft-layers", type=int, default=5)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--methods", default="ar,dflash,ddtree")
-    p.add_argument("--budgets", default="15,63")
-    p.add_argument("--batches", default="1")
-    p.add_argument("--contexts", default="1024")
-    p.add_argument("--attention", default="reference", help="comma list of reference,pallas")
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5, help="the drafter's depth")
+    p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
+    p.add_argument("--methods", default="ar,dflash,ddtree", help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument(
+        "--budgets", default="15,63", help="comma list of ddtree budgets (tree nodes besides the root)"
+    )
+    p.add_argument("--batches", default="1", help="comma list of batch sizes (rows)")
+    p.add_argument("--contexts", default="1024", help="comma list of cached tokens per row")
+    p.add_argument("--attention", default="reference", help=f"comma list of {', '.join(IMPLEMENTATIONS)}")
+    p.add_argument("--rounds", type=int, default=16, help="decode rounds per timed program")
     p.add_argument(
         "--stages", action="store_true", help="also time each stage, host-stepped and alone in a device loop"
     )
@@ -528,12 +626,139 @@ def main(argv: list[str] | None = None) -> int:
         help="DeepSeek-V3 shapes: the target's weights in a published quantized form: fp8 (128x128 blocks, "
         "every projection, as DeepSeek-V3/Kimi-K2) or int4-experts (group 32, routed experts, as Kimi-K2.5)",
     )
-    p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    if args.drop_layer_all_reduce and args.tp == 1:
-        p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
+    p.add_argument(
+        "--chosen-floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="MoE shapes: also the floor of the experts the router chose, which round_over_floor then "
+        "divides by (costs a second compile of each configuration's round)",
+    )
+    p.add_argument(
+        "--ceiling-bytes", type=int, default=4 << 30, help="bytes summed to measure the read ceiling"
+    )
+    p.add_argument("--out", required=True, help="the JSON written (rewritten after every configuration)")
+    compile_cache.add_flag(p)
+    return p
 
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The configurations a run sweeps, parsed and checked from the flags."""
+
+    methods: tuple[str, ...]
+    budgets: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    attentions: tuple[str, ...]
+    samplings: tuple[dict | None, ...]
+
+    def configurations(self) -> list[tuple]:
+        """(attention, batch, context, (method, budget), sampling) in sweep order (budget 0: no tree)."""
+        trees = [(m, n) for m in self.methods for n in (self.budgets if m == "ddtree" else [0])]
+        return list(itertools.product(self.attentions, self.batches, self.contexts, trees, self.samplings))
+
+
+def _positive_ints(flag: str, text: str) -> tuple[int, ...]:
+    """A comma list of integers >= 1, or a one-line error naming the flag and the item."""
+    items = text.split(",")
+    for item in items:
+        if not item.strip().isdigit() or int(item) < 1:
+            raise DDTreeError(f"{flag} {text}: {item!r} is not an integer >= 1")
+    return tuple(int(item) for item in items)
+
+
+def _names(flag: str, text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list of names out of `known`, or a one-line error naming the flag and the item."""
+    items = tuple(text.split(","))
+    for item in items:
+        if item not in known:
+            raise DDTreeError(f"{flag} {text}: {item!r} is not one of {', '.join(known)}")
+    return items
+
+
+def _sampling(text: str) -> dict | None:
+    """One --sampling item, checked: greedy, or T >= 0 : top_k >= 0 : 0 < top_p <= 1."""
+    try:
+        s = parse_sampling(text)
+    except ValueError:
+        raise DDTreeError(f"--sampling {text!r}: not greedy or T:top_k:top_p (e.g. 0.7:20:0.9)") from None
+    if s is not None and not (s["temperature"] >= 0 and s["top_k"] >= 0 and 0 < s["top_p"] <= 1):
+        raise DDTreeError(f"--sampling {text!r}: needs temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+    return s
+
+
+def check_args(args: argparse.Namespace) -> Grid:
+    """Every check that needs no device work, before any: the flags (one line naming the first bad one)
+    and --out's directory. Returns the sweep's configurations."""
+    from ddtree_jax.budgets import default_branching
+
+    for flag, value, least in [
+        ("--draft-layers", args.draft_layers, 1),
+        ("--block-size", args.block_size, 2),
+        ("--rounds", args.rounds, 1),
+        ("--num-layers", args.num_layers or 1, 1),
+        ("--ceiling-bytes", args.ceiling_bytes, 1 << 20),
+    ]:
+        if value < least:
+            raise DDTreeError(f"{flag} {value}: must be >= {least}")
+    grid = Grid(
+        methods=_names("--methods", args.methods, METHODS),
+        budgets=_positive_ints("--budgets", args.budgets),
+        batches=_positive_ints("--batches", args.batches),
+        contexts=_positive_ints("--contexts", args.contexts),
+        attentions=_names("--attention", args.attention, IMPLEMENTATIONS),
+        samplings=tuple(_sampling(s) for s in args.sampling.split(",")),
+    )
+    cfg = SHAPES[args.shape]
+    depth = args.block_size - 1
+    for budget in grid.budgets if "ddtree" in grid.methods else ():
+        k = min(default_branching("ddtree", budget), cfg.vocab_size)
+        if budget > sum(k**d for d in range(1, depth + 1)):
+            raise DDTreeError(f"--budgets: {budget} exceeds the drafter's lattice ({depth} depths of {k})")
+    pallas = [a for a in grid.attentions if a != "reference"]  # the Pallas kernels: Triton and Mosaic GPU
+    if pallas and jax.default_backend() != "gpu":
+        raise DDTreeError(
+            f"--attention {pallas[0]}: the Pallas kernels need a GPU (backend: {jax.default_backend()})"
+        )
+    if not 1 <= args.tp <= jax.device_count():
+        raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
+    if args.drop_layer_all_reduce and args.tp == 1:
+        raise DDTreeError("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
+    if args.quantize != "none" and not isinstance(cfg, DeepseekV3Config):
+        raise DDTreeError(f"--quantize {args.quantize} needs a DeepSeek-V3 shape (kimi-k2, tiny-mla)")
+    check_out_path(args.out)
+    return grid
+
+
+def check_out_path(out: str) -> None:
+    """--out can be written: not a directory, in a directory that exists and is writable."""
+    path = Path(out)
+    if path.is_dir():
+        raise DDTreeError(f"--out {out}: is a directory")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise DDTreeError(f"--out {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise DDTreeError(f"--out {out}: not writable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: check the flags, sweep the configurations, write one JSON file; the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    try:
+        grid = check_args(args)
+        return run(args, grid)
+    except DDTreeError as e:
+        print(f"ddtree-bench: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run(args: argparse.Namespace, grid: Grid) -> int:
+    """Make the random-weight models of the checked flags and sweep the grid."""
+    compile_cache.enable(args.compile_cache)  # before the first compile
     cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
@@ -543,9 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     models.family(cfg).check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
+    _progress(f"making random {args.shape} weights")
     if args.quantize != "none":
-        if not isinstance(cfg, DeepseekV3Config):
-            p.error("--quantize needs a DeepSeek-V3 shape (kimi-k2, tiny-mla)")
         placement = param_sharding(make_mesh(args.tp))
         params = quant_load.random_params(
             target.weight_specs(cfg), QUANTIZE[args.quantize], 0, jnp.bfloat16, placement
@@ -557,9 +781,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.drop_layer_all_reduce:
         common.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
     try:
-        return _sweep(args, cfg, dcfg, params, dparams)
+        return _sweep(args, grid, cfg, dcfg, params, dparams)
     finally:
         common.psum = psum
+
+
+def _progress(message: str) -> None:
+    """One progress line on stderr."""
+    print(f"ddtree-bench: {message}", file=sys.stderr, flush=True)
 
 
 def run_meta(argv: list[str]) -> dict:
@@ -574,8 +803,8 @@ def run_meta(argv: list[str]) -> dict:
     }
 
 
-def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
-    """Time every configuration of the grid, writing the JSON after each."""
+def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
+    """Time every configuration of the grid, writing the JSON after each; EXIT_ERROR if any failed."""
     ceiling = read_ceiling_gbs(args.ceiling_bytes)
     print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
     meta = run_meta(sys.argv) | {
@@ -597,12 +826,13 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    trees = [(m, n) for m in args.methods.split(",") for n in (_ints(args.budgets) if m == "ddtree" else [0])]
-    grid = itertools.product(
-        args.attention.split(","), _ints(args.batches), _ints(args.contexts), trees, args.sampling.split(",")
-    )
-    for attention, batch, context, (method, budget), sampling_arg in grid:
-        sampling = parse_sampling(sampling_arg)
+    save()
+    configurations = grid.configurations()
+    for n, (attention, batch, context, (method, budget), sampling) in enumerate(configurations, start=1):
+        label = f"{method}{f' {budget}' if budget else ''} batch {batch} context {context} {attention}"
+        label += f" {'greedy' if sampling is None else 'sampled'}"
+        _progress(f"[{n}/{len(configurations)}] {label} ...")
+        start = time.perf_counter()
         # batch rows as ddtree-generate runs them (one ar row runs as two), the CLI's branching rule
         plan = make_plan(
             cfg,
@@ -617,7 +847,17 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         try:
             shape = batch_shape(plan, batch, context)
             row = bench_one(
-                params, dparams, plan, shape, context, args.rounds, ceiling, args.stages, sampling, batch
+                params,
+                dparams,
+                plan,
+                shape,
+                context,
+                args.rounds,
+                ceiling,
+                args.stages,
+                sampling,
+                batch,
+                args.chosen_floor,
             )
         except Exception as e:  # keep the other configurations
             row = {
@@ -633,6 +873,8 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         rows.append(row)
         save()
         print(json.dumps(row), flush=True)
+        result = row["error"][:80] if "error" in row else f"{row['round_ms']:.2f} ms per round"
+        _progress(f"[{n}/{len(configurations)}] {label}: {result} ({time.perf_counter() - start:.0f} s)")
     print(
         f"{'method':8}{'N':>5}{'B':>4}{'ctx':>7}{'attn':>10}{'sampling':>16}{'round ms':>10}{'floor ms':>10}"
     )
@@ -647,6 +889,10 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         if r["device_stages_ms"]:
             stages += "  device loop: " + " ".join(f"{k}={v:.2f}" for k, v in r["device_stages_ms"].items())
         print(f"{head}{r['round_ms']:10.2f}{r['target_floor_ms']:10.2f}  {stages}")
+    failed = sum("error" in r for r in rows)
+    if failed:
+        _progress(f"error: {failed} of {len(rows)} configurations failed (their rows in {args.out} say why)")
+        return EXIT_ERROR
     return 0
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddtree_jax import compile_cache
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, id_key, scan_prompts, tokenize
@@ -263,6 +264,7 @@ def run(s: Settings) -> None:
     start = time.perf_counter()
     prepared = prepare(s)
     s = prepared.settings
+    compile_cache.enable(s.compile_cache)  # after prepare: jax.distributed starts first
     report = sys.stderr if s.out == STDOUT else sys.stdout
     if all(id_key(p.id) in prepared.done for p in prepared.prompts):
         print(f"all {len(prepared.done)} prompts are already in {s.out}: nothing to do", file=report)

@@ -95,7 +95,13 @@ def load(
     """Config and parameters of a z-lab DFlash drafter directory, converted and placed
     (`yarn_scaling`: config.load_draft_config; `cfg`: its config already read)."""
     from ddtree_jax.checkpoint import load_params
+    from ddtree_jax.checkpoint_checks import check_against_config, check_finite
     from ddtree_jax.config import load_draft_config
+    from ddtree_jax.models.common import IGNORED_TENSORS
 
     cfg = cfg or load_draft_config(directory, target_cfg, yarn_scaling)
-    return cfg, load_params(directory, weight_specs(cfg), dtype, sharding)
+    specs = weight_specs(cfg)
+    check_against_config(directory, specs, IGNORED_TENSORS)
+    params = load_params(directory, specs, dtype, sharding)
+    check_finite(directory, params, specs)
+    return cfg, params

@@ -1,4 +1,5 @@
-"""One decoding round: draft -> build -> verify -> walk -> commit (docs: "One decoding round").
+"""One decoding round: draft -> build -> verify -> walk -> commit (docs/design.md, "One round, static
+shapes, on the device").
 
 One code path serves three methods:
   ar      the tree is the root alone (T = 1): plain autoregressive decoding

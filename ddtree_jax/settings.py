@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from ddtree_jax import compile_cache
 from ddtree_jax.budgets import (
     DEFAULT_BUDGETS,
     MOE_DEFAULT_BUDGETS,
@@ -65,8 +66,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "drafter's cos/sin factor when its config gives none: legacy = 1 + 0.1 ln(factor) (what the "
         "Kimi-K2.5 DFlash drafter was trained with), hf = today's transformers mscale ratio; default: "
         "the drafter config's dflash_config.yarn_scaling, else legacy")),
-    "attention": (("--attention",), dict(choices=["auto", "reference", "pallas"], default="auto",
-        help="decode attention: the Pallas kernel (auto on GPU) or the jnp reference")),
+    "attention": (("--attention",), dict(choices=["auto", "reference", "pallas", "mosaic"], default="auto",
+        help="decode attention: the Pallas kernel (auto on GPU), the Mosaic GPU one (Hopper) or the jnp "
+        "reference")),
     "host_stepped": (("--host-stepped",), dict(action="store_true", help="drive rounds from Python, time "
         "each step (draft, build, verify, walk, commit)")),
     "prefill_chunk": (("--prefill-chunk",), dict(type=int, default=256, help="prefill tokens per row per "
@@ -90,6 +92,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "params_cache": (("--params-cache",), dict(metavar="DIR", help="convert the checkpoints once into "
         "orbax checkpoints under DIR (keyed by the checkpoint's files, --dtype and the layout) and restore "
         "them from there afterwards (default: off)")),
+    "compile_cache": compile_cache.FLAG,
     "max_line_bytes": (("--max-line-bytes",), dict(type=int, default=MAX_LINE_BYTES, help="refuse a "
         "prompts line longer than this before decoding it")),
     "coordinator": (("--coordinator",), dict(metavar="HOST:PORT", help="several processes (one per "
@@ -111,11 +114,12 @@ PROMPTS = ("prompts", "no_chat_template")
 DECODING = ("max_new_tokens", "batch_size", "block_size", "branching", "draft_window", "attention")
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 RUN = ("method", "budget", "host_stepped")
+COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
     "out", "resume", "overwrite", "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention",
     "batch_invariant", "static_batches", "coordinator", "num_processes", "process_id",
 )  # fmt: skip
-GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *GENERATE_ONLY)
+GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *COMPILE, *GENERATE_ONLY)
 
 
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -178,6 +182,7 @@ class Settings:
     resume: bool = False
     overwrite: bool = False
     params_cache: str | None = None
+    compile_cache: str | None = None  # --compile-cache: DIR, 'off' or None (compile_cache.enable)
     max_line_bytes: int = MAX_LINE_BYTES
     processes: Processes | None = None
 

@@ -1,7 +1,8 @@
 """The draft tree: build it from the drafter's top-k log-probs, mask it, walk it.
 
-DESIGN.md, "One decoding round", steps 2 and 4. Everything here is static-shape, batched over B
-(a leading dim on every array) and free of host syncs, so it runs inside the jitted round.
+docs/design.md, "Building the tree without a heap" and step 4 of "One round". Everything here is
+static-shape, batched over B (a leading dim on every array) and free of host syncs, so it runs
+inside the jitted round.
 
 Node order (the same strict total order everywhere, so a heap oracle reproduces it exactly):
 score descending; then depth ascending; then, within a depth, by (the parent's position in the

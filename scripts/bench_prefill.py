@@ -32,7 +32,7 @@ from ddtree_jax.engine import MAX_STOP_IDS, Plan  # noqa: E402
 from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots  # noqa: E402
 from ddtree_jax.weights import random_params  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (DESIGN.md)
+PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (docs/design.md)
 
 
 def prefill_flops(cfg, length: int) -> float:

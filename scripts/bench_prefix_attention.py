@@ -32,7 +32,7 @@ from pallas_kernels.tree_attention import (  # noqa: E402
     tree_attention_reference,
 )
 
-PEAK_TFLOPS = 790.0  # bf16 dense, measured (DESIGN.md)
+PEAK_TFLOPS = 790.0  # bf16 dense, measured (docs/design.md)
 
 
 def inputs(b: int, s: int, t: int, hkv: int, g: int, d: int):

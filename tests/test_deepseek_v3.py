@@ -310,9 +310,11 @@ def test_cli_kimi_wrapper_and_yarn_switch(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kimi_k2_round_lowers_for_cuda():
+@pytest.mark.parametrize("impl", ["pallas", "pallas-invariant"])
+def test_kimi_k2_round_lowers_for_cuda(impl):
     """A whole ddtree round at Kimi-K2 width (a dense and a MoE layer, the MLA Pallas kernel, the
-    drafter's GQA kernel) lowers for CUDA under an abstract H200, without a GPU."""
+    drafter's GQA kernel) lowers for CUDA under an abstract H200, without a GPU; --batch-invariant's
+    implementation too (it once ran the MLA layers through the jnp reference)."""
     from ddtree_jax import drafter, engine
     from ddtree_jax.bench import SHAPES, draft_shape, synthetic_state
     from ddtree_jax.engine import Plan
@@ -321,7 +323,7 @@ def test_kimi_k2_round_lowers_for_cuda():
 
     cfg = dataclasses.replace(SHAPES["kimi-k2"], num_layers=2)
     dcfg = draft_shape(cfg, 1, 8)
-    plan = Plan(cfg, dcfg, "ddtree", 64, 15, 15, "pallas")
+    plan = Plan(cfg, dcfg, "ddtree", 64, 15, 15, impl)
 
     def abstract(specs):
         return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))

@@ -23,7 +23,7 @@ SUBCOMMANDS = ("lossless", "reference", "external", "distribution")
 # (its PyTorch side has no sampler and no draft window) and not host-stepped; external and
 # distribution run one method at one budget.
 SHARED = (*settings.PAIR, *settings.PROMPTS, "max_new_tokens", "batch_size", "block_size", "branching")
-SHARED += ("attention",)
+SHARED += ("attention", *settings.COMPILE)
 FLAGS = {
     "lossless": (*SHARED, "draft_window", *settings.SAMPLING_FLAGS, "host_stepped"),
     "reference": (*SHARED, "method"),
@@ -44,9 +44,16 @@ def add_generation_flags(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(**settings.defaults(tuple(f for f in settings.GENERATE if f not in FLAGS[name])))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors exit 1, like every other error (sub-parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-compare's parser: one sub-parser per module in SUBCOMMANDS."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ddtree-compare",
         description="Compare decoders' outputs, acceptance and sampling distributions; write a report.",
     )
@@ -62,12 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: list[str]) -> str:
     """Run the sub-command and write its report; returns the one-line verdict."""
+    from ddtree_jax import compile_cache
     from ddtree_jax.compare.inputs import resolved
     from ddtree_jax.compare.report import check_report_dir, run_metadata, write_report
 
     start = time.perf_counter()
     report_dir = Path(args.report)
     check_report_dir(report_dir)
+    compile_cache.enable(args.compile_cache)  # a shared flag (settings.COMPILE)
     report = subcommand(args.command).run(resolved(args, method="method" in FLAGS[args.command]))
     write_report(report_dir, report, run_metadata(argv, time.perf_counter() - start))
     return f"{args.command}: {report.verdict}: {report.summary}"
@@ -76,10 +85,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 when it ran, whatever the verdict)."""
     argv = sys.argv[1:] if argv is None else argv
-    if importlib.util.find_spec("matplotlib") is None:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (1)
+        return e.code if isinstance(e.code, int) else 1
+    if importlib.util.find_spec("matplotlib") is None:  # the report's plots; --help reads without it
         print("ddtree-compare: error: needs matplotlib: pip install 'ddtree-jax[compare]'", file=sys.stderr)
         return 1
-    args = build_parser().parse_args(argv)
     try:
         print(run(args, argv))
     except DDTreeError as e:

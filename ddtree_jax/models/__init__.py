@@ -15,8 +15,9 @@ one time axis, `Entry.time_axis`, with `cache_spec()` / `new_spec()` PartitionSp
 `cache_shapes(cfg, batch, capacity, tp, dtype)`, `unread_weight_bytes` (the benchmark's floor),
 `PAD_ONE_ROW_AR` (whether a one-row ar step runs as two rows), `ROUTED_EXPERTS` (whether tokens are
 routed to experts: the CLI then takes the MoE default budgets), `check_divisible(cfg, tp)` (its mesh
-rules), and `embed` / `logits` (the drafter reads the target's through them). The engine, the
-benchmark, sharding and training reach a family only through `family(cfg)`.
+rules), `ignored_tensors(cfg)` (patterns of checkpoint tensors it may find and not read: anything else
+unread is refused, checkpoint_checks) and `embed` / `logits` (the drafter reads the target's through
+them). The engine, the benchmark, sharding and training reach a family only through `family(cfg)`.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ projections and the shared experts compute through `common.matmul`, the routed e
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,7 @@ class DeepseekV3Config(TargetConfig):
     moe_sharding: str = "ep"
     moe_dispatch: str | None = None  # moe.run_experts' dispatch; None: by token count and backend
     weight_prefix: str = ""  # "language_model." for wrapped (Kimi-K2.5-style) checkpoints
+    mtp_layers: int = 0  # num_nextn_predict_layers: layers after the decoder's, not read
     quantization: formats.Scheme | None = None  # how the checkpoint stores its weights (None: plain)
 
     def is_sparse(self, layer: int) -> bool:
@@ -170,8 +172,19 @@ def config_from_hf(
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         moe_sharding=moe_sharding,
         weight_prefix=prefix,
+        mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
         quantization=_quantization(raw, path),
     )
+
+
+def ignored_tensors(cfg: DeepseekV3Config) -> tuple[str, ...]:
+    """Checkpoint tensors left unread by design: the multi-token-prediction layers (model.layers.{L}..,
+    which HF ignores too), a wrapper's parts outside its text model (Kimi-K2.5's vision tower and
+    projector), and common.IGNORED_TENSORS."""
+    pre = re.escape(cfg.weight_prefix)
+    mtp = [rf"{pre}model\.layers\.{cfg.num_layers + i}\." for i in range(cfg.mtp_layers)]
+    outside = [rf"(?!{pre})"] if cfg.weight_prefix else []
+    return (*mtp, *outside, *common.IGNORED_TENSORS)
 
 
 def _quantization(raw: dict[str, Any], path: Path) -> formats.Scheme | None:

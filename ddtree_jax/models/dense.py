@@ -22,6 +22,7 @@ from ddtree_jax.weights import Params, WeightSpec, linear, norm
 
 Entry = gqa.KVEntry
 embed, logits = common.embed, common.logits  # the target's embedding and head (the drafter's too)
+ignored_tensors = common.ignored_tensors
 PAD_ONE_ROW_AR = True  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster (engine.py)
 ROUTED_EXPERTS = False  # dense layers: the default ddtree budgets of budgets.DEFAULT_BUDGETS
 # ffn(p, h) -> [B, T, H], all-reduced: the feed-forward branch of one layer on its normed input.

@@ -24,6 +24,7 @@ from ddtree_jax.weights import Params, WeightSpec
 
 Entry = gqa.KVEntry
 embed, logits = common.embed, common.logits
+ignored_tensors = common.ignored_tensors
 MOE_SHARDINGS = ("ep", "tp")
 # No second, inactive row for one-row ar steps: its token would read up to top_k more experts per layer
 # (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row reads of the dense part).
