@@ -157,6 +157,10 @@ def _finite(x: jax.Array, stacked: bool):
     on_cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
     if on_cpu and jax.process_count() == 1:
         return _host_finite(x, stacked)
+    if jax.process_count() > 1:
+        # one reduction at a time: the CPU client may run queued collective programs in another order in
+        # each process, and two processes then wait on different collectives (Gloo gives up after 30 s)
+        return jax.block_until_ready(_device_finite(stacked)(x))
     return _device_finite(stacked)(x)
 
 
