@@ -238,7 +238,8 @@ class Generator:
         take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
         dp = self.plan.dp
         for g in range(0, len(take), dp):
-            group, rows = take[g : g + dp], free[g : g + dp]
+            group = take[g : g + dp]
+            rows = free[g : g + len(group)]
             req = self._requests(run, group, rows, dp, run.shape)
             if run.state is None:
                 run.state = self._prefill(
