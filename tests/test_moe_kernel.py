@@ -151,9 +151,19 @@ def test_supported_shapes():
     narrow = shape((128, 2048, 96), bf16)
     assert not fe.supported(narrow, narrow, shape((128, 96, 2048), bf16), bf16)
     assert fe.why_not(shape((4, 128, 128), jnp.float32), jnp.float32) is not None
+    assert moe.FUSED_MAX_TOKENS == 0  # off as measured on the H200 (moe.py): gather, then grouped
+    assert moe.choose_dispatch(1, "gpu", fused=True) == "gather"
+    assert moe.choose_dispatch(moe.GPU_GATHER_MAX_TOKENS + 1, "gpu", fused=True) == "grouped"
+
+
+def test_fused_window_when_turned_on(monkeypatch):
+    """With a fused window, Hopper takes `fused` up to it and the gather/grouped rule above it."""
+    monkeypatch.setattr(moe, "FUSED_MAX_TOKENS", 16)
     assert moe.choose_dispatch(1, "gpu", fused=True) == "fused"
-    assert moe.choose_dispatch(moe.FUSED_MAX_TOKENS + 1, "gpu", fused=True) == "grouped"
+    assert moe.choose_dispatch(16, "gpu", fused=True) == "fused"
+    assert moe.choose_dispatch(17, "gpu", fused=True) == "grouped"
     assert moe.choose_dispatch(1, "gpu", fused=False) == "gather"
+    assert moe.choose_dispatch(1, "cpu", fused=True) == "gather"
 
 
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
