@@ -30,8 +30,8 @@ import numpy as np
 from ddtree_jax import attention, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
 from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots, rows_to_run
-from ddtree_jax.prompts import LIMIT, Prompt, id_key
-from ddtree_jax.sampling import GREEDY, SamplingParams
+from ddtree_jax.prompts import LIMIT, SAMPLES, Prompt, sample_key
+from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingParams
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
@@ -64,7 +64,7 @@ class Schedule:
 
 @dataclasses.dataclass
 class Result:
-    """One output line."""
+    """One output line: one sample of one prompt."""
 
     id: Any
     output_ids: list[int]
@@ -72,19 +72,30 @@ class Result:
     rounds: int
     acceptance_lengths: list[int]
     text: str | None = None
+    index: int = 0  # which of the prompt's n samples (0 to n - 1)
+    prompt_tokens: int = 0  # the prompt's token count
+    e2e_latency: float = 0.0  # seconds from admission into a row to finish, compilation left out
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written for this prompt."""
-        out = {"id": self.id, "output_ids": self.output_ids}
+        out = {"id": self.id, "index": self.index, "output_ids": self.output_ids}
         if self.text is not None:
             out["text"] = self.text
         out |= {
             "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
             "num_output_tokens": len(self.output_ids),
             "rounds": self.rounds,
             "acceptance_lengths": self.acceptance_lengths,
+            "e2e_latency": round(self.e2e_latency, 6),
         }
         return out
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a prompt seeded `seed`: (seed + index * 0x9E3779B9) mod 2^32, so
+    sample 0 keeps the prompt's seed (n = 1 is unchanged) and the samples' noise streams differ."""
+    return (seed + index * 0x9E3779B9) % MAX_SEED
 
 
 @dataclasses.dataclass
@@ -118,7 +129,8 @@ class Generator:
         schedule: Schedule | None = None,
     ):
         self.plan, self.stop_ids, self.codec = plan, tuple(stop_ids), codec
-        self.sampling = GREEDY | (sampling or {})  # defaults; a prompt's own settings override them
+        # defaults (sampling settings and n samples); a prompt's own settings override them
+        self.sampling = GREEDY | {SAMPLES: 1} | (sampling or {})
         self.schedule = schedule or Schedule()
         impl = attention.invariant(plan.attention) if self.schedule.batch_invariant else plan.attention
         self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
@@ -181,13 +193,26 @@ class Generator:
 
     # -- the loop ------------------------------------------------------------------------------------
 
+    def samples(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Each prompt as its n samples (its own `n`, else the default), sample i seeded
+        `sample_seed(seed, i)`, each sample a prompt of its own with its `index`."""
+        out = []
+        for p in prompts:
+            settings = self._settings(p)
+            for i in range(settings[SAMPLES]):
+                seed = {"seed": sample_seed(settings["seed"], i)} if i else {}
+                out.append(dataclasses.replace(p, options=p.options | seed, index=i))
+        return out
+
     def run(self, prompts: list[Prompt], skip: frozenset = frozenset()) -> Iterator[Result]:
-        """Each prompt's Result as its row finishes (static: each batch's in input order), except the
-        prompts whose `prompts.id_key` is in `skip`, which keep their place in the schedule only."""
+        """Each prompt's samples' Results as their rows finish (static: each batch's in input order),
+        except the samples whose `prompts.sample_key` is in `skip`, which keep their place in the
+        schedule only."""
+        prompts = self.samples(prompts)
         if not prompts:
             return
         b = self.rows_run = self.rows(len(prompts))
-        kept = [id_key(p.id) not in skip for p in prompts]
+        kept = [sample_key(p.id, p.index) not in skip for p in prompts]
         waiting = collections.deque(self._order(prompts, kept))
         sampled = any(self._settings(p)["temperature"] != 0 for p in prompts)
         longest = max(len(p.input_ids) for p in prompts)
@@ -197,14 +222,17 @@ class Generator:
             begin, compiled = time.perf_counter(), self.compile_seconds
             ran = step(run, waiting)
             out = _fetch(_outputs(run.state) | ({} if ran is None else {"ran": ran}))
-            self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
+            now = time.perf_counter()
+            self.generate_seconds += now - begin - (self.compile_seconds - compiled)
             if "ran" in out:
                 self._count(run, out, bool(waiting))
             for r, i in enumerate(run.row_of):
                 if i is not None and out["done"][r]:
                     run.row_of[r] = None
                     if kept[i]:
-                        yield self._result(prompts[i], out, r)
+                        admitted, compiled = run.admitted[r]
+                        latency = now - admitted - (self.compile_seconds - compiled)
+                        yield self._result(prompts[i], out, r, latency)
 
     def _order(self, prompts: list[Prompt], kept: list[bool]) -> list[int]:
         """The order prompts enter rows: static, input order in batches cut from the whole list (a
@@ -223,7 +251,7 @@ class Generator:
         shape = Shape.of(self.plan, run.rows, prompt_slots(longest))
         req = self._requests(run, take, list(range(len(take))), run.rows, shape)
         for r, i in enumerate(take):
-            run.row_of[r] = i
+            run.row_of[r], run.admitted[r] = i, (time.perf_counter(), self.compile_seconds)
         if not self.schedule.host_stepped:
             run.state = self.programs.generate(req, self._stop_array(), shape)
             return None
@@ -240,6 +268,7 @@ class Generator:
         for g in range(0, len(take), dp):
             group, rows = take[g : g + dp], free[g : g + dp]
             req = self._requests(run, group, rows, dp, run.shape)
+            admitted = (time.perf_counter(), self.compile_seconds)
             if run.state is None:
                 run.state = self._prefill(
                     lambda req=req: self.programs.start(req, self._stop_array(), run.shape)
@@ -247,7 +276,7 @@ class Generator:
             else:
                 run.state = self._prefill(lambda req=req: self.programs.refill(run.state, req))
             for r, i in zip(rows, group, strict=True):
-                run.row_of[r], run.seen[r] = i, 0
+                run.row_of[r], run.seen[r], run.admitted[r] = i, 0, admitted
             self.occupancy.refills += 1
         live = sum(i is not None for i in run.row_of)
         until = (run.rows - live) + self.schedule.refill_at if waiting else run.rows
@@ -302,8 +331,8 @@ class Generator:
         return jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32)
 
     def _settings(self, prompt: Prompt) -> dict:
-        """The prompt's sampling settings: its own over the defaults."""
-        return self.sampling | {k: prompt.options[k] for k in GREEDY if k in prompt.options}
+        """The prompt's sampling settings and samples: its own over the defaults."""
+        return self.sampling | {k: prompt.options[k] for k in (*GREEDY, SAMPLES) if k in prompt.options}
 
     def _requests(self, run: _Run, take: list[int], rows: list[int], count: int, shape: Shape) -> Requests:
         """Requests [count] for prompts `take` bound for `rows` (the rest padding)."""
@@ -329,7 +358,7 @@ class Generator:
             raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
         return n
 
-    def _result(self, prompt: Prompt, out: dict, r: int) -> Result:
+    def _result(self, prompt: Prompt, out: dict, r: int, latency: float) -> Result:
         n, rounds = int(out["num_output"][r]), int(out["rounds"][r])
         ids = out["output"][r, :n].tolist()
         return Result(
@@ -339,6 +368,9 @@ class Generator:
             rounds=rounds,
             acceptance_lengths=out["acceptance"][r, :rounds].tolist(),
             text=self.codec.decode(ids) if self.codec is not None else None,
+            index=prompt.index,
+            prompt_tokens=len(prompt.input_ids),
+            e2e_latency=latency,
         )
 
 
@@ -353,9 +385,12 @@ class _Run:
     state: DecodeState | None = None
     row_of: list[int | None] = dataclasses.field(default_factory=list)  # the prompt in each row
     seen: np.ndarray | None = None  # each row's rounds at the last return to the host
+    # each row's admission: (host time, compile seconds so far) when its prompt's prefill was called
+    admitted: list[tuple[float, float]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         self.row_of = [None] * self.rows
+        self.admitted = [(0.0, 0.0)] * self.rows
         self.seen = np.zeros((self.rows,), np.int64)
 
 
