@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddtree_jax import compile_cache
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.prompts import LIMIT, SAMPLES, Prompt, Record, tokenize
+from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, SAMPLES, STOP, Prompt, Record, check_stop, tokenize
 from ddtree_jax.sampling import check as check_sampling
 from ddtree_jax.settings import SAMPLING, Settings, defaults
 
@@ -61,8 +61,16 @@ class SamplingParams:
     seed: int = _DEFAULTS["seed"]
     max_new_tokens: int | None = None  # None: the LLM's max_new_tokens (which sizes the cache)
     n: int = _DEFAULTS["n"]  # samples; sample i seeded scheduler.sample_seed(seed, i)
+    stop: tuple[str, ...] = ()  # stop strings (one string: one stop string); stops.py
+    include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
 
     def __post_init__(self):
+        if isinstance(self.stop, str | list):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if (why := check_stop(self.stop)) is not None:
+            raise DDTreeError(f"SamplingParams.stop {why}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise DDTreeError("SamplingParams.include_stop_str_in_output must be True or False")
         for name in SAMPLING:
             if (why := check_sampling(name, getattr(self, name))) is not None:
                 raise DDTreeError(f"SamplingParams.{name} {why}")
@@ -73,7 +81,7 @@ class SamplingParams:
 
     def options(self) -> dict[str, Any]:
         """The prompt options these settings give (the keys of a prompts-file line)."""
-        out = {name: getattr(self, name) for name in (*SAMPLING, SAMPLES)}
+        out = {name: getattr(self, name) for name in (*SAMPLING, SAMPLES, STOP, INCLUDE_STOP)}
         return out if self.max_new_tokens is None else out | {LIMIT: self.max_new_tokens}
 
 
@@ -148,6 +156,12 @@ def check_lengths(prompts, max_positions: int, max_new_tokens: int, path: str = 
                 f"{path}:{p.line}: prompt {p.id!r}: {len(p.input_ids)} tokens + --max-new-tokens "
                 f"{max_new_tokens} exceed the model's context of {max_positions}"
             )
+
+
+def check_stops(prompts: list[Prompt], s: Settings, codec) -> None:
+    """Stop strings, the run's or a prompt's, need text to search: the target's tokenizer."""
+    if codec is None and (s.stop or any(p.options.get(STOP) for p in prompts)):
+        raise DDTreeError("stop strings need the target's tokenizer.json (token ids alone have no text)")
 
 
 def read_configs(s: Settings):
@@ -258,6 +272,7 @@ class LLM:
         cfg = self.target_config
         out = tokenize(records, "prompt", self.codec, self.settings.chat_template, cfg.vocab_size)
         check_lengths(out, cfg.max_position_embeddings, self.settings.max_new_tokens, "prompt")
+        check_stops(out, self.settings, self.codec)
         return out
 
     # -- generation -----------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ SETTINGS = (
     "top_p",
     "seed",
     "n",
+    "stop",
+    "include_stop_str_in_output",
     "no_chat_template",
     "budget",
     "branching",
@@ -56,7 +58,7 @@ SCHEDULE_SETTINGS = (
     "moe_sharding",
 )
 # Settings added since the first sidecars: a sidecar without one was made with this value.
-ADDED_SETTINGS = {"n": 1}
+ADDED_SETTINGS = {"n": 1, "stop": [], "include_stop_str_in_output": False}
 STDOUT = "-"
 
 

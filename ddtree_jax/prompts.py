@@ -23,7 +23,8 @@ from ddtree_jax.text import TextCodec
 PROMPT_KINDS = ("prompt", "messages", "input_ids")
 LIMIT = "max_new_tokens"  # a prompt's own limit of new tokens (SGLang's per-request name)
 SAMPLES = "n"  # a prompt's own number of samples (vLLM's and SGLang's name)
-KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, LIMIT)
+STOP, INCLUDE_STOP = "stop", "include_stop_str_in_output"  # stop strings (stops.py), vLLM's names
+KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, STOP, INCLUDE_STOP, LIMIT)
 # A line longer than this is refused before it is decoded or tokenised: 8 MiB of text is millions of
 # tokens, far past any supported context (tokenising 50 MB took 58 s and 8 GB before it was refused).
 MAX_LINE_BYTES = 8 << 20
@@ -125,6 +126,15 @@ def scan_prompts(
                 raise DDTreeError(f"{where}: '{name}' {why}")
         if SAMPLES in record:
             options[SAMPLES] = _samples(record[SAMPLES], where)
+        if STOP in record:
+            stop = record[STOP]
+            if (why := check_stop(stop)) is not None:
+                raise DDTreeError(f"{where}: '{STOP}' {why}")
+            options[STOP] = (stop,) if isinstance(stop, str) else tuple(stop)
+        if INCLUDE_STOP in record:
+            if not isinstance(record[INCLUDE_STOP], bool):
+                raise DDTreeError(f"{where}: '{INCLUDE_STOP}' must be true or false")
+            options[INCLUDE_STOP] = record[INCLUDE_STOP]
         if LIMIT in record:
             options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
         records.append(Record(id_, n, kind, value, options))
@@ -142,6 +152,14 @@ def _limit(value: Any, most: int | None, where: str) -> int:
             f"{where}: '{LIMIT}' {value} exceeds the run's --max-new-tokens {most} (which sizes the cache)"
         )
     return value
+
+
+def check_stop(value: Any) -> str | None:
+    """Why `value` is not a stop string or a list of them, or None if it is."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list | tuple) or not all(isinstance(s, str) and s for s in values):
+        return f"must be a non-empty string or a list of them, got {value!r}"
+    return None
 
 
 def _samples(value: Any, where: str) -> int:

@@ -24,7 +24,7 @@ from ddtree_jax.budgets import (
     run_context,
 )
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES
+from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES, check_stop
 
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -88,6 +88,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "n": (("--n",), dict(type=int, default=1, help="samples per prompt of prompts that set none (each "
         "output line carries its index i; sample i is seeded (seed + i * 0x9E3779B9) mod 2^32, sample 0 "
         "with the prompt's seed)")),
+    "stop": (("--stop",), dict(action="append", metavar="TEXT", help="a stop string of prompts that set "
+        "none (repeat the flag for several): generation ends at the first one in the decoded text, which "
+        "is cut before it; the line records it as stop_reason (needs the target's tokenizer.json)")),
+    "include_stop_str_in_output": (("--include-stop-str-in-output",), dict(action="store_true", help="keep "
+        "the stop string at the end of the text")),
     "tp": (("--tp",), dict(type=int, default=1, help="tensor-parallel devices: heads, MLP columns and "
         "vocabulary split")),
     "dp": (("--dp",), dict(type=int, default=1, help="data-parallel devices: the batch split (padded to "
@@ -119,8 +124,9 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 RUN = ("method", "budget", "host_stepped")
 COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
-    "n", "out", "resume", "overwrite", "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention",
-    "batch_invariant", "static_batches", "coordinator", "num_processes", "process_id",
+    "n", "stop", "include_stop_str_in_output", "out", "resume", "overwrite", "params_cache",
+    "max_line_bytes", "prefill_chunk", "prefill_attention", "batch_invariant", "static_batches",
+    "coordinator", "num_processes", "process_id",
 )  # fmt: skip
 GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *COMPILE, *GENERATE_ONLY)
 
@@ -172,6 +178,8 @@ class Settings:
     top_p: float = 1.0
     seed: int = 0
     n: int = 1  # samples per prompt
+    stop: tuple[str, ...] = ()  # stop strings
+    include_stop_str_in_output: bool = False
     chat_template: bool = True
     static_batches: bool = False
     host_stepped: bool = False
@@ -224,14 +232,16 @@ class Settings:
                 budget=flags["budget"] if method == "ddtree" else 0,
                 branching=flags["branching"] if method == "ddtree" else None,
                 chat_template=not flags["no_chat_template"],
+                stop=tuple(flags["stop"] or ()),
                 processes=_processes(flags),
             )
         )
 
     @property
     def sampling(self) -> dict[str, Any]:
-        """The default sampling settings {temperature, top_k, top_p, seed, n} (a prompt's own override)."""
-        return {k: getattr(self, k) for k in (*SAMPLING, "n")}
+        """The default sampling settings {temperature, top_k, top_p, seed, n, stop,
+        include_stop_str_in_output} (a prompt's own override)."""
+        return {k: getattr(self, k) for k in (*SAMPLING, "n", "stop", "include_stop_str_in_output")}
 
     @property
     def is_writer(self) -> bool:
@@ -272,6 +282,7 @@ class Settings:
         out["target"] = str(Path(self.target).resolve())
         out["draft"] = str(Path(self.draft).resolve()) if self.draft else None
         out["no_chat_template"] = not out.pop("chat_template")
+        out["stop"] = list(self.stop)
         return out
 
 
@@ -290,6 +301,8 @@ def _check_numbers(flags: dict[str, Any]) -> None:
     for name in SAMPLING:
         if (why := check(name, flags[name])) is not None:
             raise DDTreeError(f"--{name.replace('_', '-')} {why}")
+    if flags["stop"] is not None and (why := check_stop(flags["stop"])) is not None:
+        raise DDTreeError(f"--stop {why}")
     if flags["block_size"] is not None and flags["block_size"] < 2:
         raise DDTreeError("--block-size must be >= 2")
 

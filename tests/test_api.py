@@ -123,3 +123,21 @@ def test_n_samples_equal_ar_per_index_and_the_seeds_documented():
         prompts, [SamplingParams(temperature=1.0, top_k=20, seed=sample_seed(11, i)) for i in (0, 2)]
     )
     assert [r.output_ids for r in alone] == [ar[0].output_ids, ar[5].output_ids]
+
+
+def test_resume_with_n_samples_generates_the_missing_ones(tmp_path):
+    """--resume keys each line by (id, index): a file holding some samples of a prompt gets the rest,
+    and the whole file then equals an uninterrupted run's."""
+    prompts = golden_prompts("qwen3_gqa4_tp")[:2]
+    flags = ["--max-new-tokens", "6", "--temperature", "1.0", "--seed", "4", "--n", "3"]
+    timeless = lambda lines: [{k: v for k, v in r.items() if k != "e2e_latency"} for r in lines]  # noqa: E731
+    whole = timeless(cli_lines(tmp_path, prompts, *flags))
+    out = tmp_path / "o.jsonl"
+    written = out.read_text().splitlines()
+    kept = [written[0], written[4]]
+    out.write_text("".join(line + "\n" for line in kept))
+    argv = ["--target", TARGET, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out)]
+    assert main([*argv, "--dtype", "float32", *flags, "--resume"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert out.read_text().splitlines()[:2] == kept and len(lines) == 6
+    assert timeless(sorted(lines, key=lambda r: (r["id"], r["index"]))) == whole

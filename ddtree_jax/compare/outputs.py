@@ -31,6 +31,7 @@ FIELDS = (
     "text",
     "meta_info",
     "finish_reason",
+    "stop_reason",
     "prompt_tokens",
     "num_output_tokens",
     "rounds",
