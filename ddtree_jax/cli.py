@@ -35,11 +35,11 @@ EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KE
   flags; an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
 
-output: one JSON line per prompt (per sample with --n), written as each prompt finishes (so in finishing
-  order; with --static-batches batch by batch, in input order): id, index, output_ids, text,
-  finish_reason, prompt_tokens, num_output_tokens, rounds, acceptance_lengths, e2e_latency; the settings
-  go to OUT.settings.json, which --resume checks: a resumed run's lines are those of an uninterrupted run
-  with the same settings.
+output: one JSON line per prompt and sample (--n): id, index, output_ids, text, finish_reason,
+  stop_reason (after a --stop string), prompt_tokens, num_output_tokens, rounds, acceptance_lengths,
+  e2e_latency; written as each prompt finishes (so in finishing order; with --static-batches batch by
+  batch, in input order); the settings go to OUT.settings.json, which --resume checks: a resumed run's
+  lines are those of an uninterrupted run with the same settings.
 
 exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output path; one line on stderr);
   {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on);
