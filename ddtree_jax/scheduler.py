@@ -297,7 +297,8 @@ class Generator:
         take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
         dp = self.plan.dp
         for g in range(0, len(take), dp):
-            group, rows = take[g : g + dp], free[g : g + dp]
+            group = take[g : g + dp]
+            rows = free[g : g + len(group)]  # fewer prompts than "data" devices: padding requests
             req = self._requests(run, group, rows, dp, run.shape)
             admitted = (time.perf_counter(), self.compile_seconds)
             if run.state is None:
