@@ -1,3 +1,16 @@
-"""ddtree-jax: DDTree speculative decoding on DFlash drafters, in JAX/Pallas."""
+"""ddtree-jax: DDTree speculative decoding on DFlash drafters, in JAX/Pallas.
+
+The Python API (api.py): `LLM` loads a target and drafter once, `LLM.generate` / `LLM.stream` run
+prompts under `SamplingParams` and return `Result`s.
+"""
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "Result", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name in __all__:  # imported on use, so that `import ddtree_jax` stays light
+        from ddtree_jax import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'ddtree_jax' has no attribute {name!r}")

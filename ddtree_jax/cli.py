@@ -1,9 +1,10 @@
 """`ddtree-generate`: batched offline generation from a JSONL prompts file to a JSONL outputs file.
 
 What runs: the flags become one frozen `settings.Settings`; `prepare` checks everything that needs no
-weight (the --out path, the prompts file, the configs, the limits) and resolves the budget; the pair
-loads (pair.py); one host loop (scheduler.py) drives the device programs (programs.py) whose rounds
-are engine.py's; each finished prompt's line is appended to --out as it comes.
+weight (the --out path, the prompts file, the configs, the limits) and resolves the budget; the Python
+API's `LLM` (api.py) loads the pair (pair.py) and runs the prompts through one host loop (scheduler.py)
+that drives the device programs (programs.py) whose rounds are engine.py's; each finished prompt's line
+is appended to --out as it comes.
 """
 
 from __future__ import annotations
@@ -11,34 +12,34 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import math
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from ddtree_jax import compile_cache
+from ddtree_jax.api import LLM, check_budget, check_lengths, check_memory, check_stops, read_configs
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
-from ddtree_jax.prompts import KNOWN_KEYS, id_key, scan_prompts, tokenize
+from ddtree_jax.prompts import KNOWN_KEYS, sample_key, scan_prompts, tokenize
 from ddtree_jax.settings import BUNDLED, GENERATE, Settings, add_flags
 
-__all__ = ["BUNDLED", "main"]
+__all__ = ["BUNDLED", "check_lengths", "main"]
 
 EXIT_ERROR = 1  # bad flags (argparse's too), input, checkpoint or output path: one line, no output file
 EXIT_SIGNAL = 128  # + the signal's number: 130 after SIGINT, 143 after SIGTERM (finished lines kept)
 
 EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KEYS)}):
   {{"id": ..., "prompt": "text"}}, {{"id": ..., "messages": [{{"role": ..., "content": ...}}]}} or
-  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed override the flags;
-  an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
+  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed, n override the
+  flags; an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
 
-output: one JSON line per prompt, written as each prompt finishes (so in finishing order; with
-  --static-batches batch by batch, in input order); the settings go to OUT.settings.json, which --resume
-  checks: a resumed run's lines are those of an uninterrupted run with the same settings.
+output: one JSON line per prompt and sample (--n): id, index, output_ids, text, finish_reason,
+  stop_reason (after a --stop string), prompt_tokens, num_output_tokens, rounds, acceptance_lengths,
+  e2e_latency; written as each prompt finishes (so in finishing order; with --static-batches batch by
+  batch, in input order); the settings go to OUT.settings.json, which --resume checks: a resumed run's
+  lines are those of an uninterrupted run with the same settings.
 
 exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output path; one line on stderr);
   {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on);
@@ -75,79 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# -- checks that need the configs -----------------------------------------------------------------
-
-
-def check_limits(s: Settings, cfg, dcfg) -> None:
-    """Upper bounds of --max-new-tokens, --block-size and --branching from the configs."""
-    if s.max_new_tokens >= cfg.max_position_embeddings:
-        raise DDTreeError(
-            f"--max-new-tokens {s.max_new_tokens}: the target's context holds "
-            f"{cfg.max_position_embeddings} positions, prompt included"
-        )
-    if dcfg is not None and s.block_size is not None and s.block_size > dcfg.block_size:
-        raise DDTreeError(f"--block-size {s.block_size} exceeds the drafter's {dcfg.block_size}")
-    if s.method == "ddtree" and s.branching is not None and s.branching > cfg.vocab_size:
-        raise DDTreeError(f"--branching {s.branching} exceeds the vocabulary ({cfg.vocab_size} tokens)")
-
-
-def check_budget(s: Settings, dcfg) -> None:
-    """--budget (as resolved) at most the nodes of the drafter's top-k lattice."""
-    if s.method != "ddtree":
-        return
-    depth = (s.block_size or dcfg.block_size) - 1
-    lattice = sum(s.branching**d for d in range(1, depth + 1))
-    if s.budget > lattice:
-        raise DDTreeError(
-            f"--budget {s.budget} exceeds the {lattice} nodes of the drafter's lattice "
-            f"({depth} depths of {s.branching} candidates, --branching): no tree that large exists"
-        )
-
-
-def device_memory() -> int:
-    """Bytes of one device's memory (the host's RAM for CPU devices, which report none)."""
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def check_memory(s: Settings, cfg, dcfg) -> None:
-    """An upper bound of --budget from the device's memory: the tree's float32 attention scores."""
-    if s.method != "ddtree":
-        return
-    from ddtree_jax.budgets import rows_per_device
-    from ddtree_jax.programs import rows_to_run
-
-    depth = (s.block_size or dcfg.block_size) - 1
-    rows = rows_to_run(s.method, rows_per_device(s.batch_size, s.dp), cfg)
-    heads = cfg.dims.num_heads // s.tp if cfg.dims.num_heads % s.tp == 0 else cfg.dims.num_heads
-    context = 16 + s.max_new_tokens + depth + 1  # the smallest cache a prompt gets
-    per_pair = rows * heads * 4  # float32 attention scores per (tree token, key) pair
-    memory = device_memory()
-    tree = s.budget + 1
-    need = per_pair * tree * (tree + context)
-    if need > memory // 2:
-        fits = int((-context + math.sqrt(context**2 + 4 * (memory // 2) / per_pair)) / 2) - 1
-        raise DDTreeError(
-            f"--budget {s.budget}: verifying {tree} tree tokens takes float32 attention scores of {rows} "
-            f"rows x {heads} heads x {tree} x {tree + context} positions = {need / 1e9:.1f} GB per device, "
-            f"more than half of its {memory / 1e9:.1f} GB; at most --budget {max(fits, 0)} fits"
-        )
-
-
-def check_lengths(prompts, max_positions: int, max_new_tokens: int, path: str = "prompts") -> None:
-    """Every prompt plus its generation must fit the model's context."""
-    for p in prompts:
-        if len(p.input_ids) + max_new_tokens > max_positions:
-            raise DDTreeError(
-                f"{path}:{p.line}: prompt {p.id!r}: {len(p.input_ids)} tokens + --max-new-tokens "
-                f"{max_new_tokens} exceed the model's context of {max_positions}"
-            )
-
-
 # -- the run --------------------------------------------------------------------------------------
 
 
@@ -166,20 +94,15 @@ class Prepared:
 
 def prepare(s: Settings) -> Prepared:
     """Every check that needs no weight: --out, the prompts file, the configs, the limits."""
-    from ddtree_jax.config import load_draft_config, load_target_config
-    from ddtree_jax.text import TextCodec
-
     if s.is_writer:
         check_out(s.out, s.prompts, s.resume, s.overwrite)
     records = scan_prompts(s.prompts, s.max_line_bytes, s.max_new_tokens)
-    cfg = load_target_config(s.target, moe_sharding=s.moe_sharding)
-    dcfg = load_draft_config(s.draft, cfg, s.draft_yarn_scaling) if s.draft else None
-    check_limits(s, cfg, dcfg)
-    codec = TextCodec(s.target) if (Path(s.target) / "tokenizer.json").exists() else None
+    cfg, dcfg, codec = read_configs(s)
     prompts = tokenize(records, s.prompts, codec, s.chat_template, cfg.vocab_size)
     s = s.with_budget(cfg, prompts)  # from the whole file, resumed or not: one budget per --out
     check_budget(s, dcfg)
     check_lengths(prompts, cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
+    check_stops(prompts, s, codec)
     done = finished_ids(s.out, s.record()) if s.resume else set()
     start_processes(s)
     check_memory(s, cfg, dcfg)
@@ -232,18 +155,23 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
     return "\n".join(lines)
 
 
-def generate_all(run: Prepared, gen, writer: Writer) -> list:
-    """Run every prompt not yet in --out through the host loop; process 0 writes each line as its
-    prompt finishes."""
+def left(run: Prepared, llm: LLM) -> int:
+    """The samples of the prompts file not yet in --out."""
+    return sum(sample_key(p.id, p.index) not in run.done for p in llm.generator.samples(run.prompts))
+
+
+def generate_all(run: Prepared, llm: LLM, writer: Writer) -> list:
+    """Run every prompt's samples not yet in --out through the LLM; process 0 writes each line as its
+    sample finishes."""
     from tqdm import tqdm
 
     s = run.settings
-    left = sum(id_key(p.id) not in run.done for p in run.prompts)
     results = []
     try:
-        finished = gen.run(run.prompts, skip=run.done)
+        finished = llm.run(run.prompts, skip=run.done)
+        total = left(run, llm)
         for result in tqdm(
-            finished, total=left, desc="prompts", unit="prompt", file=sys.stderr, disable=not s.is_writer
+            finished, total=total, desc="prompts", unit="prompt", file=sys.stderr, disable=not s.is_writer
         ):
             results.append(result)
             if s.is_writer:
@@ -258,22 +186,19 @@ def generate_all(run: Prepared, gen, writer: Writer) -> list:
 
 def run(s: Settings) -> None:
     """Generate for every prompt not yet in --out, appending each result as it finishes."""
-    from ddtree_jax.checkpoint import params_cache
-    from ddtree_jax.pair import load_generator
-
     start = time.perf_counter()
     prepared = prepare(s)
     s = prepared.settings
-    compile_cache.enable(s.compile_cache)  # after prepare: jax.distributed starts first
     report = sys.stderr if s.out == STDOUT else sys.stdout
-    if all(id_key(p.id) in prepared.done for p in prepared.prompts):
+    samples = [sample_key(p.id, i) for p in prepared.prompts for i in range(p.options.get("n", s.n))]
+    if all(key in prepared.done for key in samples):
         print(f"all {len(prepared.done)} prompts are already in {s.out}: nothing to do", file=report)
         return
-    with params_cache(s.params_cache):
-        gen = load_generator(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
-    results = generate_all(prepared, gen, Writer(s.out, s.record(), append=s.resume))
+    # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
+    llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
+    results = generate_all(prepared, llm, Writer(s.out, s.record(), append=s.resume))
     if s.is_writer:
-        print(summarize(results, gen, time.perf_counter() - start, s.batch_size), file=report)
+        print(summarize(results, llm.generator, time.perf_counter() - start, s.batch_size), file=report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.prompts import id_key, scan_prompts
+from ddtree_jax.prompts import id_key, sample_key, scan_prompts
 
 # The settings that decide what an output line holds. --resume refuses to continue a file made with
 # other values.
@@ -31,6 +31,9 @@ SETTINGS = (
     "top_k",
     "top_p",
     "seed",
+    "n",
+    "stop",
+    "include_stop_str_in_output",
     "no_chat_template",
     "budget",
     "branching",
@@ -54,6 +57,8 @@ SCHEDULE_SETTINGS = (
     "attention",
     "moe_sharding",
 )
+# Settings added since the first sidecars: a sidecar without one was made with this value.
+ADDED_SETTINGS = {"n": 1, "stop": [], "include_stop_str_in_output": False}
 STDOUT = "-"
 
 
@@ -181,9 +186,9 @@ def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
 
 
 def finished_ids(out: str, settings: dict[str, Any]) -> set[str]:
-    """--resume: the ids (`prompts.id_key`) already in --out, after checking its settings sidecar, its
-    lines and its prompts (none changed since). Only then is a last line cut short (a killed run)
-    dropped from the file: a refused resume leaves it as it was."""
+    """--resume: the samples (`prompts.sample_key` of each line's id and index) already in --out, after
+    checking its settings sidecar, its lines and its prompts (none changed since). Only then is a last
+    line cut short (a killed run) dropped from the file: a refused resume leaves it as it was."""
     path = Path(out)
     if not path.exists():
         return set()
@@ -192,14 +197,15 @@ def finished_ids(out: str, settings: dict[str, Any]) -> set[str]:
         return set()
     stored = _check_settings(path, settings)
     keep = len(raw) if raw.endswith(b"\n") else raw.rfind(b"\n") + 1
-    done = set()
+    done, ids = set(), set()
     for n, line in enumerate(raw[:keep].decode("utf-8", errors="replace").splitlines(), start=1):
         try:
             record = json.loads(line)
-            done.add(id_key(record["id"]))
+            done.add(sample_key(record["id"], record.get("index", 0)))
+            ids.add(id_key(record["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):
             raise DDTreeError(f"{out}:{n}: not an output line of ddtree-generate; cannot resume") from None
-    _check_prompts(path, stored.get(PROMPT_DIGESTS), _digests.get(path.resolve()), done)
+    _check_prompts(path, stored.get(PROMPT_DIGESTS), _digests.get(path.resolve()), ids)
     if keep < len(raw):
         with open(path, "r+b") as f:
             f.truncate(keep)
@@ -235,7 +241,7 @@ def _check_settings(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     keys = SETTINGS
     if not stored.get("dtype") == settings.get("dtype") == "float32":
         keys += SCHEDULE_SETTINGS
-    diff = [k for k in keys if stored.get(k) != settings.get(k)]
+    diff = [k for k in keys if stored.get(k, ADDED_SETTINGS.get(k)) != settings.get(k)]
     if diff:
         what = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)!r} (now {settings.get(k)!r})" for k in diff)
         raise DDTreeError(f"--resume: {path} was made with other settings: {what}")

@@ -2,7 +2,8 @@
 
   start     a new decode state of B rows: the requests prefilled into their rows, the others done
   refill    the requests prefilled into rows of a running state (rows freed by finished prompts)
-  rounds    decoding rounds (engine.decode_round) until `until` rows are done, or every row is
+  rounds    decoding rounds (engine.decode_round) until `until` rows are done, or every row is, or
+            `most` rounds ran (a host that checks stop strings after each round)
   generate  start, then rounds until every row is done: a static batch's whole generation as ONE
             program (no round returns to the host)
   stages    the round's five steps as programs of their own, for a host that times each
@@ -61,6 +62,9 @@ class Requests:
 
 
 REQUEST_SPECS = Requests(ROW, ROW, ROW, ROW, ROW)
+
+
+EVERY_ROUND = 2**31 - 1  # `most` rounds of a program that runs until its rows are done
 
 
 def prompt_slots(length: int) -> int:
@@ -214,13 +218,13 @@ def _rows_sum(x: jax.Array, plan: Plan) -> jax.Array:
     return jax.lax.psum(x, DATA) if plan.dp > 1 else x
 
 
-def run_rounds(params, draft_params, state: DecodeState, until, *, plan: Plan, rows: int):
-    """Rounds until `until` (a scalar) of the `rows` rows are done or all are; also the rounds run
-    ([B], every entry the same)."""
+def run_rounds(params, draft_params, state: DecodeState, until, most, *, plan: Plan, rows: int):
+    """Rounds until `until` (a scalar) of the `rows` rows are done or all are, or `most` (a scalar)
+    rounds ran; also the rounds run ([B], every entry the same)."""
 
     def going(c):
         done = _rows_sum(jnp.sum(c[0].done.astype(jnp.int32)), plan)
-        return (done < until) & (done < rows)
+        return (done < until) & (done < rows) & (c[1] < most)
 
     def body(c):
         return engine.decode_round(params, draft_params, c[0], plan), c[1] + 1
@@ -286,14 +290,18 @@ def refill(
     return place_rows(state, new, req.rows)
 
 
-def rounds(params, draft_params, state: DecodeState, until, *, plan: Plan):
-    """Rounds until `until` rows are done or all are; the state and the rounds run ([B], equal)."""
+def rounds(params, draft_params, state: DecodeState, until, most, *, plan: Plan):
+    """Rounds until `until` rows are done or all are, or `most` rounds ran; the state and the rounds
+    run ([B], equal)."""
     tspec, dspec = param_specs(plan)
     sspec, rows = state_specs(plan), state.bonus.shape[0]
     fn = on_mesh(
-        lambda *a, plan: run_rounds(*a, plan=plan, rows=rows), plan, (tspec, dspec, sspec, ALL), (sspec, ROW)
+        lambda *a, plan: run_rounds(*a, plan=plan, rows=rows),
+        plan,
+        (tspec, dspec, sspec, ALL, ALL),
+        (sspec, ROW),
     )
-    return fn(params, draft_params, state, until)
+    return fn(params, draft_params, state, until, most)
 
 
 def generate(
@@ -303,7 +311,7 @@ def generate(
     state = start(
         params, draft_params, req, stop_ids, plan=plan, shape=shape, chunk=chunk, attention=attention
     )
-    return rounds(params, draft_params, state, jnp.int32(shape.rows), plan=plan)[0]
+    return rounds(params, draft_params, state, jnp.int32(shape.rows), jnp.int32(EVERY_ROUND), plan=plan)[0]
 
 
 def stage_programs(plan: Plan) -> dict[str, Any]:
@@ -383,9 +391,12 @@ class Programs:
         """The state (donated) with the requests in their rows."""
         return self._call("refill", state, req, chunk=self.chunk, attention=self.attention)
 
-    def rounds(self, state: DecodeState, until: int) -> tuple[DecodeState, jax.Array]:
-        """Rounds over the state (donated) until `until` rows are done or all are; the rounds run ([B])."""
-        return self._call("rounds", state, jnp.int32(until))
+    def rounds(
+        self, state: DecodeState, until: int, most: int = EVERY_ROUND
+    ) -> tuple[DecodeState, jax.Array]:
+        """Rounds over the state (donated) until `until` rows are done or all are, or `most` rounds ran;
+        the rounds run ([B])."""
+        return self._call("rounds", state, jnp.int32(until), jnp.int32(most))
 
     def generate(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
         """The requests' whole generation in one program."""

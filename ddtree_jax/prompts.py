@@ -1,8 +1,8 @@
 """The prompts file: one JSON object per line, with `prompt`, `messages` or `input_ids`.
 
-Optional per-prompt `temperature`, `top_k`, `top_p` and `seed` override the command-line defaults;
-an optional `max_new_tokens` (at most the run's `--max-new-tokens`, which sizes the cache) ends that
-prompt's generation earlier.
+Optional per-prompt `temperature`, `top_k`, `top_p`, `seed` and `n` (samples) override the
+command-line defaults; an optional `max_new_tokens` (at most the run's `--max-new-tokens`, which sizes
+the cache) ends that prompt's generation earlier.
 Reading has two stages: `scan_prompts` checks everything that needs no model (line size, UTF-8,
 JSON, keys, ids, settings) before any weight is loaded; `tokenize` then encodes the prompts.
 """
@@ -22,7 +22,9 @@ from ddtree_jax.text import TextCodec
 
 PROMPT_KINDS = ("prompt", "messages", "input_ids")
 LIMIT = "max_new_tokens"  # a prompt's own limit of new tokens (SGLang's per-request name)
-KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, LIMIT)
+SAMPLES = "n"  # a prompt's own number of samples (vLLM's and SGLang's name)
+STOP, INCLUDE_STOP = "stop", "include_stop_str_in_output"  # stop strings (stops.py), vLLM's names
+KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, STOP, INCLUDE_STOP, LIMIT)
 # A line longer than this is refused before it is decoded or tokenised: 8 MiB of text is millions of
 # tokens, far past any supported context (tokenising 50 MB took 58 s and 8 GB before it was refused).
 MAX_LINE_BYTES = 8 << 20
@@ -30,12 +32,14 @@ MAX_LINE_BYTES = 8 << 20
 
 @dataclasses.dataclass
 class Prompt:
-    """One request: its id, where it came from, its token ids and its own settings."""
+    """One request: its id, where it came from, its token ids, its own settings and which of its
+    samples it is (`index`, 0 to n - 1)."""
 
     id: Any
     line: int
     input_ids: list[int]
     options: dict[str, Any]
+    index: int = 0
 
 
 @dataclasses.dataclass
@@ -52,6 +56,12 @@ class Record:
 def id_key(value: Any) -> str:
     """A canonical form of an id for comparisons (1 and "1" differ)."""
     return json.dumps(value, sort_keys=True)
+
+
+def sample_key(value: Any, index: int) -> str:
+    """A canonical form of sample `index` of the prompt with id `value` (sample 0: the id's own key;
+    ids are strings or integers, never lists, so the keys of other samples differ from every id's)."""
+    return id_key(value) if index == 0 else id_key([value, index])
 
 
 def _lines(path: Path, max_line_bytes: int):
@@ -114,6 +124,17 @@ def scan_prompts(
         for name, option in options.items():
             if (why := check_sampling(name, option)) is not None:
                 raise DDTreeError(f"{where}: '{name}' {why}")
+        if SAMPLES in record:
+            options[SAMPLES] = _samples(record[SAMPLES], where)
+        if STOP in record:
+            stop = record[STOP]
+            if (why := check_stop(stop)) is not None:
+                raise DDTreeError(f"{where}: '{STOP}' {why}")
+            options[STOP] = (stop,) if isinstance(stop, str) else tuple(stop)
+        if INCLUDE_STOP in record:
+            if not isinstance(record[INCLUDE_STOP], bool):
+                raise DDTreeError(f"{where}: '{INCLUDE_STOP}' must be true or false")
+            options[INCLUDE_STOP] = record[INCLUDE_STOP]
         if LIMIT in record:
             options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
         records.append(Record(id_, n, kind, value, options))
@@ -130,6 +151,21 @@ def _limit(value: Any, most: int | None, where: str) -> int:
         raise DDTreeError(
             f"{where}: '{LIMIT}' {value} exceeds the run's --max-new-tokens {most} (which sizes the cache)"
         )
+    return value
+
+
+def check_stop(value: Any) -> str | None:
+    """Why `value` is not a stop string or a list of them, or None if it is."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list | tuple) or not all(isinstance(s, str) and s for s in values):
+        return f"must be a non-empty string or a list of them, got {value!r}"
+    return None
+
+
+def _samples(value: Any, where: str) -> int:
+    """A prompt's `n`: a positive integer."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DDTreeError(f"{where}: '{SAMPLES}' must be a positive integer, got {value!r}")
     return value
 
 

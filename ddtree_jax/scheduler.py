@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,14 +30,17 @@ import numpy as np
 
 from ddtree_jax import attention, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
-from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots, rows_to_run
-from ddtree_jax.prompts import LIMIT, Prompt, id_key
-from ddtree_jax.sampling import GREEDY, SamplingParams
+from ddtree_jax.programs import EVERY_ROUND, Programs, Requests, Shape, prompt_slots, rows_to_run
+from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, SAMPLES, STOP, Prompt, sample_key
+from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingParams
+from ddtree_jax.stops import Stop, cut_rounds, find_stop
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 POLICIES = ("continuous", "static")
 GQA_FAMILIES = ("dense", "qwen3_moe")  # models.FAMILIES whose prefill chunks may use cuDNN attention
+OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP)  # a prompt's own settings over the generator's
+STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Schedule:
 
 @dataclasses.dataclass
 class Result:
-    """One output line."""
+    """One output line: one sample of one prompt."""
 
     id: Any
     output_ids: list[int]
@@ -72,19 +76,32 @@ class Result:
     rounds: int
     acceptance_lengths: list[int]
     text: str | None = None
+    index: int = 0  # which of the prompt's n samples (0 to n - 1)
+    prompt_tokens: int = 0  # the prompt's token count
+    e2e_latency: float = 0.0  # seconds from admission into a row to finish, compilation left out
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop"), else None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written for this prompt."""
-        out = {"id": self.id, "output_ids": self.output_ids}
+        out = {"id": self.id, "index": self.index, "output_ids": self.output_ids}
         if self.text is not None:
             out["text"] = self.text
         out |= {
             "finish_reason": self.finish_reason,
+            **({} if self.stop_reason is None else {"stop_reason": self.stop_reason}),
+            "prompt_tokens": self.prompt_tokens,
             "num_output_tokens": len(self.output_ids),
             "rounds": self.rounds,
             "acceptance_lengths": self.acceptance_lengths,
+            "e2e_latency": round(self.e2e_latency, 6),
         }
         return out
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a prompt seeded `seed`: (seed + index * 0x9E3779B9) mod 2^32, so
+    sample 0 keeps the prompt's seed (n = 1 is unchanged) and the samples' noise streams differ."""
+    return (seed + index * 0x9E3779B9) % MAX_SEED
 
 
 @dataclasses.dataclass
@@ -118,7 +135,8 @@ class Generator:
         schedule: Schedule | None = None,
     ):
         self.plan, self.stop_ids, self.codec = plan, tuple(stop_ids), codec
-        self.sampling = GREEDY | (sampling or {})  # defaults; a prompt's own settings override them
+        # defaults (sampling settings and n samples); a prompt's own settings override them
+        self.sampling = GREEDY | {SAMPLES: 1, STOP: (), INCLUDE_STOP: False} | (sampling or {})
         self.schedule = schedule or Schedule()
         impl = attention.invariant(plan.attention) if self.schedule.batch_invariant else plan.attention
         self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
@@ -181,13 +199,26 @@ class Generator:
 
     # -- the loop ------------------------------------------------------------------------------------
 
+    def samples(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Each prompt as its n samples (its own `n`, else the default), sample i seeded
+        `sample_seed(seed, i)`, each sample a prompt of its own with its `index`."""
+        out = []
+        for p in prompts:
+            settings = self._settings(p)
+            for i in range(settings[SAMPLES]):
+                seed = {"seed": sample_seed(settings["seed"], i)} if i else {}
+                out.append(dataclasses.replace(p, options=p.options | seed, index=i))
+        return out
+
     def run(self, prompts: list[Prompt], skip: frozenset = frozenset()) -> Iterator[Result]:
-        """Each prompt's Result as its row finishes (static: each batch's in input order), except the
-        prompts whose `prompts.id_key` is in `skip`, which keep their place in the schedule only."""
+        """Each prompt's samples' Results as their rows finish (static: each batch's in input order),
+        except the samples whose `prompts.sample_key` is in `skip`, which keep their place in the
+        schedule only."""
+        prompts = self.samples(prompts)
         if not prompts:
             return
         b = self.rows_run = self.rows(len(prompts))
-        kept = [id_key(p.id) not in skip for p in prompts]
+        kept = [sample_key(p.id, p.index) not in skip for p in prompts]
         waiting = collections.deque(self._order(prompts, kept))
         sampled = any(self._settings(p)["temperature"] != 0 for p in prompts)
         longest = max(len(p.input_ids) for p in prompts)
@@ -197,14 +228,22 @@ class Generator:
             begin, compiled = time.perf_counter(), self.compile_seconds
             ran = step(run, waiting)
             out = _fetch(_outputs(run.state) | ({} if ran is None else {"ran": ran}))
-            self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
+            now = time.perf_counter()
+            self.generate_seconds += now - begin - (self.compile_seconds - compiled)
             if "ran" in out:
                 self._count(run, out, bool(waiting))
+            finished, retire = [], np.zeros((run.rows,), bool)
             for r, i in enumerate(run.row_of):
-                if i is not None and out["done"][r]:
-                    run.row_of[r] = None
+                stop = None if i is None else self._stop(run, prompts[i], out, r)
+                if i is not None and (out["done"][r] or stop is not None):
+                    run.row_of[r], retire[r] = None, not out["done"][r]
                     if kept[i]:
-                        yield self._result(prompts[i], out, r)
+                        since, compiled_then = run.admitted[r]
+                        latency = now - since - (self.compile_seconds - compiled_then)
+                        finished.append(self._result(prompts[i], out, r, latency, stop))
+            if retire.any():  # rows cut at a stop string: done, free for the next prompt
+                run.state = _retire(run.state, jnp.asarray(retire))
+            yield from finished
 
     def _order(self, prompts: list[Prompt], kept: list[bool]) -> list[int]:
         """The order prompts enter rows: static, input order in batches cut from the whole list (a
@@ -217,19 +256,39 @@ class Generator:
         return [i for batch in batches if any(kept[j] for j in batch) for i in batch]
 
     def _static_step(self, run: _Run, waiting: collections.deque) -> jax.Array | None:
-        """The next batch, in its own state from prefill to its slowest row's end."""
+        """The next batch, in its own state from prefill to its slowest row's end (a batch with stop
+        strings: a round at a time, its rows still running carried to the next step)."""
+        if any(i is not None for i in run.row_of):
+            run.state = self._rounds(run, run.rows)[0]
+            return None
         take = [waiting.popleft() for _ in range(min(self.schedule.batch_size, len(waiting)))]
         longest = max(len(run.prompts[i].input_ids) for i in take)
         shape = Shape.of(self.plan, run.rows, prompt_slots(longest))
         req = self._requests(run, take, list(range(len(take))), run.rows, shape)
+        admitted = (time.perf_counter(), self.compile_seconds)
         for r, i in enumerate(take):
-            run.row_of[r] = i
-        if not self.schedule.host_stepped:
+            self._admit(run, r, i, admitted)
+        if not self.schedule.host_stepped and not any(run.stopping):
             run.state = self.programs.generate(req, self._stop_array(), shape)
             return None
         run.state = self._prefill(lambda: self.programs.start(req, self._stop_array(), shape))
-        run.state, _ = self._stepped_rounds(run.state, run.rows)
+        run.state = self._rounds(run, run.rows)[0]
         return None
+
+    def _admit(self, run: _Run, r: int, i: int, admitted: tuple[float, float]) -> None:
+        """Sample `i` into row `r` of the run (`admitted`: when its prefill was called)."""
+        run.row_of[r], run.seen[r], run.admitted[r], run.checked[r] = i, 0, admitted, 0
+        run.stopping[r] = bool(self._settings(run.prompts[i])[STOP])
+
+    def _rounds(self, run: _Run, until: int) -> tuple[DecodeState, jax.Array]:
+        """Rounds until `until` rows are done, or all are; one round at a time while a row has stop
+        strings (the host checks its text after each); the rounds run ([B])."""
+        live = [r for r, i in enumerate(run.row_of) if i is not None]
+        most = STOP_CHECK_ROUNDS if any(run.stopping[r] for r in live) else EVERY_ROUND
+        if self.schedule.host_stepped:
+            state, ran = self._stepped_rounds(run.state, until, most)
+            return state, jnp.full((run.rows,), ran)
+        return self.programs.rounds(run.state, until, most)
 
     def _continuous_step(self, run: _Run, waiting: collections.deque) -> jax.Array:
         """Waiting prompts into the free rows, one per "data" device per prefill (each prompt's
@@ -239,8 +298,9 @@ class Generator:
         dp = self.plan.dp
         for g in range(0, len(take), dp):
             group = take[g : g + dp]
-            rows = free[g : g + len(group)]
+            rows = free[g : g + len(group)]  # fewer prompts than "data" devices: padding requests
             req = self._requests(run, group, rows, dp, run.shape)
+            admitted = (time.perf_counter(), self.compile_seconds)
             if run.state is None:
                 run.state = self._prefill(
                     lambda req=req: self.programs.start(req, self._stop_array(), run.shape)
@@ -248,14 +308,11 @@ class Generator:
             else:
                 run.state = self._prefill(lambda req=req: self.programs.refill(run.state, req))
             for r, i in zip(rows, group, strict=True):
-                run.row_of[r], run.seen[r] = i, 0
+                self._admit(run, r, i, admitted)
             self.occupancy.refills += 1
         live = sum(i is not None for i in run.row_of)
         until = (run.rows - live) + self.schedule.refill_at if waiting else run.rows
-        if self.schedule.host_stepped:
-            run.state, ran = self._stepped_rounds(run.state, until)
-            return jnp.full((run.rows,), ran)
-        run.state, ran = self.programs.rounds(run.state, until)
+        run.state, ran = self._rounds(run, until)
         return ran
 
     def _count(self, run: _Run, out: dict, waiting: bool) -> None:
@@ -285,10 +342,10 @@ class Generator:
         self.stage_seconds["prefill"] = self.stage_seconds.get("prefill", 0.0) + seconds
         return state
 
-    def _stepped_rounds(self, state: DecodeState, until: int) -> tuple[DecodeState, int]:
-        """Rounds from the host, step by step, until `until` rows are done or all are."""
+    def _stepped_rounds(self, state: DecodeState, until: int, most: int) -> tuple[DecodeState, int]:
+        """Rounds from the host, step by step, until `until` rows are done or all are, or `most` ran."""
         ran, rows = 0, state.bonus.shape[0]
-        while int(np.sum(_fetch({"done": state.done})["done"])) < min(until, rows):
+        while ran < most and int(np.sum(_fetch({"done": state.done})["done"])) < min(until, rows):
             state = self.stepper.round(state)
             ran += 1
         for stage, times in self.stepper.times.items():
@@ -303,8 +360,19 @@ class Generator:
         return jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32)
 
     def _settings(self, prompt: Prompt) -> dict:
-        """The prompt's sampling settings: its own over the defaults."""
-        return self.sampling | {k: prompt.options[k] for k in GREEDY if k in prompt.options}
+        """The prompt's sampling settings and samples: its own over the defaults."""
+        return self.sampling | {k: prompt.options[k] for k in OPTIONS if k in prompt.options}
+
+    def _stop(self, run: _Run, prompt: Prompt, out: dict, r: int) -> Stop | None:
+        """Where row `r`'s sample stops at a stop string, checked when it has new tokens (None: it
+        does not, or has none)."""
+        n = int(out["num_output"][r])
+        if not run.stopping[r] or n == run.checked[r]:
+            return None
+        run.checked[r] = n
+        settings = self._settings(prompt)
+        ids = out["output"][r, :n].tolist()
+        return find_stop(ids, self.codec.decode, settings[STOP], settings[INCLUDE_STOP])
 
     def _requests(self, run: _Run, take: list[int], rows: list[int], count: int, shape: Shape) -> Requests:
         """Requests [count] for prompts `take` bound for `rows` (the rest padding)."""
@@ -330,16 +398,23 @@ class Generator:
             raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
         return n
 
-    def _result(self, prompt: Prompt, out: dict, r: int) -> Result:
+    def _result(self, prompt: Prompt, out: dict, r: int, latency: float, stop: Stop | None) -> Result:
+        """Row `r`'s sample as a Result (`stop`: cut at a stop string)."""
         n, rounds = int(out["num_output"][r]), int(out["rounds"][r])
-        ids = out["output"][r, :n].tolist()
+        ids, acceptance = out["output"][r, :n].tolist(), out["acceptance"][r, :rounds].tolist()
+        if stop is not None:
+            ids, acceptance = ids[: stop.tokens], cut_rounds(acceptance, stop.tokens)
         return Result(
             id=prompt.id,
             output_ids=ids,
-            finish_reason="stop" if out["stopped"][r] else "length",
-            rounds=rounds,
-            acceptance_lengths=out["acceptance"][r, :rounds].tolist(),
-            text=self.codec.decode(ids) if self.codec is not None else None,
+            finish_reason="stop" if stop is not None or out["stopped"][r] else "length",
+            rounds=len(acceptance),
+            acceptance_lengths=acceptance,
+            text=stop.text if stop is not None else None if self.codec is None else self.codec.decode(ids),
+            index=prompt.index,
+            prompt_tokens=len(prompt.input_ids),
+            e2e_latency=latency,
+            stop_reason=None if stop is None else stop.matched,
         )
 
 
@@ -354,9 +429,15 @@ class _Run:
     state: DecodeState | None = None
     row_of: list[int | None] = dataclasses.field(default_factory=list)  # the prompt in each row
     seen: np.ndarray | None = None  # each row's rounds at the last return to the host
+    # each row's admission: (host time, compile seconds so far) when its prompt's prefill was called
+    admitted: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    stopping: list[bool] = dataclasses.field(default_factory=list)  # each row's sample has stop strings
+    checked: list[int] = dataclasses.field(default_factory=list)  # its tokens when its text was checked
 
     def __post_init__(self):
         self.row_of = [None] * self.rows
+        self.admitted = [(0.0, 0.0)] * self.rows
+        self.stopping, self.checked = [False] * self.rows, [0] * self.rows
         self.seen = np.zeros((self.rows,), np.int64)
 
 
@@ -391,6 +472,12 @@ class HostStepper:
         choice, kv, features = self._timed("verify", shapes, p, state, t)
         w = self._timed("walk", shapes, t, choice)
         return self._timed("commit", shapes, d, state, w, kv, features)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _retire(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """The state with rows [B] bool done (cut at a stop string on the host)."""
+    return dataclasses.replace(state, done=state.done | rows)
 
 
 def _fetch(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:

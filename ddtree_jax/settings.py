@@ -24,7 +24,7 @@ from ddtree_jax.budgets import (
     run_context,
 )
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES
+from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES, check_stop
 
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -85,6 +85,14 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "top_p": (("--top-p",), dict(type=float, default=1.0, help="nucleus sampling mass (1 = off)")),
     "top_k": (("--top-k",), dict(type=int, default=0, help="sample among the k most likely tokens "
         "(0 = off)")),
+    "n": (("--n",), dict(type=int, default=1, help="samples per prompt of prompts that set none (each "
+        "output line carries its index i; sample i is seeded (seed + i * 0x9E3779B9) mod 2^32, sample 0 "
+        "with the prompt's seed)")),
+    "stop": (("--stop",), dict(action="append", metavar="TEXT", help="a stop string of prompts that set "
+        "none (repeat the flag for several): generation ends at the first one in the decoded text, which "
+        "is cut before it; the line records it as stop_reason (needs the target's tokenizer.json)")),
+    "include_stop_str_in_output": (("--include-stop-str-in-output",), dict(action="store_true", help="keep "
+        "the stop string at the end of the text")),
     "tp": (("--tp",), dict(type=int, default=1, help="tensor-parallel devices: heads, MLP columns and "
         "vocabulary split")),
     "dp": (("--dp",), dict(type=int, default=1, help="data-parallel devices: the batch split (padded to "
@@ -116,8 +124,9 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 RUN = ("method", "budget", "host_stepped")
 COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
-    "out", "resume", "overwrite", "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention",
-    "batch_invariant", "static_batches", "coordinator", "num_processes", "process_id",
+    "n", "stop", "include_stop_str_in_output", "out", "resume", "overwrite", "params_cache",
+    "max_line_bytes", "prefill_chunk", "prefill_attention", "batch_invariant", "static_batches",
+    "coordinator", "num_processes", "process_id",
 )  # fmt: skip
 GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *COMPILE, *GENERATE_ONLY)
 
@@ -168,6 +177,9 @@ class Settings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    n: int = 1  # samples per prompt
+    stop: tuple[str, ...] = ()  # stop strings
+    include_stop_str_in_output: bool = False
     chat_template: bool = True
     static_batches: bool = False
     host_stepped: bool = False
@@ -194,12 +206,13 @@ class Settings:
             raise DDTreeError(f"--method {self.method} {need} --draft")
 
     @classmethod
-    def from_flags(cls, args: argparse.Namespace) -> Settings:
+    def from_flags(cls, args: argparse.Namespace, prompts_file: bool = True) -> Settings:
         """The settings of parsed flags, checked (flags a tool does not offer take their defaults);
-        the bundled pair (and its prompts) when no --target is given."""
+        the bundled pair (and its prompts) when no --target is given. `prompts_file`: whether the run
+        reads a prompts file (the Python API's runs take their prompts otherwise)."""
         flags = defaults(tuple(FLAGS)) | vars(args)
         _check_numbers(flags)
-        target, draft, prompts = _pair(flags)
+        target, draft, prompts = _pair(flags, prompts_file)
         method = flags["method"] or ("ddtree" if draft else "ar")
         if method == "ar":
             draft = None  # the bundled pair's drafter is not used
@@ -219,14 +232,16 @@ class Settings:
                 budget=flags["budget"] if method == "ddtree" else 0,
                 branching=flags["branching"] if method == "ddtree" else None,
                 chat_template=not flags["no_chat_template"],
+                stop=tuple(flags["stop"] or ()),
                 processes=_processes(flags),
             )
         )
 
     @property
     def sampling(self) -> dict[str, Any]:
-        """The default sampling settings {temperature, top_k, top_p, seed} (a prompt's own override)."""
-        return {k: getattr(self, k) for k in SAMPLING}
+        """The default sampling settings {temperature, top_k, top_p, seed, n, stop,
+        include_stop_str_in_output} (a prompt's own override)."""
+        return {k: getattr(self, k) for k in (*SAMPLING, "n", "stop", "include_stop_str_in_output")}
 
     @property
     def is_writer(self) -> bool:
@@ -267,6 +282,7 @@ class Settings:
         out["target"] = str(Path(self.target).resolve())
         out["draft"] = str(Path(self.draft).resolve()) if self.draft else None
         out["no_chat_template"] = not out.pop("chat_template")
+        out["stop"] = list(self.stop)
         return out
 
 
@@ -274,7 +290,7 @@ def _check_numbers(flags: dict[str, Any]) -> None:
     """Positive counts, the prefill chunk, block size and sampling values (no config needed)."""
     from ddtree_jax.sampling import check
 
-    for name in ("max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp"):
+    for name in ("max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp", "n"):
         if flags[name] is not None and flags[name] < 1:
             raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {flags[name]}")
     if flags["max_line_bytes"] < 1:
@@ -285,21 +301,25 @@ def _check_numbers(flags: dict[str, Any]) -> None:
     for name in SAMPLING:
         if (why := check(name, flags[name])) is not None:
             raise DDTreeError(f"--{name.replace('_', '-')} {why}")
+    if flags["stop"] is not None and (why := check_stop(flags["stop"])) is not None:
+        raise DDTreeError(f"--stop {why}")
     if flags["block_size"] is not None and flags["block_size"] < 2:
         raise DDTreeError("--block-size must be >= 2")
 
 
-def _pair(flags: dict[str, Any]) -> tuple[str, str | None, str]:
-    """(target, draft, prompts): the given ones, or the bundled pair and its prompts."""
+def _pair(flags: dict[str, Any], prompts_file: bool = True) -> tuple[str, str | None, str | None]:
+    """(target, draft, prompts): the given ones, or the bundled pair and its prompts (None when the
+    run reads no prompts file)."""
     if flags["method"] == "ar" and flags["draft"] is not None:
         raise DDTreeError("--draft applies to --method dflash and ddtree; --method ar uses no drafter")
     if flags["target"] is not None:
-        if flags["prompts"] is None:
+        if flags["prompts"] is None and prompts_file:
             raise DDTreeError("--prompts FILE is required with --target")
-        return flags["target"], flags["draft"], flags["prompts"]
+        return str(flags["target"]), flags["draft"] and str(flags["draft"]), flags["prompts"]
     if flags["draft"] is not None:
         raise DDTreeError("--draft needs --target (the bundled target comes with its own drafter)")
-    return str(BUNDLED / "target"), str(BUNDLED / "draft"), flags["prompts"] or str(BUNDLED / "prompts.jsonl")
+    bundled = str(BUNDLED / "prompts.jsonl") if prompts_file else None
+    return str(BUNDLED / "target"), str(BUNDLED / "draft"), flags["prompts"] or bundled
 
 
 def _processes(flags: dict[str, Any]) -> Processes | None:

@@ -26,13 +26,17 @@ from ddtree_jax.text import TextCodec
 
 FIELDS = (
     "id",
+    "index",
     "output_ids",
     "text",
     "meta_info",
     "finish_reason",
+    "stop_reason",
+    "prompt_tokens",
     "num_output_tokens",
     "rounds",
     "acceptance_lengths",
+    "e2e_latency",
 )
 
 
