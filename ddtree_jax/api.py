@@ -182,7 +182,8 @@ def read_configs(s: Settings):
 # The LLM's options: ddtree-generate's flags that decide the models, the plan and the schedule.
 OPTIONS = (
     "method", "budget", "branching", "block_size", "draft_window", "draft_yarn_scaling", "dtype",
-    "attention", "tp", "dp", "moe_sharding", "dequantize", "max_new_tokens", "batch_size",
+    "attention", "tp", "dp", "moe_sharding", "dequantize", "max_new_tokens", "logprobs", "logprobs_mode",
+    "batch_size",
     "static_batches", "host_stepped", "batch_invariant", "prefill_chunk", "prefill_attention",
     "params_cache", "compile_cache",
 )  # fmt: skip
@@ -210,6 +211,8 @@ class LLM:
         moe_sharding: str | None = None,
         dequantize: bool | None = None,
         max_new_tokens: int | None = None,
+        logprobs: int | None = None,
+        logprobs_mode: str | None = None,
         batch_size: int | None = None,
         chat_template: bool = True,
         static_batches: bool | None = None,

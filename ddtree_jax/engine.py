@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import collectives, drafter, kv_cache, models, target, tree
+from ddtree_jax import collectives, drafter, kv_cache, logprobs, models, target, tree
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.kv_cache import KVCache, gather_slots
+from ddtree_jax.logprobs import Logprobs
 from ddtree_jax.sampling import SamplingParams, choose, tempered
 from ddtree_jax.sharding import DATA, MODEL, make_mesh, param_sharding
 from ddtree_jax.weights import Params, assemble
@@ -53,6 +54,8 @@ class Plan:
     tempered_draft: bool = False  # tree scores from the drafter's log-probs at each row's temperature
     tp: int = 1  # devices along "model": heads, MLP columns and vocabulary split
     dp: int = 1  # devices along "data": the rows split
+    logprobs: int = 0  # K: top log-probabilities kept per generated token (0: none computed)
+    logprobs_mode: str = "raw"  # "raw" | "processed" (logprobs.py)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -61,6 +64,8 @@ class Plan:
             raise ValueError(f"method {self.method!r} needs a drafter")
         if self.method == "ddtree" and self.budget < 1:
             raise ValueError("ddtree needs budget >= 1")
+        if self.logprobs < 0 or self.logprobs_mode not in logprobs.MODES:
+            raise ValueError(f"logprobs must be >= 0 and its mode one of {logprobs.MODES}")
 
     @property
     def model_axis(self) -> str | None:
@@ -111,6 +116,7 @@ class DecodeState:
     max_new_tokens: jax.Array  # [B] each row's own limit of new tokens (at most plan.max_new_tokens)
     stop_ids: jax.Array  # [MAX_STOP_IDS] the run's stop ids (-1 pads), the same for every row
     sampling: SamplingParams | None = None  # None: greedy for every row (the greedy-only program)
+    logprobs: Logprobs | None = None  # [B, max_new + W] (top K: [B, max_new + W, K]); None: plan K = 0
 
     @property
     def lengths(self) -> jax.Array:
@@ -157,6 +163,11 @@ def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
 
     Node i sits at position L + depth[i] and chooses the token at L + depth[i] + 1.
     """
+    return verify_scored(params, state, t, plan)[:3]
+
+
+def verify_scored(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
+    """`verify`, and the Logprobs of every node's choice [B, T] (None when the plan keeps none)."""
     positions = state.lengths[:, None] + t.depth
     out = target.forward(
         params,
@@ -171,7 +182,12 @@ def verify(params: Params, state: DecodeState, t: tree.Tree, plan: Plan):
     )
     head = target.logits(params, out.hidden, plan.target.vocab_size, plan.model_axis)
     choice = choose(head, state.sampling, positions + 1, plan.model_axis)
-    return choice, out.kv, out.features
+    scores = None
+    if plan.logprobs:
+        scores = logprobs.node_logprobs(
+            head, choice, state.sampling, plan.logprobs, plan.logprobs_mode, plan.model_axis
+        )
+    return choice, out.kv, out.features, scores
 
 
 def walk(t: tree.Tree, choice: jax.Array, plan: Plan) -> tree.Walk:
@@ -201,9 +217,11 @@ def commit(
     kv: list,
     features: jax.Array | None,
     plan: Plan,
+    scores: Logprobs | None = None,
 ) -> DecodeState:
     """Commit every live row's accepted path: its tokens up to a stop id or the row's limit, its cache
-    entries (target and drafter), its acceptance length; the next root is the walk's bonus."""
+    entries (target and drafter), its acceptance length, the Logprobs of its tokens (`scores` [B, T],
+    the nodes'); the next root is the walk's bonus."""
     b, slots = state.bonus.shape[0], plan.path_slots
     live = ~state.done
     in_path = jnp.arange(slots)[None, :] < w.length[:, None]
@@ -223,6 +241,9 @@ def commit(
     draft_cache = None
     if state.draft_cache is not None:
         draft_cache = project_context(draft_params, state, w, features, plan)
+    kept = state.logprobs
+    if scores is not None:
+        kept = logprobs.write(kept, logprobs.at_path(scores, w.path), state.num_output)
     return dataclasses.replace(
         state,
         cache=cache,
@@ -234,6 +255,7 @@ def commit(
         stopped=state.stopped | stopped_now,
         acceptance=state.acceptance.at[jnp.arange(b), round_idx].set(jnp.where(live, n_emit, old)),
         rounds=state.rounds + live.astype(jnp.int32),
+        logprobs=kept,
     )
 
 
@@ -250,11 +272,11 @@ def decode_round(params: Params, draft_params: Params | None, state: DecodeState
     with jax.named_scope("build"):
         t = build(state, logp, tok, plan)
     with jax.named_scope("verify"):
-        choice, kv, features = verify(params, state, t, plan)
+        choice, kv, features, scores = verify_scored(params, state, t, plan)
     with jax.named_scope("walk"):
         w = walk(t, choice, plan)
     with jax.named_scope("commit"):
-        return commit(draft_params, state, w, kv, features, plan)
+        return commit(draft_params, state, w, kv, features, plan, scores)
 
 
 # -- on a mesh: shard_map specs of every argument and result -----------------------------------------
@@ -291,6 +313,7 @@ def state_specs(plan: Plan) -> DecodeState:
         max_new_tokens=ROW,
         stop_ids=ALL,
         sampling=ROW,
+        logprobs=Logprobs(ROW, ROW, ROW) if plan.logprobs else None,
     )
 
 

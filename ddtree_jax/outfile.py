@@ -34,6 +34,8 @@ SETTINGS = (
     "n",
     "stop",
     "include_stop_str_in_output",
+    "logprobs",
+    "logprobs_mode",
     "no_chat_template",
     "budget",
     "branching",
@@ -58,7 +60,9 @@ SCHEDULE_SETTINGS = (
     "moe_sharding",
 )
 # Settings added since the first sidecars: a sidecar without one was made with this value.
-ADDED_SETTINGS = {"n": 1, "stop": [], "include_stop_str_in_output": False}
+ADDED_SETTINGS = {
+    "n": 1, "stop": [], "include_stop_str_in_output": False, "logprobs": 0, "logprobs_mode": "raw",
+}  # fmt: skip
 STDOUT = "-"
 
 

@@ -100,6 +100,8 @@ def make_plan(
     tp: int = 1,
     dp: int = 1,
     tempered_draft: bool = False,
+    logprobs: int = 0,
+    logprobs_mode: str = "raw",
 ) -> Plan:
     """The plan ddtree-generate compiles (None: its defaults; `batch_size` decides the default budget)."""
     from ddtree_jax.attention import default_implementation
@@ -126,6 +128,8 @@ def make_plan(
         tempered_draft=tempered_draft,
         tp=tp,
         dp=dp,
+        logprobs=logprobs,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -203,5 +207,7 @@ def load_generator(s, target_cfg: TargetConfig | None = None, draft_cfg=None, co
         draft_window=s.draft_window,
         tp=s.tp,
         dp=s.dp,
+        logprobs=s.logprobs,
+        logprobs_mode=s.logprobs_mode,
     )
     return generator(pair, plan, s.sampling, schedule=s.schedule())

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import drafter, engine, kv_cache, models, target
+from ddtree_jax import drafter, engine, kv_cache, logprobs, models, target
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan, on_mesh, param_specs, state_specs
 from ddtree_jax.kv_cache import KVCache
@@ -102,11 +102,23 @@ def chunk_steps(length, chunk: int) -> tuple:
 
 
 def initial_state(
-    cache: KVCache, draft_cache: list | None, first: jax.Array, req: Requests, active, stop_ids, plan: Plan
+    cache: KVCache,
+    draft_cache: list | None,
+    first: jax.Array,
+    req: Requests,
+    active,
+    stop_ids,
+    plan: Plan,
+    first_scores: logprobs.Logprobs | None = None,
 ) -> DecodeState:
     """The state of freshly prefilled rows: caches filled up to the prompts' lengths, the first token
-    [R] chosen (the next root); each row finishes at its own limit; inactive rows are done."""
+    [R] chosen (the next root, its Logprobs [R, 1] in `first_scores` when the plan keeps them); each
+    row finishes at its own limit; inactive rows are done."""
     r = first.shape[0]
+    kept = None
+    if plan.logprobs:
+        buf = logprobs.empty(r, plan.max_new_tokens + plan.path_slots, plan.logprobs)
+        kept = logprobs.write(buf, first_scores, jnp.zeros((r,), jnp.int32))
     stopped = active & jnp.isin(first, stop_ids)
     limits = jnp.minimum(req.limits.astype(jnp.int32), plan.max_new_tokens)
     return DecodeState(
@@ -122,6 +134,7 @@ def initial_state(
         max_new_tokens=limits,
         stop_ids=stop_ids,
         sampling=req.sampling,
+        logprobs=kept,
     )
 
 
@@ -204,9 +217,14 @@ def prefill(
     # the target's choice after each prompt: the token at position L, also its noise position (sampling.py)
     head = target.logits(params, last[:, None], cfg.vocab_size, axis)
     first = choose(head, req.sampling, req.lengths[:, None], axis)[:, 0]
+    scores = None
+    if plan.logprobs:
+        scores = logprobs.node_logprobs(
+            head, first[:, None], req.sampling, plan.logprobs, plan.logprobs_mode, axis
+        )
     layers = None if draft_cache is None else draft_cache.layers
     cache = KVCache(cache.layers, req.lengths)
-    return initial_state(cache, layers, first, req, req.rows < rows, stop_ids, plan)
+    return initial_state(cache, layers, first, req, req.rows < rows, stop_ids, plan, scores)
 
 
 def _zeros(tree):

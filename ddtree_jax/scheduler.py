@@ -30,6 +30,7 @@ import numpy as np
 
 from ddtree_jax import attention, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
+from ddtree_jax.logprobs import to_lists
 from ddtree_jax.programs import EVERY_ROUND, Programs, Requests, Shape, prompt_slots, rows_to_run
 from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, SAMPLES, STOP, Prompt, sample_key
 from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingParams
@@ -80,6 +81,9 @@ class Result:
     prompt_tokens: int = 0  # the prompt's token count
     e2e_latency: float = 0.0  # seconds from admission into a row to finish, compilation left out
     stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop"), else None
+    output_token_logprobs: list | None = None  # per token [logprob, token_id] (logprobs K > 0)
+    output_top_logprobs: list | None = None  # per token K [logprob, token_id], descending
+
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object written for this prompt."""
@@ -95,6 +99,9 @@ class Result:
             "acceptance_lengths": self.acceptance_lengths,
             "e2e_latency": round(self.e2e_latency, 6),
         }
+        if self.output_token_logprobs is not None:
+            out["output_token_logprobs"] = self.output_token_logprobs
+            out["output_top_logprobs"] = self.output_top_logprobs
         return out
 
 
@@ -404,6 +411,9 @@ class Generator:
         ids, acceptance = out["output"][r, :n].tolist(), out["acceptance"][r, :rounds].tolist()
         if stop is not None:
             ids, acceptance = ids[: stop.tokens], cut_rounds(acceptance, stop.tokens)
+        token_lp = top_lp = None
+        if "logprobs" in out:
+            token_lp, top_lp = to_lists(*(out[k][r] for k in ("logprobs", "top_logprobs", "top_ids")), ids)
         return Result(
             id=prompt.id,
             output_ids=ids,
@@ -415,6 +425,8 @@ class Generator:
             prompt_tokens=len(prompt.input_ids),
             e2e_latency=latency,
             stop_reason=None if stop is None else stop.matched,
+            output_token_logprobs=token_lp,
+            output_top_logprobs=top_lp,
         )
 
 
@@ -491,4 +503,8 @@ def _fetch(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:
 
 def _outputs(state: DecodeState) -> dict[str, jax.Array]:
     keys = ("output", "num_output", "stopped", "rounds", "acceptance", "done")
-    return {k: getattr(state, k) for k in keys}
+    out = {k: getattr(state, k) for k in keys}
+    if state.logprobs is not None:
+        lp = state.logprobs
+        out |= {"logprobs": lp.chosen, "top_logprobs": lp.top, "top_ids": lp.top_ids}
+    return out

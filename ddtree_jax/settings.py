@@ -47,6 +47,12 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "else ar")),
     "max_new_tokens": (("--max-new-tokens",), dict(type=int, default=128, help="tokens generated per "
         "prompt at most")),
+    "logprobs": (("--logprobs",), dict(type=int, default=0, metavar="K", help="per generated token, the "
+        "target's log-probability of the chosen token and of its top K alternatives "
+        "(output_token_logprobs, output_top_logprobs); default 0: none computed")),
+    "logprobs_mode": (("--logprobs-mode",), dict(choices=["raw", "processed"], default="raw", help="the "
+        "distribution of --logprobs: raw (the default) is log_softmax of the target's logits; processed "
+        "applies temperature, top-k and top-p first (greedy rows read the raw one)")),
     "batch_size": (("--batch-size",), dict(type=int, default=8, help="prompts generated together")),
     "dtype": (("--dtype",), dict(choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype "
         "(float32 also sets the highest matmul precision)")),
@@ -124,8 +130,9 @@ SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 RUN = ("method", "budget", "host_stepped")
 COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
-    "n", "stop", "include_stop_str_in_output", "out", "resume", "overwrite", "params_cache",
-    "max_line_bytes", "prefill_chunk", "prefill_attention", "batch_invariant", "static_batches",
+    "n", "stop", "include_stop_str_in_output", "logprobs", "logprobs_mode", "out", "resume", "overwrite",
+    "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention", "batch_invariant",
+    "static_batches",
     "coordinator", "num_processes", "process_id",
 )  # fmt: skip
 GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *COMPILE, *GENERATE_ONLY)
@@ -166,6 +173,8 @@ class Settings:
     method: str = "ar"
     dtype: str = "bfloat16"
     max_new_tokens: int = 128
+    logprobs: int = 0  # K top log-probabilities per generated token (0: none)
+    logprobs_mode: str = "raw"
     batch_size: int = 8
     budget: int | None = None  # ddtree: nodes besides the root (None until `with_budget`); else 0
     branching: int | None = None  # ddtree: candidates per depth (None until `with_budget`); else None
@@ -204,6 +213,8 @@ class Settings:
         if (self.method == "ar") != (self.draft is None):
             need = "uses no" if self.method == "ar" else "needs a"
             raise DDTreeError(f"--method {self.method} {need} --draft")
+        if self.logprobs and self.host_stepped:
+            raise DDTreeError("--logprobs is not kept by --host-stepped rounds; leave one of them out")
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace, prompts_file: bool = True) -> Settings:
@@ -293,6 +304,8 @@ def _check_numbers(flags: dict[str, Any]) -> None:
     for name in ("max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp", "n"):
         if flags[name] is not None and flags[name] < 1:
             raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {flags[name]}")
+    if flags["logprobs"] < 0:
+        raise DDTreeError(f"--logprobs must be >= 0, got {flags['logprobs']}")
     if flags["max_line_bytes"] < 1:
         raise DDTreeError(f"--max-line-bytes must be >= 1, got {flags['max_line_bytes']}")
     chunk = flags["prefill_chunk"]

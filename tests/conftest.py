@@ -98,6 +98,8 @@ def run(
     dp=1,
     tempered_draft=False,
     moe_sharding="ep",
+    logprobs=0,
+    logprobs_mode="raw",
 ):
     """Generate with the engine in float32, static batches of `batch_size` (default: every prompt in
     one) as `ddtree-generate --static-batches` runs them; returns the Result list in prompt order.
@@ -127,6 +129,8 @@ def run(
         tp=tp,
         dp=dp,
         tempered_draft=tempered_draft,
+        logprobs=logprobs,
+        logprobs_mode=logprobs_mode,
     )
     dparams = dparams if method != "ar" else None
     schedule = Schedule(batch_size, policy="static", host_stepped=host_stepped)
