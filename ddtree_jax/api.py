@@ -26,7 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 from ddtree_jax import compile_cache
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, SAMPLES, STOP, Prompt, Record, check_stop, tokenize
+from ddtree_jax.prompts import (
+    INCLUDE_STOP,
+    LIMIT,
+    LOGPROBS,
+    SAMPLES,
+    STOP,
+    Prompt,
+    Record,
+    check_logprobs,
+    check_stop,
+    tokenize,
+)  # fmt: skip
 from ddtree_jax.sampling import check as check_sampling
 from ddtree_jax.settings import SAMPLING, Settings, defaults
 
@@ -63,6 +74,7 @@ class SamplingParams:
     n: int = _DEFAULTS["n"]  # samples; sample i seeded scheduler.sample_seed(seed, i)
     stop: tuple[str, ...] = ()  # stop strings (one string: one stop string); stops.py
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
+    logprobs: int | None = None  # K top log-probabilities per token (<= the LLM's); None: the LLM's
 
     def __post_init__(self):
         if isinstance(self.stop, str | list):
@@ -71,6 +83,8 @@ class SamplingParams:
             raise DDTreeError(f"SamplingParams.stop {why}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise DDTreeError("SamplingParams.include_stop_str_in_output must be True or False")
+        if self.logprobs is not None and (why := check_logprobs(self.logprobs)) is not None:
+            raise DDTreeError(f"SamplingParams.logprobs {why}")
         for name in SAMPLING:
             if (why := check_sampling(name, getattr(self, name))) is not None:
                 raise DDTreeError(f"SamplingParams.{name} {why}")
@@ -82,6 +96,7 @@ class SamplingParams:
     def options(self) -> dict[str, Any]:
         """The prompt options these settings give (the keys of a prompts-file line)."""
         out = {name: getattr(self, name) for name in (*SAMPLING, SAMPLES, STOP, INCLUDE_STOP)}
+        out |= {} if self.logprobs is None else {LOGPROBS: self.logprobs}
         return out if self.max_new_tokens is None else out | {LIMIT: self.max_new_tokens}
 
 
@@ -146,6 +161,16 @@ def check_memory(s: Settings, cfg, dcfg) -> None:
             f"rows x {heads} heads x {tree} x {tree + context} positions = {need / 1e9:.1f} GB per device, "
             f"more than half of its {memory / 1e9:.1f} GB; at most --budget {max(fits, 0)} fits"
         )
+
+
+def check_prompt_logprobs(prompts, most: int, path: str = "prompts") -> None:
+    """Every prompt's own `logprobs` K is at most the run's (which sizes the buffers)."""
+    for p in prompts:
+        if p.options.get(LOGPROBS, 0) > most:
+            raise DDTreeError(
+                f"{path}:{p.line}: prompt {p.id!r}: logprobs {p.options[LOGPROBS]} exceeds the run's "
+                f"--logprobs {most} (which sizes the buffers)"
+            )
 
 
 def check_lengths(prompts, max_positions: int, max_new_tokens: int, path: str = "prompts") -> None:
@@ -275,6 +300,7 @@ class LLM:
         cfg = self.target_config
         out = tokenize(records, "prompt", self.codec, self.settings.chat_template, cfg.vocab_size)
         check_lengths(out, cfg.max_position_embeddings, self.settings.max_new_tokens, "prompt")
+        check_prompt_logprobs(out, self.settings.logprobs, "prompt")
         check_stops(out, self.settings, self.codec)
         return out
 

@@ -18,7 +18,15 @@ import sys
 import time
 from typing import Any
 
-from ddtree_jax.api import LLM, check_budget, check_lengths, check_memory, check_stops, read_configs
+from ddtree_jax.api import (
+    LLM,
+    check_budget,
+    check_lengths,
+    check_memory,
+    check_prompt_logprobs,
+    check_stops,
+    read_configs,
+)  # fmt: skip
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, sample_key, scan_prompts, tokenize
@@ -102,6 +110,7 @@ def prepare(s: Settings) -> Prepared:
     s = s.with_budget(cfg, prompts)  # from the whole file, resumed or not: one budget per --out
     check_budget(s, dcfg)
     check_lengths(prompts, cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
+    check_prompt_logprobs(prompts, s.logprobs, s.prompts)
     check_stops(prompts, s, codec)
     done = finished_ids(s.out, s.record()) if s.resume else set()
     start_processes(s)

@@ -24,7 +24,8 @@ PROMPT_KINDS = ("prompt", "messages", "input_ids")
 LIMIT = "max_new_tokens"  # a prompt's own limit of new tokens (SGLang's per-request name)
 SAMPLES = "n"  # a prompt's own number of samples (vLLM's and SGLang's name)
 STOP, INCLUDE_STOP = "stop", "include_stop_str_in_output"  # stop strings (stops.py), vLLM's names
-KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, STOP, INCLUDE_STOP, LIMIT)
+LOGPROBS = "logprobs"  # a prompt's own K of top log-probabilities (at most the run's --logprobs)
+KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, STOP, INCLUDE_STOP, LIMIT, LOGPROBS)
 # A line longer than this is refused before it is decoded or tokenised: 8 MiB of text is millions of
 # tokens, far past any supported context (tokenising 50 MB took 58 s and 8 GB before it was refused).
 MAX_LINE_BYTES = 8 << 20
@@ -137,6 +138,10 @@ def scan_prompts(
             options[INCLUDE_STOP] = record[INCLUDE_STOP]
         if LIMIT in record:
             options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
+        if LOGPROBS in record:
+            if (why := check_logprobs(record[LOGPROBS])) is not None:
+                raise DDTreeError(f"{where}: '{LOGPROBS}' {why}")
+            options[LOGPROBS] = record[LOGPROBS]
         records.append(Record(id_, n, kind, value, options))
     if not records:
         raise DDTreeError(f"{path}: no prompts")
@@ -152,6 +157,13 @@ def _limit(value: Any, most: int | None, where: str) -> int:
             f"{where}: '{LIMIT}' {value} exceeds the run's --max-new-tokens {most} (which sizes the cache)"
         )
     return value
+
+
+def check_logprobs(value: Any) -> str | None:
+    """Why `value` is not a prompt's `logprobs` K (an integer >= 0), or None if it is."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return f"must be an integer >= 0, got {value!r}"
+    return None
 
 
 def check_stop(value: Any) -> str | None:

@@ -32,7 +32,7 @@ from ddtree_jax import attention, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
 from ddtree_jax.logprobs import to_lists
 from ddtree_jax.programs import EVERY_ROUND, Programs, Requests, Shape, prompt_slots, rows_to_run
-from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, SAMPLES, STOP, Prompt, sample_key
+from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, LOGPROBS, SAMPLES, STOP, Prompt, sample_key
 from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingParams
 from ddtree_jax.stops import Stop, cut_rounds, find_stop
 from ddtree_jax.text import TextCodec
@@ -405,6 +405,14 @@ class Generator:
             raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
         return n
 
+    def _logprobs(self, prompt: Prompt) -> int:
+        """The prompt's own `logprobs` K, else the plan's."""
+        most = self.plan.logprobs
+        k = prompt.options.get(LOGPROBS, most)
+        if not 0 <= k <= most:
+            raise ValueError(f"prompt {prompt.id!r}: logprobs {k} is not in [0, {most}]")
+        return k
+
     def _result(self, prompt: Prompt, out: dict, r: int, latency: float, stop: Stop | None) -> Result:
         """Row `r`'s sample as a Result (`stop`: cut at a stop string)."""
         n, rounds = int(out["num_output"][r]), int(out["rounds"][r])
@@ -412,8 +420,10 @@ class Generator:
         if stop is not None:
             ids, acceptance = ids[: stop.tokens], cut_rounds(acceptance, stop.tokens)
         token_lp = top_lp = None
-        if "logprobs" in out:
-            token_lp, top_lp = to_lists(*(out[k][r] for k in ("logprobs", "top_logprobs", "top_ids")), ids)
+        k = self._logprobs(prompt)
+        if "logprobs" in out and k:
+            chosen, top, top_ids = (out[name][r] for name in ("logprobs", "top_logprobs", "top_ids"))
+            token_lp, top_lp = to_lists(chosen, top[:, :k], top_ids[:, :k], ids)
         return Result(
             id=prompt.id,
             output_ids=ids,

@@ -3,11 +3,17 @@ token and of its top K, equal to HF transformers' log_softmax of its own forward
 prompt and the generated tokens, equal across ar / dflash / ddtree, raw and processed; off by default
 nothing changes (test_recorded_outputs)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, golden_prompts, run
 
+from ddtree_jax import LLM
+from ddtree_jax import SamplingParams as SamplingParams_api
+from ddtree_jax.cli import main
+from ddtree_jax.errors import DDTreeError
 from ddtree_jax.logprobs import node_logprobs
 from ddtree_jax.sampling import SamplingParams
 
@@ -131,3 +137,78 @@ def test_node_logprobs_vocab_split_equal_unsplit():
         )(logits, choice, sampling)  # fmt: skip
         for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(split), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def cli_run(tmp_path, records: list[dict], *flags: str) -> tuple[int, object]:
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "o.jsonl"
+    argv = ["--target", str(FIXTURES / TARGET), "--prompts", str(path), "--out", str(out)]
+    return main([*argv, "--dtype", "float32", "--max-new-tokens", "6", *flags]), out
+
+
+def cli_lines(tmp_path, records: list[dict], *flags: str) -> list[dict]:
+    rc, out = cli_run(tmp_path, records, *flags)
+    assert rc == 0
+    return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
+
+
+def test_cli_lines_and_per_prompt_k(tmp_path, greedy):
+    """--logprobs 3: every line carries 6 tokens' [logprob, id] and 3 alternatives each (a line's own
+    `logprobs` 1 keeps one, 0 none) equal to the engine's; off, no line has them."""
+    prompts = golden_prompts(TARGET)[:3]
+    records = [{"id": i, "input_ids": p} for i, p in enumerate(prompts)]
+    records[1]["logprobs"], records[2]["logprobs"] = 1, 0
+    lines = cli_lines(tmp_path, records, "--logprobs", "3")
+    for line, k, r in zip(lines, (3, 1), greedy["ar"], strict=False):
+        assert [t for _, t in line["output_token_logprobs"]] == line["output_ids"] == r.output_ids[:6]
+        np.testing.assert_allclose(
+            np.array(line["output_token_logprobs"]), r.output_token_logprobs[:6], atol=1e-5
+        )  # (other rows in the batch: float rounding apart)
+        assert np.array(line["output_top_logprobs"]).shape == (6, k, 2)
+        np.testing.assert_allclose(
+            np.array(line["output_top_logprobs"]), np.array(r.output_top_logprobs[:6])[:, :k], atol=1e-5
+        )
+    assert "output_token_logprobs" not in lines[2]
+    off = cli_lines(tmp_path, records[:1], "--overwrite")
+    assert not any("logprobs" in key for key in off[0])
+    assert off[0]["output_ids"] == lines[0]["output_ids"]
+
+
+@pytest.mark.parametrize(
+    "record, flags, needle",
+    [
+        (
+            {"logprobs": 4},
+            ("--logprobs", "3"),
+            "p.jsonl:1: prompt 0: logprobs 4 exceeds the run's --logprobs 3",
+        ),
+        ({"logprobs": -1}, ("--logprobs", "3"), "'logprobs' must be an integer >= 0, got -1"),
+        ({}, ("--logprobs", "-2"), "--logprobs must be >= 0, got -2"),
+    ],
+)
+def test_bad_logprobs(tmp_path, capsys, record, flags, needle):
+    rc, out = cli_run(tmp_path, [{"id": 0, "input_ids": [1, 2], **record}], *flags)
+    assert rc == 1
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_bad_sampling_params_logprobs():
+    with pytest.raises(DDTreeError, match="SamplingParams.logprobs must be an integer >= 0"):
+        SamplingParams_api(logprobs=-1)
+
+
+def test_api_sampling_params_logprobs(greedy):
+    """LLM(logprobs=2): SamplingParams(logprobs=1) keeps one alternative, the default two; a K above
+    the LLM's is refused."""
+    llm = LLM(FIXTURES / TARGET, dtype="float32", max_new_tokens=4, logprobs=2)
+    prompts = golden_prompts(TARGET)[:2]
+    one, two = llm.generate(prompts, [SamplingParams_api(logprobs=1), SamplingParams_api()])
+    for res, k, ref in zip((one, two), (1, 2), greedy["ar"], strict=False):
+        assert res.output_ids == ref.output_ids[:4]
+        np.testing.assert_allclose(
+            np.array(res.output_top_logprobs), np.array(ref.output_top_logprobs[:4])[:, :k], atol=1e-5
+        )
+    with pytest.raises(DDTreeError, match="prompt 0: logprobs 3 exceeds the run's --logprobs 2"):
+        llm.generate(prompts[:1], SamplingParams_api(logprobs=3))
