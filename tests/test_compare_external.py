@@ -244,3 +244,30 @@ def test_text_only_is_compared_as_text(tmp_path):
     assert main(args) == 0
     (c,) = report_of(tmp_path)["comparisons"]
     assert c["identical"] == 1 and [d["id"] for d in c["divergences"]] == ["b"]
+
+
+def test_logprobs_compared_where_both_give_them(setup):
+    """Both sides' output_token_logprobs (ours top-level, SGLang's in meta_info as [logprob, id, text]):
+    the maximum and mean absolute difference over the tokens generated alike, the largest's position;
+    a line without them on one side is left out."""
+    ours, theirs = [], []
+    for k, line in enumerate(json.loads(s) for s in (setup / "ours.jsonl").read_text().splitlines()):
+        lps = [-0.1 * (i + 1) - k for i in range(len(line["output_ids"]))]
+        ours.append(
+            line | {"output_token_logprobs": [[x, t] for x, t in zip(lps, line["output_ids"], strict=True)]}
+        )
+        shift = [0.25 if (k, i) == (1, 3) else 0.01 for i in range(len(lps))]
+        entries = [[x + d, t, None] for x, d, t in zip(lps, shift, line["output_ids"], strict=True)]
+        other = sglang(line)
+        if k != 2:
+            other["meta_info"]["output_token_logprobs"] = entries
+        theirs.append(other)
+    write(setup / "ours.jsonl", ours)
+    assert main(argv(setup, write(setup / "sglang.jsonl", theirs))) == 0
+    lp = report_of(setup)["comparisons"][0]["logprobs"]
+    n = sum(len(line["output_ids"]) for k, line in enumerate(ours) if k != 2)
+    assert lp["tokens"] == n
+    assert lp["max_abs_diff"] == pytest.approx(0.25)
+    assert lp["mean_abs_diff"] == pytest.approx((0.25 + 0.01 * (n - 1)) / n)
+    assert (lp["largest"][0]["id"], lp["largest"][0]["position"]) == (ours[1]["id"], 3)
+    assert "log-probabilities" in (setup / "r" / "report.md").read_text()

@@ -3,8 +3,11 @@
 Ours are generated with the given flags (or read from --ours FILE); theirs come from --theirs FILE in
 any format outputs.py accepts. Per prompt: identical tokens, else the first divergence with our
 target's float32 margin there (over prompt + our output); mean acceptance lengths and histograms side
-by side. Prompts theirs does not cover are listed, not compared. An output given as text only (SGLang
-without output_ids) is compared as text: encoding it again may tokenize the same text otherwise.
+by side; where both sides give the chosen tokens' log-probabilities (output_token_logprobs), their
+maximum and mean absolute difference over the tokens both generated alike (each prompt's common
+prefix) and the positions of the largest. Prompts theirs does not cover are listed, not compared. An
+output given as text only (SGLang without output_ids) is compared as text: encoding it again may
+tokenize the same text otherwise.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace) -> Report:
             "acceptance_source": {k: s for k, (_, s) in acceptance.items()},
             "not_compared": missing,
             "text_only": [r.id for r in their_list if r.output_ids is None],
+            "logprobs": logprob_differences(compared, our_list, their_list),
         },
     )
     hists = {ours_name: outputs.histogram(our_list), theirs_name: outputs.histogram(their_list)}
@@ -108,6 +112,32 @@ def run(args: argparse.Namespace) -> Report:
         figures={"acceptance": plots.histogram_bars(hists, f"acceptance lengths: ours vs {theirs_name}")},
         details={"settings": settings_of(args, theirs=args.theirs, ours=args.ours or "generated")},
     )
+
+
+LARGEST = 5  # positions of the largest log-probability differences reported
+
+
+def logprob_differences(ids: list, ours: list[OutputRecord], theirs: list[OutputRecord]) -> dict | None:
+    """|our logprob - theirs| of the chosen tokens over each prompt's common token prefix: the maximum,
+    the mean and the LARGEST largest (prompt, position); None when no prompt has both sides'."""
+    diffs = []
+    for id_, a, b in zip(ids, ours, theirs, strict=True):
+        if None in (a.token_logprobs, b.token_logprobs, a.output_ids, b.output_ids):
+            continue
+        for i, (x, y) in enumerate(zip(a.token_logprobs, b.token_logprobs, strict=False)):
+            if i >= min(len(a.output_ids), len(b.output_ids)) or a.output_ids[i] != b.output_ids[i]:
+                break
+            if x is not None and y is not None:
+                diffs.append((abs(x - y), id_, i, x, y))
+    if not diffs:
+        return None
+    largest = sorted(diffs, key=lambda d: -d[0])[:LARGEST]
+    return {
+        "tokens": len(diffs),
+        "max_abs_diff": largest[0][0],
+        "mean_abs_diff": sum(d[0] for d in diffs) / len(diffs),
+        "largest": [{"id": i, "position": p, "ours": x, "theirs": y, "diff": d} for d, i, p, x, y in largest],
+    }
 
 
 def summary_line(c: Comparison, acceptance: dict, theirs_name: str) -> str:
@@ -147,6 +177,15 @@ def tables(c: Comparison, acceptance: dict, hists: dict) -> list[Table]:
         ),
         Table("Mean acceptance length (tokens per round, bonus included)", ["side", "mean", "from"], side),
     ]
+    if (lp := c.extra.get("logprobs")) is not None:
+        out.append(
+            Table(
+                f"Chosen tokens' log-probabilities, ours vs theirs ({lp['tokens']} tokens generated alike): "
+                f"max |diff| {lp['max_abs_diff']:.4g}, mean {lp['mean_abs_diff']:.4g}",
+                ["prompt", "position", "ours", "theirs", "|diff|"],
+                [[d["id"], d["position"], d["ours"], d["theirs"], d["diff"]] for d in lp["largest"]],
+            )
+        )
     if c.divergences:
         rows = [
             [

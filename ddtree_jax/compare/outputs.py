@@ -7,6 +7,9 @@ Accepted fields (anything else is an error, so a misspelt field is never silentl
   spec_verify_ct, spec_accept_length, spec_accept_histogram, ...} (meta_info's other fields are read
   past); spec_accept_histogram[n] counts the verify steps that accepted n draft tokens, i.e. rounds of
   acceptance length n + 1 in our terms (the bonus token included);
+- log-probabilities of the chosen tokens, when given: output_token_logprobs ([logprob, token_id, ...]
+  per token) at the top level (ours, `--logprobs K`) or in meta_info (SGLang's return_logprob);
+  output_top_logprobs is read past;
 - the DDTree reference: acceptance_lengths per round (tokens added, the bonus included), as ours.
 The id sits at the top level or in meta_info.id; a line without one takes its line's index among the
 file's non-empty lines (0-based), as a prompt without an id does.
@@ -37,6 +40,8 @@ FIELDS = (
     "rounds",
     "acceptance_lengths",
     "e2e_latency",
+    "output_token_logprobs",
+    "output_top_logprobs",
 )
 
 
@@ -52,12 +57,24 @@ class OutputRecord:
     completion_tokens: int | None = None  # SGLang: tokens generated
     verify_rounds: int | None = None  # SGLang: spec_verify_ct, target verify passes
     accept_histogram: list[int] | None = None  # SGLang: [n] = verify steps that accepted n draft tokens
+    token_logprobs: list[float | None] | None = None  # the chosen tokens' log-probabilities (None: -inf)
 
 
 def _int_list(value: Any, where: str, field: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise DDTreeError(f"{where}: '{field}' must be a list of integers")
     return value
+
+
+def _logprobs(value: Any, where: str) -> list[float | None]:
+    """output_token_logprobs: a list of [logprob (a number or null), token_id, ...] -> the logprobs."""
+
+    def entry(x: Any) -> bool:
+        return isinstance(x, list) and len(x) >= 2 and (x[0] is None or isinstance(x[0], int | float))
+
+    if not isinstance(value, list) or not all(entry(x) for x in value):
+        raise DDTreeError(f"{where}: 'output_token_logprobs' must be a list of [logprob, token_id] entries")
+    return [None if x[0] is None else float(x[0]) for x in value]
 
 
 def _count(value: Any, where: str, field: str) -> int | None:
@@ -98,6 +115,9 @@ def parse_line(record: Any, where: str, index: int) -> OutputRecord:
     )
     if "acceptance_lengths" in record:
         out.acceptance_lengths = _int_list(record["acceptance_lengths"], where, "acceptance_lengths")
+    given = record.get("output_token_logprobs", meta.get("output_token_logprobs"))
+    if given is not None:
+        out.token_logprobs = _logprobs(given, where)
     if meta.get("spec_accept_histogram") is not None:
         out.accept_histogram = _int_list(
             meta["spec_accept_histogram"], where, "meta_info.spec_accept_histogram"
