@@ -212,3 +212,12 @@ def test_api_sampling_params_logprobs(greedy):
         )
     with pytest.raises(DDTreeError, match="prompt 0: logprobs 3 exceeds the run's --logprobs 2"):
         llm.generate(prompts[:1], SamplingParams_api(logprobs=3))
+
+
+def test_on_a_mesh_equal_to_one_device(greedy):
+    """tp 2 x dp 2 (vocabulary and rows split; the state's log-probabilities by rows): the values of one
+    device."""
+    prompts = golden_prompts(TARGET)[:4]
+    results = run(TARGET, prompts, max_new_tokens=16, logprobs=K, tp=2, dp=2, batch_size=4)
+    for a, b in zip(greedy["ar"], results, strict=False):
+        assert_same(a, b)
