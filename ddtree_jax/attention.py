@@ -18,8 +18,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
+from ddtree_jax.kernels.tree_attention import (
+    TREE_TUNING,
+    default_splits,
+    merge_by_lse,
+    resolve_tuning,
+    tree_attention,
+    tree_attention_reference,
+)
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
@@ -92,7 +98,7 @@ def prefill_implementation(impl: str, dtype: jnp.dtype, head_dim: int, batch_inv
 
 
 def kernel(impl: str) -> Callable:
-    """The tree-attention function of `impl` (all share one signature: pallas_kernels)."""
+    """The tree-attention function of `impl` (all share one signature: ddtree_jax.kernels)."""
     if impl in PREFILL_IMPLEMENTATIONS:
         return functools.partial(causal_chunk, implementation=impl.removeprefix("causal-"))
     return {"pallas": tree_attention, "pallas-invariant": pallas_invariant}.get(

@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pallas_kernels.tree_attention import (  # noqa: E402
+from ddtree_jax.kernels.tree_attention import (  # noqa: E402
     resolve_tuning,
     tree_attention,
     tree_attention_reference,

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attention import random_tree_mask, read_ceiling, rel_errors, short_error  # noqa: E402
 
-from pallas_kernels.mla_attention import (  # noqa: E402
+from ddtree_jax.kernels.mla_attention import (  # noqa: E402
     mla_attention,
     mla_attention_reference,
     resolve_tuning,

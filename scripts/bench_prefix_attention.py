@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
 from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
-from pallas_kernels.tree_attention import (  # noqa: E402
+from ddtree_jax.kernels.tree_attention import (  # noqa: E402
     _pack_queries,
     _unpack_rows,
     prefix_attention_cudnn,

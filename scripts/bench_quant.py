@@ -1,6 +1,6 @@
 """Quantized matmuls on the GPU: INT4 (compressed-tensors words, and jnp.int4) and FP8 block-scaled
 against bf16, through XLA (`ddtree_jax.quant.arrays`) and through the Pallas grouped kernel
-(`pallas_kernels.quant_matmul`, method "pallas"), for the Kimi-K2 routed experts (384 x [7168 ->
+(`ddtree_jax.kernels.quant_matmul`, method "pallas"), for the Kimi-K2 routed experts (384 x [7168 ->
 2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's dense MLP), at 1, 16, 64 and 512
 tokens.
 
@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
 from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
+from ddtree_jax.kernels.quant_matmul import grouped_matmul  # noqa: E402
 from ddtree_jax.quant import arrays  # noqa: E402
-from pallas_kernels.quant_matmul import grouped_matmul  # noqa: E402
 
 FORMATS = ("bf16", "int4", "int4-s4", "fp8")
 ENTRY_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+([a-z][a-z0-9\-_.]*)\(")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_tree_attention import H200, check_close, make_mask
 
-from pallas_kernels.mla_attention import mla_attention, mla_attention_reference, resolve_tuning
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference, resolve_tuning
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SCALE = 192**-0.5 * 1.3**2  # DeepSeek-V3's (qk_nope + qk_rope)**-0.5 times a yarn mscale**2

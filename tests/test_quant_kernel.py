@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ddtree_jax.kernels.quant_matmul import grouped_matmul, grouped_matmul_reference, tile_schedule
 from ddtree_jax.quant import arrays, formats
-from pallas_kernels.quant_matmul import grouped_matmul, grouped_matmul_reference, tile_schedule
 
 
 def _weight(fmt: str, e: int, k: int, n: int, seed: int) -> arrays.Weight:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_attention import (
+from ddtree_jax.kernels.tree_attention import (
     TREE_TUNING,
     _combine_splits,
     default_splits,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_attention import (
+from ddtree_jax.kernels.tree_attention import (
     merge_by_lse,
     prefix_attention_reference,
     tree_attention_merged,

@@ -16,7 +16,7 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
   sorted   sort the N x k (token, expert) pairs by expert, then grouped matmuls through
            `jax.lax.ragged_dot` (`ragged_matmul`); any backend
   grouped  the same sort, grouped matmuls by the Pallas Triton kernel
-           `pallas_kernels.quant_matmul.grouped_matmul` (CUDA GPUs; reads only the experts that own
+           `ddtree_jax.kernels.quant_matmul.grouped_matmul` (CUDA GPUs; reads only the experts that own
            rows, K split over programs for few rows); `grouped_split` the same with more K splits
            (block_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
            in interpret mode (tests, any backend)
@@ -177,7 +177,7 @@ def pallas_grouped(dispatch: str) -> Grouped:
     """The grouped matmul (the contract of `quant.arrays.ragged_matmul`) of a Pallas dispatch: the
     Triton kernel, with more K splits for `grouped_split`, interpreted for `grouped_interpret`; weights
     whose shapes the kernel's blocks cannot tile go through `ragged_matmul`."""
-    from pallas_kernels.quant_matmul import grouped_matmul
+    from ddtree_jax.kernels.quant_matmul import grouped_matmul
 
     def grouped(x: jax.Array, w: Weight, sizes: jax.Array) -> jax.Array:
         split = dispatch.startswith("grouped_split")

@@ -197,7 +197,7 @@ def reduce_matmul(x: jax.Array, w: Weight, expert: jax.Array | None = None) -> j
 
 def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_matmul) -> jax.Array:
     """Row p times its own expert via a sort by expert, a grouped matmul (`ragged_matmul` or one of
-    its signature, e.g. pallas_kernels.quant_matmul.grouped_matmul) and the inverse permutation."""
+    its signature, e.g. ddtree_jax.kernels.quant_matmul.grouped_matmul) and the inverse permutation."""
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=num_experts(w))
     y = grouped(x[order], w, sizes)

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.tree_attention import (
+from ddtree_jax.kernels.tree_attention import (
     LOG2E,
     M_INIT,
     MASK_VALUE,
