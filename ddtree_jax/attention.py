@@ -18,14 +18,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.kernels.tree_attention import (
-    TREE_TUNING,
-    default_splits,
-    merge_by_lse,
-    resolve_tuning,
-    tree_attention,
-    tree_attention_reference,
-)
+from ddtree_jax.kernels.flash import merge_by_lse
+from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference
+from ddtree_jax.kernels.tuning import TREE_TUNING, default_tree_splits, resolve_tree_tuning
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
@@ -44,11 +39,11 @@ def invariant(impl: str) -> str:
 
 def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
     """`tree_attention` with splits that depend on neither the batch nor the cache capacity."""
-    tuning = resolve_tuning(q.shape, k_cache.shape)
+    tuning = resolve_tree_tuning(q.shape, k_cache.shape)
     # The tree rule at every T, T = 1 included (9 splits at Hkv 8 for T = 1): what the H200 figures of
     # the batch-invariant mode ran (results/notes.md); the decode rule would give 17 (not measured).
     rule = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
-    splits = default_splits(
+    splits = default_tree_splits(
         SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"], **rule
     )
     return tree_attention(q, k_cache, *args, splits=splits, **kwargs)

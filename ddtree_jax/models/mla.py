@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.collectives import Axis
+from ddtree_jax.kernels.flash import MASK_VALUE
 from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
-from ddtree_jax.kernels.tree_attention import MASK_VALUE
 from ddtree_jax.models.common import all_reduce, apply_rope, dense_weight, matmul, rms_norm
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import WeightSpec, linear, norm

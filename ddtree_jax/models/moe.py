@@ -15,8 +15,8 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
            reads k expert matrices per token, the least work for one or a few tokens
   sorted   sort the N x k (token, expert) pairs by expert, then grouped matmuls through
            `jax.lax.ragged_dot` (`ragged_matmul`); any backend
-  grouped  the same sort, grouped matmuls by the Pallas Triton kernel
-           `ddtree_jax.kernels.quant_matmul.grouped_matmul` (CUDA GPUs; reads only the experts that own
+  grouped  the same sort, grouped matmuls by the Pallas Triton kernel of kernels/quant_matmul.py
+           (`quant.arrays.pallas_ragged_matmul`; CUDA GPUs; reads only the experts that own
            rows, K split over programs for few rows); `grouped_split` the same with more K splits
            (block_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
            in interpret mode (tests, any backend)
@@ -41,6 +41,7 @@ from ddtree_jax.quant.arrays import (
     Weight,
     dequantize,
     num_experts,
+    pallas_ragged_matmul,
     ragged_matmul,
     slot_matmul,
     stored,
@@ -177,7 +178,6 @@ def pallas_grouped(dispatch: str) -> Grouped:
     """The grouped matmul (the contract of `quant.arrays.ragged_matmul`) of a Pallas dispatch: the
     Triton kernel, with more K splits for `grouped_split`, interpreted for `grouped_interpret`; weights
     whose shapes the kernel's blocks cannot tile go through `ragged_matmul`."""
-    from ddtree_jax.kernels.quant_matmul import grouped_matmul
 
     def grouped(x: jax.Array, w: Weight, sizes: jax.Array) -> jax.Array:
         split = dispatch.startswith("grouped_split")
@@ -189,7 +189,7 @@ def pallas_grouped(dispatch: str) -> Grouped:
         if split:  # up to 8 splits of K: more programs for a few rows
             k_blocks = _stored_rows(w) // block_k
             splits = max(s for s in range(1, 9) if k_blocks % s == 0)
-        return grouped_matmul(
+        return pallas_ragged_matmul(
             x,
             w,
             sizes,
