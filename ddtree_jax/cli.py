@@ -370,12 +370,13 @@ def check_memory(args: argparse.Namespace, cfg, dcfg) -> None:
     """An upper bound of --budget from the device's memory: the tree's float32 attention scores."""
     if args.method != "ddtree":
         return
+    from ddtree_jax import models
     from ddtree_jax.engine import rows_to_run
 
     budget = resolved_budget(args)
     depth = (args.block_size or dcfg.block_size) - 1
     rows = rows_to_run(args.method, rows_per_device(args.batch_size, args.dp))
-    heads = cfg.dims.num_heads // args.tp if cfg.dims.num_heads % args.tp == 0 else cfg.dims.num_heads
+    heads = models.family(cfg).heads_per_device(cfg, args.tp)
     context = 16 + args.max_new_tokens + depth + 1  # the smallest cache a prompt gets
     per_pair = rows * heads * 4  # float32 attention scores per (tree token, key) pair
     memory = device_memory()
@@ -442,7 +443,8 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
 def prepare(args: argparse.Namespace) -> tuple[list, dict[str, Any], int]:
     """Every check that needs no weight: flags, --out, the prompts file, the configs, the limits.
     Returns the prompts still to generate (tokenised), the output settings and how many are done."""
-    from ddtree_jax.config import load_draft_config, load_target_config
+    from ddtree_jax.config import load_draft_config
+    from ddtree_jax.models import load_target_config
     from ddtree_jax.text import TextCodec
 
     check_args(args)

@@ -27,7 +27,6 @@ from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 MAX_STOP_IDS = 8
-GQA_FAMILIES = ("dense", "qwen3_moe")  # models.FAMILIES whose prefill chunks may use cuDNN attention
 # Compiled programs of `Generator.stream` on one device, by (program, plan, shapes, dtype): they depend
 # on shapes only, so every generator of the same plan shares them.
 STREAM_PROGRAMS: dict[tuple, Any] = {}
@@ -263,7 +262,7 @@ class Generator:
         if choice != "cudnn":
             return choice
         cfg = plan.target
-        if models.FAMILIES.get(cfg.architecture) not in GQA_FAMILIES:
+        if not models.family(cfg).CUDNN_PREFILL:
             return plan.attention
         dtype = self.params["embed"].dtype
         return attention.prefill_implementation(

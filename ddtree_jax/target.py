@@ -67,21 +67,13 @@ def load(
     """Config and parameters of an HF target directory, converted to `dtype` and placed (`options`:
     family settings, e.g. `moe_sharding`). A quantized checkpoint keeps its quantized weights as
     stored (ddtree_jax.quant), or expands them to `dtype` with `dequantize`."""
-    from pathlib import Path
-
     from ddtree_jax.checkpoint import load_params
-    from ddtree_jax.config import load_target_config, read_json
-    from ddtree_jax.errors import DDTreeError
-    from ddtree_jax.quant import formats
     from ddtree_jax.quant import load as quant_load
 
-    cfg = load_target_config(directory, **options)
+    cfg = models.load_target_config(directory, **options)
     specs = weight_specs(cfg)
-    scheme = getattr(cfg, "quantization", None)  # only families that read quantized weights have it
-    if scheme is None:
-        if formats.parse_quantization(read_json(Path(directory) / "config.json")) is not None:
-            raise DDTreeError(f"{directory}: quantized checkpoints load for DeepseekV3 targets only")
+    if cfg.quantization is None:
         return cfg, load_params(directory, specs, dtype, sharding)
-    params = quant_load.load_params(directory, specs, scheme, dtype, sharding, dequantize)
+    params = quant_load.load_params(directory, specs, cfg.quantization, dtype, sharding, dequantize)
     # expanded: the config says so (plans compiled for quantized params are keyed by it)
     return (dataclasses.replace(cfg, quantization=None) if dequantize else cfg), params

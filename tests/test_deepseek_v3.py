@@ -130,7 +130,7 @@ def test_grouped_routing_masks_groups():
     weights are the unbiased sigmoid scores, renormalised, times routed_scaling_factor."""
     cfg, params = load_target("deepseek_v3_qlora")
     p = params["layers"][1]
-    x = jax.random.normal(jax.random.key(0), (64, cfg.dims.hidden_size))
+    x = jax.random.normal(jax.random.key(0), (64, cfg.hidden_size))
     r = deepseek_v3.route(p, x, cfg)
     scores = jax.nn.sigmoid(x @ p["router"])
     choice = np.asarray(scores + p["router_bias"])
