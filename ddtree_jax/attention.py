@@ -1,4 +1,5 @@
-"""Which attention implementation a forward pass uses: the jnp reference or the Pallas kernel.
+"""Which attention implementation a forward pass uses: the jnp reference or the Pallas kernel, one
+table per attention kind (GQA over a K/V cache, MLA over a latent cache); an unknown name is refused.
 
 "causal-cudnn" (a prefill chunk only, chosen by `prefill_implementation`): cuDNN flash attention
 through `jax.nn.dot_product_attention`, the chunk's queries against the cached prefix and, causally,
@@ -7,7 +8,14 @@ against the chunk itself; "causal-xla" is the same composition through XLA (how 
 "pallas-invariant" is the kernel with its cache splits fixed by the head and tree shapes alone (the
 tree rule's splits for 4 rows and a 1M-token cache, at every T: between what one row and 16 rows
 would take, so the split merge stays small at large batches), never by the batch or the capacity: a
-row's result then depends on its own length only (batch-invariant generation, generation.py).
+row's result then depends on its own length only (batch-invariant generation, scheduler.py). The
+MLA kernel has the same form: its splits by its own rule for 4 rows and a 1M-token cache.
+
+"mosaic" is the Mosaic GPU kernel of each kind (`ddtree_jax.kernels.tree_attention_mgpu`,
+`mla_attention_mgpu`: wgmma, TMA, Hopper only); it has no batch-invariant form yet, so
+batch-invariant runs take "pallas-invariant". A cache whose capacity is not a multiple of 8 goes to
+the Triton kernel instead: Mosaic GPU's TMA in jax 0.11.2 reads it in 8-row tiles (results/notes.md;
+the engine pads capacities to 64, so only other callers meet it).
 """
 
 from __future__ import annotations
@@ -19,10 +27,19 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.kernels.flash import merge_by_lse
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
+from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu
 from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference
-from ddtree_jax.kernels.tuning import TREE_TUNING, default_tree_splits, resolve_tree_tuning
+from ddtree_jax.kernels.tree_attention_mgpu import TMA_ROW_TILE, tree_attention_mgpu
+from ddtree_jax.kernels.tuning import (
+    TREE_TUNING,
+    default_mla_splits,
+    default_tree_splits,
+    resolve_mla_tuning,
+    resolve_tree_tuning,
+)
 
-IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant")
+IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant", "mosaic")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
 SPLIT_ROWS, LONG_CACHE = 4, 1 << 20  # the batch and capacity the invariant splits are chosen for
 
@@ -34,7 +51,7 @@ def default_implementation() -> str:
 
 def invariant(impl: str) -> str:
     """The batch-invariant form of an implementation."""
-    return "pallas-invariant" if impl == "pallas" else impl
+    return "pallas-invariant" if impl in ("pallas", "mosaic") else impl
 
 
 def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
@@ -47,6 +64,17 @@ def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.A
         SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"], **rule
     )
     return tree_attention(q, k_cache, *args, splits=splits, **kwargs)
+
+
+def mla_invariant(
+    q_latent: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, *args, **kwargs
+) -> jax.Array:
+    """`mla_attention` with splits that depend on neither the batch nor the cache capacity."""
+    tuning = resolve_mla_tuning(q_latent.shape, latent_cache.shape[1])
+    per_sm = 2 if tuning["block_q"] <= 16 and tuning["num_warps"] <= 4 else 1  # as resolve_mla_tuning's
+    programs = tuning["row_tiles"] * tuning["value_splits"]
+    splits = default_mla_splits(SPLIT_ROWS, programs, LONG_CACHE, tuning["block_k"], programs_per_sm=per_sm)
+    return mla_attention(q_latent, q_rope, latent_cache, *args, splits=splits, **kwargs)
 
 
 def causal_chunk(
@@ -92,10 +120,44 @@ def prefill_implementation(impl: str, dtype: jnp.dtype, head_dim: int, batch_inv
     return impl
 
 
-def kernel(impl: str) -> Callable:
-    """The tree-attention function of `impl` (all share one signature: ddtree_jax.kernels)."""
-    if impl in PREFILL_IMPLEMENTATIONS:
-        return functools.partial(causal_chunk, implementation=impl.removeprefix("causal-"))
-    return {"pallas": tree_attention, "pallas-invariant": pallas_invariant}.get(
-        impl, tree_attention_reference
-    )
+def mosaic_gqa(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
+    """`tree_attention_mgpu`, or the Triton kernel for a cache [B, Hkv, S, D] with S not a multiple of 8
+    (Mosaic GPU's TMA cannot read it in jax 0.11.2: `TMA_ROW_TILE`)."""
+    fn = tree_attention if k_cache.shape[2] % TMA_ROW_TILE else tree_attention_mgpu
+    return fn(q, k_cache, *args, **kwargs)
+
+
+def mosaic_mla(q_latent: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, *args, **kwargs) -> jax.Array:
+    """`mla_attention_mgpu`, or the Triton kernel for a latent cache [B, S, C] with S not a multiple of 8
+    (as `mosaic_gqa`)."""
+    fn = mla_attention if latent_cache.shape[1] % TMA_ROW_TILE else mla_attention_mgpu
+    return fn(q_latent, q_rope, latent_cache, *args, **kwargs)
+
+
+# Per attention kind, every implementation by name; those of one kind share one signature (GQA:
+# tree_attention's, MLA: mla_attention's; every kernel in ddtree_jax.kernels).
+KERNELS: dict[str, dict[str, Callable]] = {
+    "gqa": {
+        "reference": tree_attention_reference,
+        "pallas": tree_attention,
+        "pallas-invariant": pallas_invariant,
+        "mosaic": mosaic_gqa,
+        "causal-cudnn": functools.partial(causal_chunk, implementation="cudnn"),
+        "causal-xla": functools.partial(causal_chunk, implementation="xla"),
+    },
+    "mla": {
+        "reference": mla_attention_reference,
+        "pallas": mla_attention,
+        "pallas-invariant": mla_invariant,
+        "mosaic": mosaic_mla,
+    },
+}
+
+
+def kernel(impl: str, kind: str = "gqa") -> Callable:
+    """The attention function named `impl` for attention `kind` ("gqa" or "mla"); an unknown name is
+    refused, naming the known ones (never a silent fallback to the reference)."""
+    table = KERNELS[kind]
+    if impl not in table:
+        raise ValueError(f"no {kind.upper()} attention implementation {impl!r}; known: {', '.join(table)}")
+    return table[impl]

@@ -12,25 +12,31 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import drafter, engine, models, target
+from ddtree_jax import compile_cache, drafter, engine, models, target
+from ddtree_jax.attention import IMPLEMENTATIONS
 from ddtree_jax.config import DraftConfig, RopeConfig, TargetConfig, default_target_layer_ids
-from ddtree_jax.engine import ALL, ROW, DecodeState, Plan
+from ddtree_jax.engine import MAX_STOP_IDS, ROW, DecodeState, Plan
+from ddtree_jax.errors import DDTreeError
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
 from ddtree_jax.models import common, moe
-from ddtree_jax.pair import make_plan
+from ddtree_jax.pair import batch_shape, make_plan
+from ddtree_jax.programs import Programs, Shape
 from ddtree_jax.quant import load as quant_load
 from ddtree_jax.quant.formats import Fp8Block, Int4Group
 from ddtree_jax.sampling import GREEDY, SamplingParams
@@ -85,28 +91,35 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
 
 
 def synthetic_state(
-    plan: Plan, context: int, seed: int, dtype, sampling: dict | None = None, active: int | None = None
+    plan: Plan,
+    shape: Shape,
+    context: int,
+    seed: int,
+    dtype,
+    sampling: dict | None = None,
+    active: int | None = None,
 ) -> DecodeState:
-    """A batch mid-generation: random K/V committed up to `context` in both caches, placed on the
-    plan's mesh (K/V heads split over "model", rows over "data"). Rows from `active` on (default: none)
-    are padding, as `ddtree-generate` pads: done, with one cached token."""
+    """A batch of `shape` mid-generation: random K/V committed up to `context` in both caches, placed
+    on the plan's mesh (K/V heads split over "model", rows over "data"). Rows from `active` on (default:
+    none) are padding, as `ddtree-generate` pads: done, with one cached token."""
     key = jax.random.key(seed)
-    b, s = plan.batch_size, plan.capacity
+    b, s = shape.rows, shape.capacity
     padding = jnp.arange(b) >= (b if active is None else active)
 
-    def cache(shapes) -> KVCache:  # random leaves of the family's entry shapes (global, placed below)
+    def layers(shapes) -> list:  # random leaves of the family's entry shapes (global, placed below)
         leaves, tree = jax.tree.flatten(shapes)
         keys = jax.random.split(key, len(leaves))
-        made = [_normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
-        lengths = jnp.where(padding, 1, context).astype(jnp.int32)  # a buffer per cache: both are donated
-        return KVCache(jax.tree.unflatten(tree, made), lengths)
+        return jax.tree.unflatten(
+            tree, [_normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+        )
 
     t = plan.target
+    lengths = jnp.where(padding, 1, context).astype(jnp.int32)  # the one length both caches read
     state = DecodeState(
-        cache=cache(models.family(t).cache_shapes(t, b, s, plan.tp, dtype)),
+        cache=KVCache(layers(models.family(t).cache_shapes(t, b, s, plan.tp, dtype)), lengths),
         draft_cache=None
         if plan.method == "ar"
-        else cache(drafter.cache_shapes(plan.draft, b, s, plan.tp, dtype)),
+        else layers(drafter.cache_shapes(plan.draft, b, s, plan.tp, dtype)),
         bonus=jax.random.randint(key, (b,), 0, t.vocab_size, jnp.int32),
         output=jnp.zeros((b, plan.max_new_tokens + plan.path_slots), jnp.int32),
         num_output=jnp.zeros((b,), jnp.int32),
@@ -115,6 +128,7 @@ def synthetic_state(
         acceptance=jnp.zeros((b, plan.max_new_tokens), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
         max_new_tokens=jnp.full((b,), plan.max_new_tokens, jnp.int32),
+        stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
         sampling=None if sampling is None else SamplingParams.from_rows([sampling] * b),
     )
     return place_state(state, plan)
@@ -140,10 +154,10 @@ def mesh_program(fn, plan: Plan, in_specs, out_specs, donate=(), **static):
     )
 
 
-def decode_rounds(params, draft_params, state, stop_ids, *, plan: Plan, rounds: int):
+def decode_rounds(params, draft_params, state, *, plan: Plan, rounds: int):
     """`rounds` decode rounds in one program (the device loop)."""
     return jax.lax.fori_loop(
-        0, rounds, lambda _, s: engine.decode_round(params, draft_params, s, stop_ids, plan), state
+        0, rounds, lambda _, s: engine.decode_round(params, draft_params, s, plan), state
     )
 
 
@@ -151,7 +165,7 @@ def round_program(plan: Plan, rounds: int):
     """`decode_rounds`, jitted on the plan's mesh (the state is donated)."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
-    return mesh_program(decode_rounds, plan, (tspec, dspec, sspec, ALL), sspec, donate=(2,), rounds=rounds)
+    return mesh_program(decode_rounds, plan, (tspec, dspec, sspec), sspec, donate=(2,), rounds=rounds)
 
 
 # The stage loops below chain each pass to the previous one through a value that depends on all of
@@ -169,9 +183,9 @@ def draft_passes(params, draft_params, state, *, plan: Plan, rounds: int):
 
     def body(_, carry):
         bonus = (state.bonus + carry) % plan.target.vocab_size
-        lengths = state.draft_cache.lengths + _never(carry)
+        lengths = state.cache.lengths + _never(carry)
         passed = dataclasses.replace(
-            state, bonus=bonus, draft_cache=dataclasses.replace(state.draft_cache, lengths=lengths)
+            state, bonus=bonus, cache=dataclasses.replace(state.cache, lengths=lengths)
         )
         _, tok = engine.draft(params, draft_params, passed, plan)
         return jnp.sum(tok, axis=(1, 2)) % plan.target.vocab_size
@@ -210,22 +224,34 @@ def verify_passes(params, state, t, *, plan: Plan, rounds: int):
     return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
 
 
-def stage_programs(plan: Plan, rounds: int) -> dict:
-    """The device-loop stage timers, jitted on the plan's mesh: name -> program.
+def walk_passes(t, choice, *, plan: Plan, rounds: int):
+    """`rounds` walks of one tree; each pass's choices depend on all of the last walk."""
 
-    verify(params, state, tree); draft(params, draft_params, state); tree_build(state, logp, tok).
-    """
+    def body(_, carry):
+        w = engine.walk(t, choice + _never(carry)[:, None], plan)
+        mixed = w.path.sum(-1) + w.length + w.bonus + w.emitted.sum(-1)
+        return mixed % plan.target.vocab_size
+
+    return jax.lax.fori_loop(0, rounds, body, t.tokens[:, 0])
+
+
+def stage_programs(plan: Plan, rounds: int) -> dict:
+    """The device-loop stage timers (engine.STAGES but commit), jitted on the plan's mesh: name ->
+    program. draft(params, draft_params, state); build(state, logp, tok); verify(params, state, tree);
+    walk(tree, choice)."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
-    programs = {"verify": mesh_program(verify_passes, plan, (tspec, sspec, ROW), ROW, rounds=rounds)}
+    programs = {}
     if plan.method != "ar":
         programs["draft"] = mesh_program(draft_passes, plan, (tspec, dspec, sspec), ROW, rounds=rounds)
-        programs["tree_build"] = mesh_program(build_passes, plan, (sspec, ROW, ROW), ROW, rounds=rounds)
+        programs["build"] = mesh_program(build_passes, plan, (sspec, ROW, ROW), ROW, rounds=rounds)
+    programs["verify"] = mesh_program(verify_passes, plan, (tspec, sspec, ROW), ROW, rounds=rounds)
+    programs["walk"] = mesh_program(walk_passes, plan, (ROW, ROW), ROW, rounds=rounds)
     return programs
 
 
 def stage_args(params, dparams, state: DecodeState, plan: Plan) -> dict[str, tuple]:
-    """The arguments of each `stage_programs` program: one draft and one tree built from `state`."""
+    """The arguments of each `stage_programs` program: one draft, tree and verify from `state`."""
     tspec, dspec = engine.param_specs(plan)
     sspec = engine.state_specs(plan)
     logp = tok = None
@@ -234,22 +260,26 @@ def stage_args(params, dparams, state: DecodeState, plan: Plan) -> dict[str, tup
             params, dparams, state
         )
     t = mesh_program(engine.build, plan, (sspec, ROW, ROW), ROW)(state, logp, tok)
-    return {"verify": (params, state, t), "draft": (params, dparams, state), "tree_build": (state, logp, tok)}
+    choice = mesh_program(lambda *a, plan: engine.verify(*a, plan)[0], plan, (tspec, sspec, ROW), ROW)(
+        params, state, t
+    )
+    return {
+        "draft": (params, dparams, state),
+        "build": (state, logp, tok),
+        "verify": (params, state, t),
+        "walk": (t, choice),
+    }
 
 
 def device_stage_ms(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict[str, float]:
     """Each stage alone in a device loop (no host sync between passes), ms per pass; the caller adds
-    walk + commit as what remains of the round (`walk_commit_rest`)."""
+    the commit as what remains of the round (`commit`: the commit and the loop's own cost)."""
     programs = stage_programs(plan, rounds)
     args = stage_args(params, dparams, state, plan)
     return {
         name: 1e3 * median_seconds(lambda p=p, a=args[name]: p(*a), 3) / rounds
         for name, p in programs.items()
     }
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def parse_sampling(text: str) -> dict | None:
@@ -283,32 +313,88 @@ def step_weight_bytes(params, cfg: TargetConfig, tokens: int = 1) -> float:
     return held - models.family(cfg).unread_weight_bytes(params, cfg, tokens, _device_bytes)
 
 
+def distinct_per_device(experts: np.ndarray, num_experts: int, tp: int, sharding: str) -> int:
+    """The most distinct experts one device must read for the chosen experts [..., k] (global ids):
+    under expert parallelism ("ep", tp > 1) each device reads its own E / tp experts' share, else every
+    device reads (its columns of) all of them."""
+    chosen = np.unique(experts)
+    if sharding != "ep" or tp == 1:
+        return int(chosen.size)
+    return int(np.bincount(chosen // (num_experts // tp), minlength=tp).max())
+
+
+def chosen_expert_floor(
+    log: dict[int, list[np.ndarray]], params, cfg: TargetConfig, plan: Plan, shape: Shape, batch: int
+) -> dict:
+    """Weight bytes one device must read per round given the experts the router chose (`log`:
+    moe.RoutingLog.calls of `rounds` rounds: per MoE layer in order, the experts [rows x T, k] of each
+    round), counting the live rows' tokens only: all it holds, less the embedding table, less each
+    sparse layer's held experts that no live token chose (the busiest device under "ep"). Returns
+    {"weight_bytes": mean over rounds, "distinct_experts": mean distinct a layer and round}."""
+    sparse = [p for i, p in enumerate(params["layers"]) if cfg.is_sparse(i)]
+    if len(log) != len(sparse):
+        raise ValueError(
+            f"the routing log has {len(log)} MoE call sites, the target {len(sparse)} sparse layers"
+        )
+    held = sum(_device_bytes(x) for x in jax.tree.leaves(params))
+    # every expert expected (a huge token count): what is left unread is the embedding table alone
+    static = held - models.family(cfg).unread_weight_bytes(params, cfg, 1 << 40, _device_bytes)
+    rows, live = shape.rows // plan.dp, -(-batch // plan.dp)
+    sharding = getattr(cfg, "moe_sharding", "ep")
+    per_round, distinct = [], []
+    for site, p in enumerate(sparse):
+        local = moe.num_experts(p["experts_gate"])  # experts a device holds (all of them under "tp")
+        if sharding == "ep" and plan.tp > 1:
+            local //= plan.tp
+        expert_bytes = (
+            sum(_device_bytes(a) for n in moe.EXPERT_WEIGHTS for a in jax.tree.leaves(p[n])) / local
+        )
+        for r, experts in enumerate(log[site]):
+            tokens = experts.reshape(rows, -1, experts.shape[-1])[:live]
+            count = distinct_per_device(tokens, cfg.num_experts, plan.tp, sharding)
+            distinct.append(count)
+            if r == len(per_round):
+                per_round.append(static)
+            per_round[r] -= (local - count) * expert_bytes
+    return {"weight_bytes": float(np.mean(per_round)), "distinct_experts": float(np.mean(distinct))}
+
+
+def record_routing(params, dparams, state: DecodeState, plan: Plan, rounds: int) -> dict:
+    """`rounds` rounds of a separately compiled program that logs every MoE layer's routing (one
+    host callback a layer and round: never the timed program) -> moe.RoutingLog.calls."""
+    with moe.RoutingLog() as log:
+        compiled = round_program(plan, rounds).lower(params, dparams, state).compile()
+    jax.block_until_ready(compiled(params, dparams, state))
+    jax.effects_barrier()  # every callback has run
+    return log.calls
+
+
 def bench_one(
     params,
     dparams,
     plan: Plan,
+    shape: Shape,
     context: int,
     rounds: int,
     ceiling_gbs: float,
     stages: bool,
     sampling=None,
     batch: int | None = None,
+    chosen_floor: bool = True,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
-    (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the plan
-    runs more (`engine.rows_to_run`); the floor counts only their K/V."""
-    batch = batch or plan.batch_size
+    (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the shape
+    runs more (`programs.rows_to_run`); the floor counts only their K/V. `chosen_floor`: for a MoE
+    target also the floor of the experts chosen (`chosen_expert_floor`; compiles the round again)."""
+    batch = batch or shape.rows
     dparams = None if plan.method == "ar" else dparams
-    stop = jnp.full((8,), -1, jnp.int32)
-    if plan.tp * plan.dp > 1:
-        stop = jax.device_put(stop, NamedSharding(make_mesh(plan.tp, plan.dp), ALL))
 
     def fresh(seed: int) -> DecodeState:  # callers drop their last state first: at 32k one fills half the GPU
-        return synthetic_state(plan, context, seed, params["embed"].dtype, sampling, batch)
+        return synthetic_state(plan, shape, context, seed, params["embed"].dtype, sampling, batch)
 
     state = fresh(0)
     start = time.perf_counter()
-    compiled = round_program(plan, rounds).lower(params, dparams, state, stop).compile()
+    compiled = round_program(plan, rounds).lower(params, dparams, state).compile()
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(3):
@@ -316,35 +402,45 @@ def bench_one(
         state = fresh(0)
         jax.block_until_ready(state)
         start = time.perf_counter()
-        jax.block_until_ready(compiled(params, dparams, state, stop))
+        jax.block_until_ready(compiled(params, dparams, state))
         times.append((time.perf_counter() - start) / rounds)
     round_ms = 1e3 * statistics.median(times)
 
     stage_ms, device_ms = {}, {}
     if stages:
-        stepper = engine.HostStepper(plan)
+        from ddtree_jax.scheduler import HostStepper
+
+        stepper = HostStepper(Programs(params, dparams, plan, 256, plan.attention))
         state = None
         state = fresh(1)
         for _ in range(rounds + 2):  # round 1 compiles (kept apart), round 2 warms up
-            state = stepper.round(params, dparams, state, stop)
+            state = stepper.round(state)
         stage_ms = {k: 1e3 * statistics.median(v[1:]) for k, v in stepper.times.items()}
         state = None
         state = fresh(2)
         device_ms = device_stage_ms(params, dparams, state, plan, rounds)
-        device_ms["walk_commit_rest"] = round_ms - sum(device_ms.values())
+        device_ms["commit"] = round_ms - sum(device_ms.values())
 
     # one device's K/V: its rows, its share of every layer's cache entry
     t = plan.target
-    shapes = models.family(t).cache_shapes(t, plan.batch_size, plan.capacity, plan.tp, params["embed"].dtype)
+    shapes = models.family(t).cache_shapes(t, shape.rows, shape.capacity, plan.tp, params["embed"].dtype)
     kv_bytes = bytes_per_token(shapes, plan.tp) * -(-batch // plan.dp) * context
     tokens = plan.tree_size * -(-batch // plan.dp)  # one device's tokens per round (its live rows')
     floor_ms = 1e3 * (step_weight_bytes(params, plan.target, tokens) + kv_bytes) / (ceiling_gbs * 1e9)
+    chosen = {}
+    if chosen_floor and models.family(t).ROUTED_EXPERTS:  # the floor of the experts the router chose
+        state = None
+        log = record_routing(params, dparams, fresh(0), plan, rounds)
+        chosen = chosen_expert_floor(log, params, t, plan, shape, batch)
+        chosen_ms = 1e3 * (chosen["weight_bytes"] + kv_bytes) / (ceiling_gbs * 1e9)
+        chosen = {"chosen_floor_ms": chosen_ms, "chosen_distinct_experts": chosen["distinct_experts"]}
+        chosen |= {"round_over_uniform_floor": round_ms / floor_ms}
     return {
         "method": plan.method,
         "budget": plan.budget,
         "tree_size": plan.tree_size,
         "batch": batch,
-        "rows": plan.batch_size,
+        "rows": shape.rows,
         "context": context,
         "attention": plan.attention,
         "tp": plan.tp,
@@ -355,24 +451,51 @@ def bench_one(
         "device_stages_ms": device_ms,
         "target_floor_ms": floor_ms,
         "floor_tokens": tokens,
-        "round_over_floor": round_ms / floor_ms,
+        "round_over_floor": round_ms / chosen.get("chosen_floor_ms", floor_ms),
         "compile_s": compile_s,
-    }
+    } | chosen
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: sweep the configurations and write one JSON file."""
-    p = argparse.ArgumentParser(prog="ddtree-bench", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+METHODS = ("ar", "dflash", "ddtree")
+EXIT_ERROR = 1  # a bad flag or --out (one line, before any work), or a configuration that failed
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-bench's flags (their defaults shown by --help)."""
+    p = _Parser(
+        prog="ddtree-bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"shapes: {', '.join(sorted(SHAPES))} (tiny*, default-pair: CPU-sized; the others: real "
+        "widths). "
+        f"exit status: 0 every configuration measured; {EXIT_ERROR} a bad flag or --out (refused before any "
+        "work), or a configuration that failed (its row in --out holds the error). Progress goes to stderr.",
+    )
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        required=True,
+        help="the random-weight target (no default: it decides everything the run measures, and the "
+        "real-width ones take many GB)",
+    )
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
-    p.add_argument("--draft-layers", type=int, default=5)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--methods", default="ar,dflash,ddtree")
-    p.add_argument("--budgets", default="15,63")
-    p.add_argument("--batches", default="1")
-    p.add_argument("--contexts", default="1024")
-    p.add_argument("--attention", default="reference", help="comma list of reference,pallas")
-    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5, help="the drafter's depth")
+    p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
+    p.add_argument("--methods", default="ar,dflash,ddtree", help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument(
+        "--budgets", default="15,63", help="comma list of ddtree budgets (tree nodes besides the root)"
+    )
+    p.add_argument("--batches", default="1", help="comma list of batch sizes (rows)")
+    p.add_argument("--contexts", default="1024", help="comma list of cached tokens per row")
+    p.add_argument("--attention", default="reference", help=f"comma list of {', '.join(IMPLEMENTATIONS)}")
+    p.add_argument("--rounds", type=int, default=16, help="decode rounds per timed program")
     p.add_argument(
         "--stages", action="store_true", help="also time each stage, host-stepped and alone in a device loop"
     )
@@ -408,12 +531,143 @@ def main(argv: list[str] | None = None) -> int:
         help="DeepSeek-V3 shapes: the target's weights in a published quantized form: fp8 (128x128 blocks, "
         "every projection, as DeepSeek-V3/Kimi-K2) or int4-experts (group 32, routed experts, as Kimi-K2.5)",
     )
-    p.add_argument("--ceiling-bytes", type=int, default=4 << 30)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    if args.drop_layer_all_reduce and args.tp == 1:
-        p.error("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
+    p.add_argument(
+        "--chosen-floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="MoE shapes: also the floor of the experts the router chose, which round_over_floor then "
+        "divides by (costs a second compile of each configuration's round)",
+    )
+    p.add_argument(
+        "--ceiling-bytes", type=int, default=4 << 30, help="bytes summed to measure the read ceiling"
+    )
+    p.add_argument("--out", required=True, help="the JSON written (rewritten after every configuration)")
+    compile_cache.add_flag(p)
+    return p
 
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The configurations a run sweeps, parsed and checked from the flags."""
+
+    methods: tuple[str, ...]
+    budgets: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    attentions: tuple[str, ...]
+    samplings: tuple[dict | None, ...]
+
+    def configurations(self) -> list[tuple]:
+        """(attention, batch, context, (method, budget), sampling) in sweep order (budget 0: no tree)."""
+        trees = [(m, n) for m in self.methods for n in (self.budgets if m == "ddtree" else [0])]
+        return list(itertools.product(self.attentions, self.batches, self.contexts, trees, self.samplings))
+
+
+def _positive_ints(flag: str, text: str) -> tuple[int, ...]:
+    """A comma list of integers >= 1, or a one-line error naming the flag and the item."""
+    items = text.split(",")
+    for item in items:
+        if not item.strip().isdigit() or int(item) < 1:
+            raise DDTreeError(f"{flag} {text}: {item!r} is not an integer >= 1")
+    return tuple(int(item) for item in items)
+
+
+def _names(flag: str, text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list of names out of `known`, or a one-line error naming the flag and the item."""
+    items = tuple(text.split(","))
+    for item in items:
+        if item not in known:
+            raise DDTreeError(f"{flag} {text}: {item!r} is not one of {', '.join(known)}")
+    return items
+
+
+def _sampling(text: str) -> dict | None:
+    """One --sampling item, checked: greedy, or T >= 0 : top_k >= 0 : 0 < top_p <= 1."""
+    try:
+        s = parse_sampling(text)
+    except ValueError:
+        raise DDTreeError(f"--sampling {text!r}: not greedy or T:top_k:top_p (e.g. 0.7:20:0.9)") from None
+    if s is not None and not (s["temperature"] >= 0 and s["top_k"] >= 0 and 0 < s["top_p"] <= 1):
+        raise DDTreeError(f"--sampling {text!r}: needs temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+    return s
+
+
+def check_args(args: argparse.Namespace) -> Grid:
+    """Every check that needs no device work, before any: the flags (one line naming the first bad one)
+    and --out's directory. Returns the sweep's configurations."""
+    from ddtree_jax.budgets import default_branching
+
+    for flag, value, least in [
+        ("--draft-layers", args.draft_layers, 1),
+        ("--block-size", args.block_size, 2),
+        ("--rounds", args.rounds, 1),
+        ("--num-layers", args.num_layers or 1, 1),
+        ("--ceiling-bytes", args.ceiling_bytes, 1 << 20),
+    ]:
+        if value < least:
+            raise DDTreeError(f"{flag} {value}: must be >= {least}")
+    grid = Grid(
+        methods=_names("--methods", args.methods, METHODS),
+        budgets=_positive_ints("--budgets", args.budgets),
+        batches=_positive_ints("--batches", args.batches),
+        contexts=_positive_ints("--contexts", args.contexts),
+        attentions=_names("--attention", args.attention, IMPLEMENTATIONS),
+        samplings=tuple(_sampling(s) for s in args.sampling.split(",")),
+    )
+    cfg = SHAPES[args.shape]
+    depth = args.block_size - 1
+    for budget in grid.budgets if "ddtree" in grid.methods else ():
+        k = min(default_branching("ddtree", budget), cfg.vocab_size)
+        if budget > sum(k**d for d in range(1, depth + 1)):
+            raise DDTreeError(f"--budgets: {budget} exceeds the drafter's lattice ({depth} depths of {k})")
+    pallas = [a for a in grid.attentions if a != "reference"]  # the Pallas kernels: Triton and Mosaic GPU
+    if pallas and jax.default_backend() != "gpu":
+        raise DDTreeError(
+            f"--attention {pallas[0]}: the Pallas kernels need a GPU (backend: {jax.default_backend()})"
+        )
+    if not 1 <= args.tp <= jax.device_count():
+        raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
+    if args.drop_layer_all_reduce and args.tp == 1:
+        raise DDTreeError("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
+    scheme = type(QUANTIZE.get(args.quantize))
+    if args.quantize != "none" and scheme not in models.family(cfg).QUANTIZED_FORMATS:
+        fit = sorted(n for n, c in SHAPES.items() if scheme in models.family(c).QUANTIZED_FORMATS)
+        raise DDTreeError(
+            f"--quantize {args.quantize} needs a shape whose family reads it ({', '.join(fit)})"
+        )
+    check_out_path(args.out)
+    return grid
+
+
+def check_out_path(out: str) -> None:
+    """--out can be written: not a directory, in a directory that exists and is writable."""
+    path = Path(out)
+    if path.is_dir():
+        raise DDTreeError(f"--out {out}: is a directory")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise DDTreeError(f"--out {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise DDTreeError(f"--out {out}: not writable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: check the flags, sweep the configurations, write one JSON file; the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    try:
+        grid = check_args(args)
+        return run(args, grid)
+    except DDTreeError as e:
+        print(f"ddtree-bench: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run(args: argparse.Namespace, grid: Grid) -> int:
+    """Make the random-weight models of the checked flags and sweep the grid."""
+    compile_cache.enable(args.compile_cache)  # before the first compile
     cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
@@ -424,11 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     family.check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
+    _progress(f"making random {args.shape} weights")
     if args.quantize != "none":
-        scheme = type(QUANTIZE[args.quantize])
-        if scheme not in family.QUANTIZED_FORMATS:
-            fit = sorted(n for n, c in SHAPES.items() if scheme in models.family(c).QUANTIZED_FORMATS)
-            p.error(f"--quantize {args.quantize} needs a shape whose family reads it ({', '.join(fit)})")
         placement = param_sharding(make_mesh(args.tp))
         params = quant_load.random_params(
             target.weight_specs(cfg), QUANTIZE[args.quantize], 0, jnp.bfloat16, placement
@@ -440,9 +691,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.drop_layer_all_reduce:
         common.psum = lambda x, axis: x  # read when the programs are traced, below; restored at the end
     try:
-        return _sweep(args, cfg, dcfg, params, dparams)
+        return _sweep(args, grid, cfg, dcfg, params, dparams)
     finally:
         common.psum = psum
+
+
+def _progress(message: str) -> None:
+    """One progress line on stderr."""
+    print(f"ddtree-bench: {message}", file=sys.stderr, flush=True)
 
 
 def run_meta(argv: list[str]) -> dict:
@@ -457,8 +713,8 @@ def run_meta(argv: list[str]) -> dict:
     }
 
 
-def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
-    """Time every configuration of the grid, writing the JSON after each."""
+def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
+    """Time every configuration of the grid, writing the JSON after each; EXIT_ERROR if any failed."""
     ceiling = read_ceiling_gbs(args.ceiling_bytes)
     print(f"read ceiling {ceiling:.0f} GB/s; target weights {weight_bytes(params) / 1e9:.2f} GB", flush=True)
     meta = run_meta(sys.argv) | {
@@ -480,12 +736,13 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    trees = [(m, n) for m in args.methods.split(",") for n in (_ints(args.budgets) if m == "ddtree" else [0])]
-    grid = itertools.product(
-        args.attention.split(","), _ints(args.batches), _ints(args.contexts), trees, args.sampling.split(",")
-    )
-    for attention, batch, context, (method, budget), sampling_arg in grid:
-        sampling = parse_sampling(sampling_arg)
+    save()
+    configurations = grid.configurations()
+    for n, (attention, batch, context, (method, budget), sampling) in enumerate(configurations, start=1):
+        label = f"{method}{f' {budget}' if budget else ''} batch {batch} context {context} {attention}"
+        label += f" {'greedy' if sampling is None else 'sampled'}"
+        _progress(f"[{n}/{len(configurations)}] {label} ...")
+        start = time.perf_counter()
         # batch rows as ddtree-generate runs them (one ar row runs as two), the CLI's branching rule
         plan = make_plan(
             cfg,
@@ -496,11 +753,21 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
             budget=budget or None,
             attention=attention,
             tp=args.tp,
-            prompt_len=context,
         )
         try:
+            shape = batch_shape(plan, batch, context)
             row = bench_one(
-                params, dparams, plan, context, args.rounds, ceiling, args.stages, sampling, batch
+                params,
+                dparams,
+                plan,
+                shape,
+                context,
+                args.rounds,
+                ceiling,
+                args.stages,
+                sampling,
+                batch,
+                args.chosen_floor,
             )
         except Exception as e:  # keep the other configurations
             row = {
@@ -516,6 +783,8 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         rows.append(row)
         save()
         print(json.dumps(row), flush=True)
+        result = row["error"][:80] if "error" in row else f"{row['round_ms']:.2f} ms per round"
+        _progress(f"[{n}/{len(configurations)}] {label}: {result} ({time.perf_counter() - start:.0f} s)")
     print(
         f"{'method':8}{'N':>5}{'B':>4}{'ctx':>7}{'attn':>10}{'sampling':>16}{'round ms':>10}{'floor ms':>10}"
     )
@@ -530,6 +799,10 @@ def _sweep(args, cfg: TargetConfig, dcfg: DraftConfig, params, dparams) -> int:
         if r["device_stages_ms"]:
             stages += "  device loop: " + " ".join(f"{k}={v:.2f}" for k, v in r["device_stages_ms"].items())
         print(f"{head}{r['round_ms']:10.2f}{r['target_floor_ms']:10.2f}  {stages}")
+    failed = sum("error" in r for r in rows)
+    if failed:
+        _progress(f"error: {failed} of {len(rows)} configurations failed (their rows in {args.out} say why)")
+        return EXIT_ERROR
     return 0
 
 

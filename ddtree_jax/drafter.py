@@ -90,12 +90,18 @@ def check_divisible(cfg: DraftConfig, tp: int) -> None:
 
 
 def load(
-    directory, target_cfg, dtype: jnp.dtype, sharding, yarn_scaling: str | None = None
+    directory, target_cfg, dtype: jnp.dtype, sharding, yarn_scaling: str | None = None, cfg=None
 ) -> tuple[DraftConfig, Params]:
     """Config and parameters of a z-lab DFlash drafter directory, converted and placed
-    (`yarn_scaling`: config.load_draft_config)."""
+    (`yarn_scaling`: config.load_draft_config; `cfg`: its config already read)."""
     from ddtree_jax.checkpoint import load_params
+    from ddtree_jax.checkpoint_checks import check_against_config, check_finite
     from ddtree_jax.config import load_draft_config
+    from ddtree_jax.models.common import IGNORED_TENSORS
 
-    cfg = load_draft_config(directory, target_cfg, yarn_scaling)
-    return cfg, load_params(directory, weight_specs(cfg), dtype, sharding)
+    cfg = cfg or load_draft_config(directory, target_cfg, yarn_scaling)
+    specs = weight_specs(cfg)
+    check_against_config(directory, specs, IGNORED_TENSORS)
+    params = load_params(directory, specs, dtype, sharding)
+    check_finite(directory, params, specs)
+    return cfg, params

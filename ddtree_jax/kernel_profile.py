@@ -8,8 +8,9 @@ GPU whose CUPTI tracer did not start) the host plane's XLA op events stand in, e
 self time (a while loop's op encloses its body's ops on the same thread).
 
 Each kernel is put in a category (`categorize`) and in a scope of the model (`scope_of`, from the
-op_name metadata of the HLO instruction that launched it: the engine's named scopes "draft",
-"tree_build", "verify", "commit", and within a layer "attention" and "mlp").
+op_name metadata of the HLO instruction that launched it: the engine's named scopes, one per step of
+the round (engine.STAGES: "draft", "build", "verify", "walk", "commit"), and within a layer
+"attention" and "mlp").
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import bench, drafter, target
-from ddtree_jax.pair import make_plan
+from ddtree_jax.engine import STAGES
+from ddtree_jax.pair import batch_shape, make_plan
 from ddtree_jax.weights import random_params
 
 # lines of a device plane that the profiler derives from the kernels (would count them twice)
@@ -46,7 +48,6 @@ DERIVED_LINES = {
     "CUPTI overhead",
     "XLA TraceMe",
 }
-STAGES = ("draft", "tree_build", "verify", "commit")
 COLLECTIVE = re.compile(
     r"nccl|all-reduce|all_reduce|allreduce|all-gather|all_gather|reduce-scatter|"
     r"reduce_scatter|collective-permute|all-to-all|all_to_all",
@@ -319,11 +320,11 @@ def profile(
     return out | summarize(events, hlo_op_names(hlo_text), wall, calls * rounds)
 
 
-def profile_plan(params, dparams, plan, context: int, args, stop) -> list[dict]:
+def profile_plan(params, dparams, plan, shape, context: int, args) -> list[dict]:
     """Profile the stage programs of one plan (`args.programs`), then its round (the state donated,
     each call's output state the next one's input)."""
     rows = []
-    state = bench.synthetic_state(plan, context, 0, params["embed"].dtype, None, args.batch)
+    state = bench.synthetic_state(plan, shape, context, 0, params["embed"].dtype, None, args.batch)
     label = plan.method if plan.method == "ar" else f"{plan.method}{plan.budget}"
     wanted = args.programs.split(",")
     stage_names = [n for n in wanted if n != "round"]
@@ -332,35 +333,35 @@ def profile_plan(params, dparams, plan, context: int, args, stop) -> list[dict]:
         stage_inputs = bench.stage_args(params, dparams, state, plan)
         for name in stage_names:
             if name not in programs:
-                continue  # ar has no draft or tree build
+                continue  # ar has no draft or build
             start = time.perf_counter()
             compiled = programs[name].lower(*stage_inputs[name]).compile()
             compile_s = time.perf_counter() - start
             a = stage_inputs[name]
             keep = args.keep_trace and f"{args.keep_trace}/{label}_{name}"
             result = profile(lambda c=compiled, a=a: c(*a), compiled.as_text(), args.rounds, args.iters, keep)
-            rows.append(_row(label, name, plan, context, args, compile_s) | result)
+            rows.append(_row(label, name, plan, shape, context, args, compile_s) | result)
             print(_line(rows[-1]), flush=True)
         stage_inputs = None
     if "round" in wanted:
         start = time.perf_counter()
-        compiled = bench.round_program(plan, args.rounds).lower(params, dparams, state, stop).compile()
+        compiled = bench.round_program(plan, args.rounds).lower(params, dparams, state).compile()
         compile_s = time.perf_counter() - start
         box = [state]
         state = None
 
         def step():
-            box[0] = compiled(params, dparams, box[0], stop)
+            box[0] = compiled(params, dparams, box[0])
             return box[0]
 
         keep = args.keep_trace and f"{args.keep_trace}/{label}_round"
         result = profile(step, compiled.as_text(), args.rounds, args.iters, keep)
-        rows.append(_row(label, "round", plan, context, args, compile_s) | result)
+        rows.append(_row(label, "round", plan, shape, context, args, compile_s) | result)
         print(_line(rows[-1]), flush=True)
     return rows
 
 
-def _row(label: str, program: str, plan, context: int, args, compile_s: float) -> dict:
+def _row(label: str, program: str, plan, shape, context: int, args, compile_s: float) -> dict:
     return {
         "name": f"{label}_{program}",
         "method": plan.method,
@@ -368,7 +369,7 @@ def _row(label: str, program: str, plan, context: int, args, compile_s: float) -
         "tree_size": plan.tree_size,
         "program": program,
         "batch": args.batch,
-        "rows": plan.batch_size,
+        "rows": shape.rows,
         "context": context,
         "attention": plan.attention,
         "rounds_per_call": args.rounds,
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--programs",
         default="verify,round",
-        help="comma list of round,verify,draft,tree_build (stages alone)",
+        help="comma list of round,draft,build,verify,walk (stages alone)",
     )
     p.add_argument("--rounds", type=int, default=4, help="rounds (stage passes) per call: the device loop")
     p.add_argument("--iters", type=int, default=3, help="traced calls (after one warm and as many untraced)")
@@ -428,7 +429,6 @@ def main(argv: list[str] | None = None) -> int:
         "draft_weight_bytes": bench.weight_bytes(dparams),
     }
     rows: list[dict] = []
-    stop = jnp.full((8,), -1, jnp.int32)
     budgets = [int(b) for b in args.budget.split(",")]
     plans = [(m, b) for m in args.methods.split(",") for b in (budgets if m == "ddtree" else [0])]
     for method, budget in plans:
@@ -440,10 +440,10 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             budget=budget or None,
             attention=args.attention,
-            prompt_len=args.context,
         )
         try:
-            rows += profile_plan(params, None if method == "ar" else dparams, plan, args.context, args, stop)
+            shape = batch_shape(plan, args.batch, args.context)
+            rows += profile_plan(params, None if method == "ar" else dparams, plan, shape, args.context, args)
         except Exception as e:  # keep the other plans' rows
             rows.append({"method": method, "budget": budget, "error": f"{type(e).__name__}: {e}"[:500]})
             print(rows[-1], flush=True)

@@ -3,7 +3,10 @@ interrupted only between lines (SIGINT, SIGTERM)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -14,11 +17,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.prompts import id_key
+from ddtree_jax.prompts import id_key, scan_prompts
 
 # The settings that decide what an output line holds. --resume refuses to continue a file made with
-# other values. Batch size, --tp/--dp, --attention and --host-stepped change speed, not outputs
-# (DESIGN.md: the same tokens whatever the batch or the mesh), so they may differ.
+# other values.
 SETTINGS = (
     "target",
     "draft",
@@ -34,6 +36,23 @@ SETTINGS = (
     "branching",
     "block_size",
     "draft_window",
+    "draft_yarn_scaling",
+    "dequantize",
+)
+# The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
+# on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
+# refuses to change them unless both runs are float32.
+SCHEDULE_SETTINGS = (
+    "batch_size",
+    "static_batches",
+    "batch_invariant",
+    "host_stepped",
+    "tp",
+    "dp",
+    "prefill_chunk",
+    "prefill_attention",
+    "attention",
+    "moe_sharding",
 )
 STDOUT = "-"
 
@@ -52,8 +71,86 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
+def lock_path(out: Path) -> Path:
+    """The lock file held while a run writes an outputs file: OUT.lock, beside it."""
+    return out.with_name(out.name + ".lock")
+
+
+# The locks this process holds: resolved --out path -> the open lock file. One run at a time per process
+# (a new check_out releases the last run's lock), every lock released at exit.
+_locks: dict[Path, int] = {}
+
+
+def lock_out(target: Path, out: str) -> None:
+    """Hold an exclusive lock on --out (its resolved path) for this run, or refuse: another run writing
+    the same file would splice its lines into ours and rewrite the settings sidecar."""
+    if target in _locks:
+        return
+    release_locks()
+    path = lock_path(target)
+    while True:  # the holder unlinks the lock file before closing it: lock, then check it is still there
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip()
+            os.close(fd)
+            pid = f" (pid {holder})" if holder.isdigit() else ""
+            raise DDTreeError(
+                f"--out {out}: another run{pid} is writing it (lock {path}); "
+                "wait for it or choose another --out"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _locks[target] = fd
+
+
+def release_locks() -> None:
+    """Drop every --out lock this process holds (the lock file is removed while still locked)."""
+    while _locks:
+        target, fd = _locks.popitem()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path(target))
+        os.close(fd)
+
+
+atexit.register(release_locks)
+
+
+# The settings sidecar's record of each prompt as it was generated: id_key(id) -> the SHA-256 of the
+# prompt as written (its prompt / messages / input_ids and its own settings, `prompt_digest`). The token
+# ids themselves are not hashed: they follow from the prompt and the settings the sidecar already
+# checks (--target's tokenizer and template, --no-chat-template). --resume refuses a prompt whose line
+# changed since its output was written, naming its id.
+PROMPT_DIGESTS = "prompt_sha256"
+_digests: dict[Path, dict[str, str]] = {}  # resolved --out -> this run's prompt digests
+
+
+def prompt_digest(record) -> str:
+    """SHA-256 of one scanned prompt line (`prompts.Record`) as written, its id left out."""
+    text = json.dumps([record.kind, record.value, record.options], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _prompt_digests(prompts: str) -> dict[str, str] | None:
+    """Every prompt's digest by id_key, or None when the file does not scan (the run's own scan,
+    next, reports why)."""
+    try:
+        return {id_key(r.id): prompt_digest(r) for r in scan_prompts(prompts, max_line_bytes=1 << 40)}
+    except DDTreeError:
+        return None
+
+
 def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
-    """Refuse an --out that would be lost or would clobber something, before any work starts."""
+    """Refuse an --out that would be lost or would clobber something, before any work starts; then lock
+    it for this run (`lock_out`) and note its prompts' digests (`PROMPT_DIGESTS`)."""
     if resume and overwrite:
         raise DDTreeError("--resume and --overwrite exclude each other")
     if out == STDOUT:
@@ -72,6 +169,10 @@ def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
         raise DDTreeError(f"--out {out}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise DDTreeError(f"--out {out}: directory {parent} is not writable")
+    lock_out(target, out)
+    _digests.clear()
+    if (digests := _prompt_digests(prompts)) is not None:
+        _digests[target] = digests
     if target.exists():
         if not os.access(target, os.W_OK):
             raise DDTreeError(f"--out {out}: not writable")
@@ -80,33 +181,47 @@ def check_out(out: str, prompts: str, resume: bool, overwrite: bool) -> None:
 
 
 def finished_ids(out: str, settings: dict[str, Any]) -> set[str]:
-    """--resume: the ids (`prompts.id_key`) already in --out, after checking its settings sidecar.
-    A last line cut short (a killed run) is dropped from the file."""
+    """--resume: the ids (`prompts.id_key`) already in --out, after checking its settings sidecar, its
+    lines and its prompts (none changed since). Only then is a last line cut short (a killed run)
+    dropped from the file: a refused resume leaves it as it was."""
     path = Path(out)
     if not path.exists():
         return set()
     raw = path.read_bytes()
-    if raw and not raw.endswith(b"\n"):
-        keep = raw.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-        print(f"ddtree-generate: {out}: dropped an unfinished last line", file=sys.stderr)
-        raw = raw[:keep]
     if not raw:
         return set()
-    _check_settings(path, settings)
+    stored = _check_settings(path, settings)
+    keep = len(raw) if raw.endswith(b"\n") else raw.rfind(b"\n") + 1
     done = set()
-    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+    for n, line in enumerate(raw[:keep].decode("utf-8", errors="replace").splitlines(), start=1):
         try:
             record = json.loads(line)
             done.add(id_key(record["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):
             raise DDTreeError(f"{out}:{n}: not an output line of ddtree-generate; cannot resume") from None
+    _check_prompts(path, stored.get(PROMPT_DIGESTS), _digests.get(path.resolve()), done)
+    if keep < len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        print(f"ddtree-generate: {out}: dropped an unfinished last line", file=sys.stderr)
     return done
 
 
-def _check_settings(path: Path, settings: dict[str, Any]) -> None:
-    """Refuse to resume a file made with other settings (or with no record of them)."""
+def _check_prompts(path: Path, stored: dict | None, now: dict | None, done: set[str]) -> None:
+    """Refuse to resume when a prompt with an output in `path` has changed since (its digest differs)."""
+    if not stored or not now:  # a file from before digests were recorded: nothing to compare
+        return
+    changed = [key for key in sorted(done) if key in stored and key in now and stored[key] != now[key]]
+    if changed:
+        ids = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise DDTreeError(
+            f"--resume: {len(changed)} prompts changed since their outputs in {path} were written (ids "
+            f"{ids}); delete their lines from {path} to generate them again, or --overwrite"
+        )
+
+
+def _check_settings(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """Refuse to resume a file made with other settings (or with no record of them); returns the record."""
     sidecar = settings_path(path)
     try:
         stored = json.loads(sidecar.read_text())
@@ -117,10 +232,14 @@ def _check_settings(path: Path, settings: dict[str, Any]) -> None:
         ) from None
     except json.JSONDecodeError:
         raise DDTreeError(f"--resume: {sidecar}: not valid JSON") from None
-    diff = [k for k in SETTINGS if stored.get(k) != settings.get(k)]
+    keys = SETTINGS
+    if not stored.get("dtype") == settings.get("dtype") == "float32":
+        keys += SCHEDULE_SETTINGS
+    diff = [k for k in keys if stored.get(k) != settings.get(k)]
     if diff:
         what = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)!r} (now {settings.get(k)!r})" for k in diff)
         raise DDTreeError(f"--resume: {path} was made with other settings: {what}")
+    return stored
 
 
 class Writer:
@@ -137,7 +256,8 @@ class Writer:
             return sys.stdout
         path = Path(self.out)
         file = open(path, "a" if self.append else "w")  # noqa: SIM115 (0666 less the umask; through links)
-        settings_path(path).write_text(json.dumps(self.settings, indent=1) + "\n")
+        record = self.settings | {PROMPT_DIGESTS: _digests.get(path.resolve())}
+        settings_path(path).write_text(json.dumps(record, indent=1) + "\n")
         return file
 
     def write(self, rows: list[dict]) -> None:
@@ -151,10 +271,11 @@ class Writer:
                 self.written += 1
 
     def close(self) -> None:
-        """Close the file (not standard output)."""
+        """Close the file (not standard output) and release the run's lock on it."""
         if self.file is not None and self.file is not sys.stdout:
             self.file.close()
         self.file = None
+        release_locks()
 
 
 class _Guard:

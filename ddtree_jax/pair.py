@@ -1,11 +1,11 @@
-"""A target/drafter pair and the plan `ddtree-generate` makes for it: the CLI's defaults in one place.
+"""A target/drafter pair and the plan `ddtree-generate` makes for it: the defaults in one place.
 
-`make_plan` holds the defaults (budget by rows per device at 1k context when not given: ddtree-generate
-and the comparisons resolve it from their prompts' context first, `cli.resolve_budget`; branching
-`budgets.default_branching`, the block-size
-override, attention "auto", ar's padding to two rows); `load_pair` loads the models once for any
-number of plans; `load_generator` does both, as `ddtree-generate` does. Tools, scripts and tests call
-these instead of copying the rules.
+`make_plan` holds the plan's defaults (budget by rows per device at 1k context when not given: the
+tools resolve it from their prompts' context first, `settings.Settings.with_budget`; branching
+`budgets.default_branching`; the block-size override; attention "auto"); `batch_shape` the rows a batch
+runs (`programs.rows_to_run`); `load_pair` loads the models once for any number of plans;
+`load_generator` does all of it from a run's settings, as `ddtree-generate` does. Tools, scripts and
+tests call these instead of copying the rules.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax.budgets import default_branching
+from ddtree_jax.budgets import default_branching, rows_per_device
 from ddtree_jax.config import DraftConfig, TargetConfig
-from ddtree_jax.engine import Plan, rows_to_run
+from ddtree_jax.engine import Plan
 from ddtree_jax.errors import DDTreeError
+from ddtree_jax.programs import Shape, rows_to_run
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
@@ -53,10 +54,13 @@ def load_pair(
     moe_sharding: str = "ep",
     draft_yarn_scaling: str | None = None,
     dequantize: bool = False,
+    configs: tuple[TargetConfig, DraftConfig | None] | None = None,
+    codec: TextCodec | None = None,
 ) -> Pair:
     """Load the target (and the drafter when `draft_dir` is given) onto a tp x dp mesh
     (`moe_sharding`: how a MoE target's experts split; `draft_yarn_scaling`: a yarn drafter's factor;
-    `dequantize`: a quantized target's weights expanded to `dtype` at load instead of kept quantized)."""
+    `dequantize`: a quantized target's weights expanded to `dtype` at load instead of kept quantized).
+    `configs` and `codec`: the configs and tokenizer already read (default: read here)."""
     from ddtree_jax import drafter, models, target
     from ddtree_jax.config import load_draft_config
     from ddtree_jax.models import load_target_config
@@ -64,17 +68,22 @@ def load_pair(
 
     jdtype = use_dtype(dtype)
     sharding = param_sharding(make_mesh(tp, dp))
+    if configs is None:
+        cfg = load_target_config(target_dir, moe_sharding=moe_sharding)
+        dcfg = None if draft_dir is None else load_draft_config(draft_dir, cfg, draft_yarn_scaling)
+    else:
+        cfg, dcfg = configs
     # Check that both models split tp ways before placing any weight.
-    cfg = load_target_config(target_dir, moe_sharding=moe_sharding)
     models.family(cfg).check_divisible(cfg, tp)
     if draft_dir is not None:
-        drafter.check_divisible(load_draft_config(draft_dir, cfg, draft_yarn_scaling), tp)
-    cfg, params = target.load(target_dir, jdtype, sharding, dequantize, moe_sharding=moe_sharding)
-    dcfg = draft_params = None
+        drafter.check_divisible(dcfg, tp)
+    cfg, params = target.load(target_dir, jdtype, sharding, dequantize, cfg=cfg)
+    draft_params = None
     if draft_dir is not None:
-        dcfg, draft_params = drafter.load(draft_dir, cfg, jdtype, sharding, draft_yarn_scaling)
-    codec = TextCodec(target_dir) if (Path(target_dir) / "tokenizer.json").exists() else None
-    return Pair(cfg, params, dcfg, draft_params, codec, cfg.eos_token_ids)
+        dcfg, draft_params = drafter.load(draft_dir, cfg, jdtype, sharding, cfg=dcfg)
+    if codec is None and (Path(target_dir) / "tokenizer.json").exists():
+        codec = TextCodec(target_dir)
+    return Pair(cfg, params, dcfg if draft_dir is not None else None, draft_params, codec, cfg.eos_token_ids)
 
 
 def make_plan(
@@ -82,8 +91,8 @@ def make_plan(
     draft_cfg: DraftConfig | None,
     method: str,
     *,
-    batch_size: int,
     max_new_tokens: int,
+    batch_size: int = 1,
     budget: int | None = None,
     branching: int | None = None,
     block_size: int | None = None,
@@ -91,28 +100,25 @@ def make_plan(
     draft_window: int | None = None,
     tp: int = 1,
     dp: int = 1,
-    prompt_len: int = 16,
     tempered_draft: bool = False,
 ) -> Plan:
-    """The plan ddtree-generate compiles for `batch_size` prompts per batch (None: its defaults)."""
+    """The plan ddtree-generate compiles (None: its defaults; `batch_size` decides the default budget)."""
     from ddtree_jax.attention import default_implementation
-    from ddtree_jax.budgets import default_budget, rows_per_device
+    from ddtree_jax.budgets import default_budget
 
-    rows = rows_per_device(batch_size, dp)
     if method == "ar":
         draft_cfg = None
     elif block_size is not None:
         if block_size > draft_cfg.block_size:
             raise DDTreeError(f"--block-size {block_size} exceeds the drafter's {draft_cfg.block_size}")
         draft_cfg = dataclasses.replace(draft_cfg, block_size=block_size)
+    rows = rows_per_device(batch_size, dp)
     budget = (budget or default_budget(rows, target_cfg)) if method == "ddtree" else 0
     branching = branching or default_branching(method, budget)
     return Plan(
         target=target_cfg,
         draft=draft_cfg,
         method=method,
-        batch_size=rows_to_run(method, rows, target_cfg) * dp,  # padded with inactive rows
-        prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         budget=budget,
         branching=min(branching, target_cfg.vocab_size),
@@ -124,10 +130,17 @@ def make_plan(
     )
 
 
+def batch_shape(plan: Plan, batch_size: int, prompt_slots: int) -> Shape:
+    """The shape of a static batch of `batch_size` prompts of up to `prompt_slots` tokens: the rows per
+    "data" device (one ar row runs as two, `programs.rows_to_run`) times the devices."""
+    rows = rows_to_run(plan.method, rows_per_device(batch_size, plan.dp), plan.target) * plan.dp
+    return Shape.of(plan, rows, prompt_slots)
+
+
 def plan_from_args(
     pair: Pair, args, method: str | None = None, budget: int | None = None, max_new_tokens: int | None = None
 ) -> Plan:
-    """make_plan from ddtree-generate's flags (`method`, `budget`, `max_new_tokens` override the flags')."""
+    """make_plan from a tool's parsed flags (`method`, `budget`, `max_new_tokens` override the flags')."""
     method = method or args.method
     return make_plan(
         pair.target,
@@ -146,7 +159,7 @@ def plan_from_args(
 
 
 def sampling_from_args(args) -> dict:
-    """The default sampling settings {temperature, top_k, top_p, seed} from ddtree-generate's flags."""
+    """The default sampling settings {temperature, top_k, top_p, seed} from a tool's parsed flags."""
     return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
 
 
@@ -154,42 +167,42 @@ def generator(
     pair: Pair, plan: Plan, sampling: dict | None = None, host_stepped: bool = False, schedule=None
 ):
     """A Generator for `plan` over the pair's models (greedy unless `sampling` says otherwise;
-    `schedule`: a `scheduling.Schedule`, None for its defaults)."""
-    from ddtree_jax.generation import Generator
-    from ddtree_jax.sampling import GREEDY
-    from ddtree_jax.scheduling import Schedule
+    `schedule`: a `scheduler.Schedule`, None for its defaults, host-stepped as asked)."""
+    from ddtree_jax.scheduler import Generator, Schedule
 
     draft_params = None if plan.method == "ar" else pair.draft_params
-    return Generator(
-        pair.params,
-        draft_params,
-        plan,
-        pair.stop_ids,
-        pair.codec,
-        host_stepped,
-        sampling=GREEDY | (sampling or {}),
-        schedule=schedule or Schedule(),
-    )
+    schedule = schedule or Schedule(host_stepped=host_stepped)
+    return Generator(pair.params, draft_params, plan, pair.stop_ids, pair.codec, sampling, schedule)
 
 
-def load_generator(args):
-    """Load the pair named by ddtree-generate's (checked) flags and make its Generator."""
-    from ddtree_jax.scheduling import Schedule
-
+def load_generator(s, target_cfg: TargetConfig | None = None, draft_cfg=None, codec=None):
+    """Load the pair of a run's settings (`settings.Settings`, budget resolved) and make its
+    Generator; `target_cfg`, `draft_cfg`, `codec`: already read (default: read here)."""
+    configs = None if target_cfg is None else (target_cfg, draft_cfg)
     pair = load_pair(
-        args.target,
-        None if args.method == "ar" else args.draft,
-        args.dtype,
-        args.tp,
-        args.dp,
-        moe_sharding=args.moe_sharding,
-        draft_yarn_scaling=args.draft_yarn_scaling,
-        dequantize=args.dequantize,
+        s.target,
+        s.draft,
+        s.dtype,
+        s.tp,
+        s.dp,
+        moe_sharding=s.moe_sharding,
+        draft_yarn_scaling=s.draft_yarn_scaling,
+        dequantize=s.dequantize,
+        configs=configs,
+        codec=codec,
     )
-    plan = plan_from_args(pair, args)
-    schedule = Schedule(
-        chunk=args.prefill_chunk,
-        batch_invariant=args.batch_invariant,
-        prefill_attention=getattr(args, "prefill_attention", "same"),
+    plan = make_plan(
+        pair.target,
+        pair.draft,
+        s.method,
+        max_new_tokens=s.max_new_tokens,
+        batch_size=s.batch_size,
+        budget=s.budget,
+        branching=s.branching,
+        block_size=s.block_size,
+        attention=s.attention,
+        draft_window=s.draft_window,
+        tp=s.tp,
+        dp=s.dp,
     )
-    return generator(pair, plan, sampling_from_args(args), args.host_stepped, schedule)
+    return generator(pair, plan, s.sampling, schedule=s.schedule())

@@ -9,6 +9,7 @@ JSON, keys, ids, settings) before any weight is loaded; `tokenize` then encodes 
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 from pathlib import Path
@@ -61,6 +62,8 @@ def _lines(path: Path, max_line_bytes: int):
             while raw := f.readline(max_line_bytes + 2):
                 n += 1
                 body = raw.rstrip(b"\r\n")
+                if n == 1:  # a UTF-8 byte-order mark (Windows editors write one) is no part of the JSON
+                    body = body.removeprefix(codecs.BOM_UTF8)
                 if len(body) > max_line_bytes:
                     raise DDTreeError(
                         f"{path}:{n}: line longer than {max_line_bytes} bytes (--max-line-bytes; "

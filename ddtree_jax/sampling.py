@@ -1,4 +1,4 @@
-"""The target's choice at every tree node: greedy argmax, or a seeded sample (DESIGN.md, "Sampling
+"""The target's choice at every tree node: greedy argmax, or a seeded sample (docs/design.md, "Sampling
 that stays lossless on a tree").
 
 A sampled choice is Gumbel-max over the processed target distribution:

@@ -62,18 +62,29 @@ def forward(
 
 
 def load(
-    directory, dtype: jnp.dtype, sharding, dequantize: bool = False, **options
+    directory,
+    dtype: jnp.dtype,
+    sharding,
+    dequantize: bool = False,
+    cfg: TargetConfig | None = None,
+    **options,
 ) -> tuple[TargetConfig, Params]:
     """Config and parameters of an HF target directory, converted to `dtype` and placed (`options`:
-    family settings, e.g. `moe_sharding`). A quantized checkpoint keeps its quantized weights as
-    stored (ddtree_jax.quant), or expands them to `dtype` with `dequantize`."""
+    family settings, e.g. `moe_sharding`; `cfg`: its config already read). A quantized checkpoint
+    keeps its quantized weights as stored (ddtree_jax.quant), or expands them to `dtype` with
+    `dequantize`."""
     from ddtree_jax.checkpoint import load_params
+    from ddtree_jax.checkpoint_checks import check_against_config, check_finite
     from ddtree_jax.quant import load as quant_load
 
-    cfg = models.load_target_config(directory, **options)
+    cfg = cfg or models.load_target_config(directory, **options)
     specs = weight_specs(cfg)
+    check_against_config(directory, specs, models.family(cfg).ignored_tensors(cfg), cfg.quantization)
     if cfg.quantization is None:
-        return cfg, load_params(directory, specs, dtype, sharding)
+        params = load_params(directory, specs, dtype, sharding)
+        check_finite(directory, params, specs)
+        return cfg, params
     params = quant_load.load_params(directory, specs, cfg.quantization, dtype, sharding, dequantize)
+    check_finite(directory, params, specs)
     # expanded: the config says so (plans compiled for quantized params are keyed by it)
     return (dataclasses.replace(cfg, quantization=None) if dequantize else cfg), params

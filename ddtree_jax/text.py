@@ -68,6 +68,13 @@ class TextCodec:
         """Token ids of `text`."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def without_special(self, text: str) -> str:
+        """`text` with every special token's text (stop tokens, chat markers) taken out."""
+        for token in self.tokenizer.get_added_tokens_decoder().values():
+            if token.special:
+                text = text.replace(token.content, "")
+        return text
+
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids (special tokens kept, so stop tokens stay visible)."""
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,7 +1,8 @@
 """The draft tree: build it from the drafter's top-k log-probs, mask it, walk it.
 
-DESIGN.md, "One decoding round", steps 2 and 4. Everything here is static-shape, batched over B
-(a leading dim on every array) and free of host syncs, so it runs inside the jitted round.
+docs/design.md, "Building the tree without a heap" and step 4 of "One round". Everything here is
+static-shape, batched over B (a leading dim on every array) and free of host syncs, so it runs
+inside the jitted round.
 
 Node order (the same strict total order everywhere, so a heap oracle reproduces it exactly):
 score descending; then depth ascending; then, within a depth, by (the parent's position in the
@@ -173,7 +174,7 @@ BUILD_VARIANTS = ("paths", "paths-unrolled", "climb")
 
 
 @partial(jax.jit, static_argnames=("budget", "variant"))
-def build_tree(
+def lattice_tree(
     bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int, variant: str = "paths"
 ) -> Tree:
     """Tree of the `budget` best lattice nodes under the root `bonus`; T = budget + 1.

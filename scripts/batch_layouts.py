@@ -24,9 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from ddtree_jax import drafter, target  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
-from ddtree_jax.generation import Generator  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
-from ddtree_jax.scheduling import Schedule  # noqa: E402
+from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 from ddtree_jax.text import TextCodec  # noqa: E402
 
@@ -53,20 +52,16 @@ def main(argv=None) -> int:
             cfg,
             dcfg,
             "ddtree",
-            batch,
-            16,
             args.max_new_tokens,
             budget=15,
             branching=15,
             attention=args.attention,
         )
-        schedule = Schedule(chunk=args.prefill_chunk, batch_invariant=mode == "batch_invariant")
+        policy = "static" if mode == "static" else "continuous"
+        invariant = mode == "batch_invariant"
+        schedule = Schedule(batch, policy, chunk=args.prefill_chunk, batch_invariant=invariant)
         gen = Generator(params, dparams, plan, cfg.eos_token_ids, schedule=schedule)
-        items = [prompts[i] for i in order]
-        if mode == "static":
-            results = [r for i in range(0, len(items), batch) for r in gen.run_batch(items[i : i + batch])]
-        else:
-            results = list(gen.stream(items))
+        results = list(gen.run([prompts[i] for i in order]))
         return {r.id: r.output_ids for r in results}
 
     n = len(prompts)

@@ -8,7 +8,7 @@ latent cache is the same on every device), T = 1 (ar) and 64 (a budget-63 verify
 masks), S = 1k, 4k, 8k, 32k (all visible), B = 1 and 16. Per row: the kernel and the reference under
 jit, the kernel's error against the reference on the device, and two floors: bytes (latent cache +
 queries + output) over the read ceiling measured in the same run (a large `jnp.sum`), and FLOPs
-(2 x rows x keys x (512 + 64 + 512)) over 790 TFLOP/s (bf16 matmul on the H200, DESIGN.md). Then,
+(2 x rows x keys x (512 + 64 + 512)) over 790 TFLOP/s (bf16 matmul on the H200, docs/design.md). Then,
 while the time budget lasts, a tuning sweep of the kernel alone on the shapes that decide the
 defaults. Timing as in bench_attention.py: k independent calls per jitted program, each on its own
 copy of the cache, median over runs / k. Every configuration is guarded: failures are recorded as
@@ -40,7 +40,7 @@ from ddtree_jax.kernels.tuning import resolve_mla_tuning  # noqa: E402
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 START = time.perf_counter()
-PEAK_FLOPS = 790e12  # bf16 matmul on the H200 (DESIGN.md)
+PEAK_FLOPS = 790e12  # bf16 matmul on the H200 (docs/design.md)
 COPY_BUDGET = 12 << 30  # bytes of cache copies per timed program
 REF_MAX_BYTES = 16 << 30  # float32 scores of one reference call, beyond which it is skipped
 SOFTMAX_SCALE = 192**-0.5

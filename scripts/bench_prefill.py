@@ -1,7 +1,7 @@
 """Chunked prefill of one long prompt: time, peak device memory and the FLOP floor; one JSON line each.
 
 Random weights of a bench.SHAPES shape (bf16), one row, the prompt run chunk by chunk through the cache
-path (scheduling.start: each chunk attends to the cache written so far and to itself, causal), the
+path (programs.start: each chunk attends to the cache written so far and to itself, causal), the
 drafter's context K/V with it. `--runs LENGTH:CHUNK,...` in order; the device's peak memory is the
 process's so far, so order the runs by growing footprint (a smaller run after a larger one shows the
 larger one's peak):
@@ -26,12 +26,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddtree_jax import drafter, scheduling, target  # noqa: E402
+from ddtree_jax import drafter, target  # noqa: E402
 from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
-from ddtree_jax.engine import Plan  # noqa: E402
+from ddtree_jax.engine import MAX_STOP_IDS, Plan  # noqa: E402
+from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots  # noqa: E402
 from ddtree_jax.weights import random_params  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (DESIGN.md)
+PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (docs/design.md)
 
 
 def prefill_flops(cfg, length: int) -> float:
@@ -48,31 +49,29 @@ def prefill_flops(cfg, length: int) -> float:
 
 def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
     """Time the prefill of one random prompt of `length` tokens in chunks of `chunk`."""
-    slots = scheduling.prompt_slots(length, chunk)
+    slots = prompt_slots(length)
     plan = Plan(
         cfg,
         dcfg if args.method != "ar" else None,
         args.method,
-        1,
-        slots,
         64,
         budget=15,
         branching=15,
         attention=args.attention,
     )
+    shape = Shape.of(plan, 1, slots)
     rng = np.random.default_rng(0)
     tokens = np.zeros((1, slots), np.int32)
     tokens[0, :length] = rng.integers(1, cfg.vocab_size - 1, length)
-    inputs = (jnp.asarray(tokens), jnp.asarray([length], jnp.int32), jnp.ones((1,), bool))
-    stop = jnp.asarray([-1], jnp.int32)
+    one = jnp.asarray([length], jnp.int32)
+    req = Requests(jnp.asarray(tokens), one, jnp.zeros((1,), jnp.int32), None, jnp.full((1,), 64, jnp.int32))
+    stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
 
-    impl = None if args.prefill_attention == "same" else args.prefill_attention
+    impl = args.attention if args.prefill_attention == "same" else args.prefill_attention
+    programs = Programs(params, dparams, plan, chunk, impl)
 
     def once():
-        state = scheduling.start_jit(
-            params, dparams, *inputs, stop, None, plan=plan, chunk=chunk, attention=impl
-        )
-        return jax.block_until_ready(state)
+        return jax.block_until_ready(programs.start(req, stop, shape))
 
     start = time.perf_counter()
     once()
@@ -99,7 +98,7 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
         "first_token": int(state.bonus[0]),
         "last_layer_mean_abs_k": round(fingerprint, 6),
         "method": args.method,
-        "capacity": plan.capacity,
+        "capacity": shape.capacity,
         "seconds": round(seconds, 4),
         "first_call_s": round(compile_s, 2),
         "tflop": round(flops / 1e12, 2),

@@ -32,7 +32,7 @@ from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.kernels.flash import merge_by_lse  # noqa: E402
 from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 
-PEAK_TFLOPS = 790.0  # bf16 dense, measured (DESIGN.md)
+PEAK_TFLOPS = 790.0  # bf16 dense, measured (docs/design.md)
 
 
 # -- The prefix and the tree apart, merged by log-sum-exp (issue 22) ----------------------------------

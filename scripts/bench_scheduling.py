@@ -9,7 +9,7 @@ gets its own `max_new_tokens`, log-uniform in [N, --max-new-tokens] from the see
 output lengths does not depend on the outputs (random weights rarely hit a stop id, and a bf16 run's
 outputs depend on the schedule; pass --stop-fraction 0 for lengths alone). Static batches run
 `--batch-size` prompts at a time in input order until each batch's slowest row finishes (what
-`ddtree-generate --static-batches` does); continuous batching runs `Generator.stream`. Both report
+`ddtree-generate --static-batches` does); continuous batching is ddtree-generate's default. Both report
 generation seconds without compilation; outputs are compared token for token.
 
     python scripts/bench_scheduling.py --out results/scheduling/cpu.json --prompts 48 --max-len 512
@@ -38,9 +38,8 @@ sys.path.insert(0, str(ROOT))
 from ddtree_jax import drafter, target  # noqa: E402
 from ddtree_jax.budgets import default_branching  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
-from ddtree_jax.generation import Generator  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
-from ddtree_jax.scheduling import Schedule  # noqa: E402
+from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 
 PAIR = ROOT / "ddtree_jax" / "assets" / "default_pair"
@@ -91,32 +90,33 @@ def workload(args, vocab: int, stream: list[int] | None) -> list[Prompt]:
     return prompts
 
 
-def make_generator(args, cfg, params, dcfg, dparams, stop_ids, batch_invariant=False) -> Generator:
-    """A Generator of the benchmark's plan."""
+def make_generator(
+    args, cfg, params, dcfg, dparams, stop_ids, policy="continuous", batch_invariant=False
+) -> Generator:
+    """A Generator of the benchmark's plan under `policy`."""
     plan = Plan(
         target=cfg,
         draft=dcfg if args.method != "ar" else None,
         method=args.method,
-        batch_size=args.batch_size,
-        prompt_len=16,
         max_new_tokens=args.max_new_tokens,
         budget=args.budget if args.method == "ddtree" else 0,
         branching=default_branching(args.method, args.budget),
         attention=args.attention,
     )
     schedule = Schedule(
-        chunk=args.prefill_chunk, batch_invariant=batch_invariant, prefill_attention=args.prefill_attention
+        args.batch_size,
+        policy,
+        chunk=args.prefill_chunk,
+        batch_invariant=batch_invariant,
+        prefill_attention=args.prefill_attention,
     )
     return Generator(params, dparams if args.method != "ar" else None, plan, stop_ids, schedule=schedule)
 
 
-def static(gen: Generator, prompts: list[Prompt], batch_size: int):
-    """Today's static batches in input order, each run until its longest row finishes (each row at
-    its own limit or stop id)."""
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        out += gen.run_batch(prompts[i : i + batch_size])
-    return out
+def static(gen: Generator, prompts: list[Prompt]):
+    """Static batches in input order (`gen`'s policy), each run until its longest row finishes (each
+    row at its own limit or stop id)."""
+    return list(gen.run(prompts))
 
 
 def choose_stop(args, gen: Generator, prompts) -> tuple[int, ...]:
@@ -126,7 +126,7 @@ def choose_stop(args, gen: Generator, prompts) -> tuple[int, ...]:
     their rows repeat few tokens of their own (one token was in 2 of 64 rows on the H200)."""
     if args.stop_fraction <= 0:
         return ()
-    calib = static(gen, prompts[:32], args.batch_size)
+    calib = static(gen, prompts[:32])
     seen = [set(r.output_ids[1:]) for r in calib]
     rows = collections.Counter(t for s in seen for t in s)
     chosen: list[int] = []
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
 
     cfg, params, dcfg, dparams, stream = load_models(args)
     prompts = workload(args, cfg.vocab_size, stream)
-    base_gen = make_generator(args, cfg, params, dcfg, dparams, ())
+    base_gen = make_generator(args, cfg, params, dcfg, dparams, (), policy="static")
     stop = choose_stop(args, base_gen, prompts)
     base_gen.stop_ids, base_gen.generate_seconds = stop, 0.0  # compile_seconds: calibration's included
     report = {
@@ -243,11 +243,11 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(report, indent=1) + "\n")
 
     gen = make_generator(args, cfg, params, dcfg, dparams, stop)
-    cont, wall = timed(lambda: sorted(gen.stream(prompts), key=lambda r: r.id))
+    cont, wall = timed(lambda: sorted(gen.run(prompts), key=lambda r: r.id))
     report["continuous"] = summary(cont, gen, wall)
     save()
     if not args.skip_static:
-        base, wall = timed(lambda: static(base_gen, prompts, args.batch_size))
+        base, wall = timed(lambda: static(base_gen, prompts))
         report["static"] = summary(base, base_gen, wall)
         batches = range(0, len(base), args.batch_size)
         report["static"]["rounds"] = sum(
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         save()
     if args.batch_invariant:
         gen = make_generator(args, cfg, params, dcfg, dparams, stop, batch_invariant=True)
-        inv, wall = timed(lambda: sorted(gen.stream(prompts), key=lambda r: r.id))
+        inv, wall = timed(lambda: sorted(gen.run(prompts), key=lambda r: r.id))
         report["batch_invariant"] = summary(inv, gen, wall)
         report["batch_invariant"]["speed_vs_continuous"] = round(
             report["batch_invariant"]["tokens_per_s"] / report["continuous"]["tokens_per_s"], 3

@@ -1,4 +1,4 @@
-"""Time the tree build (`tree.build_tree`: beams, selection, ancestor mask) alone, jitted, per batch
+"""Time the build step (`tree.lattice_tree`: beams, selection, ancestor mask) alone, jitted, per batch
 size, budget and build variant, on random sorted drafter log-probs.
 
 python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --variants paths,climb --out tree.json
@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
 from ddtree_jax.bench import median_seconds  # noqa: E402
-from ddtree_jax.tree import BUILD_VARIANTS, build_tree  # noqa: E402
+from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
         tok = np.broadcast_to(np.arange(args.top_k, dtype=np.int32), logp.shape)
         inputs = (jnp.zeros((batch,), jnp.int32), jnp.asarray(logp, jnp.float32), jnp.asarray(tok))
         start = time.perf_counter()
-        build = build_tree.lower(*inputs, budget=budget, variant=variant).compile()
+        build = lattice_tree.lower(*inputs, budget=budget, variant=variant).compile()
         compile_s = time.perf_counter() - start
         row = {"batch": batch, "budget": budget, "variant": variant, "compile_s": round(compile_s, 2)}
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax.pair import generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import read_prompts  # noqa: E402
+from ddtree_jax.scheduler import Schedule  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "ddtree_jax" / "assets" / "default_pair"
 
@@ -64,11 +65,9 @@ def main() -> None:
                 budget=budget or None,
                 tempered_draft=args.tempered_draft,
             )
-            gen = generator(pair, plan, sampling)
+            gen = generator(pair, plan, sampling, schedule=Schedule(args.batch_size, policy="static"))
             start = time.perf_counter()
-            results = []
-            for i in range(0, len(prompts), args.batch_size):
-                results += gen.run_batch(prompts[i : i + args.batch_size])
+            results = list(gen.run(prompts))
             wall = time.perf_counter() - start
             accepted = [a for r in results for a in r.acceptance_lengths]
             tokens = sum(len(r.output_ids) for r in results)

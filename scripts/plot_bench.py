@@ -118,9 +118,10 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         labels = [f"{r['method']} {r['budget']} B={r['batch']}" for r in staged]
         bottom = [0.0] * len(staged)
-        for stage in ("draft", "tree_build", "verify", "walk_commit_rest"):
-            # each stage alone in a device loop; walk + commit is the rest of the round (clipped at 0)
-            values = [max(r.get("device_stages_ms", {}).get(stage, 0.0), 0.0) for r in staged]
+        for stage in ("draft", "build", "verify", "walk", "commit"):  # engine.STAGES
+            # each stage alone in a device loop; commit is the rest of the round (clipped at 0); files
+            # recorded before 2026-12-02 name build "tree_build" and walk + commit "walk_commit_rest"
+            values = [max(_stage_ms(r.get("device_stages_ms", {}), stage), 0.0) for r in staged]
             ax.bar(labels, values, bottom=bottom, label=stage)
             bottom = [a + v for a, v in zip(bottom, values, strict=True)]
         hosted = [r.get("host_stepped_round_ms", sum(r["stages_ms"].values())) for r in staged]
@@ -129,6 +130,14 @@ def main() -> None:
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.out / "stages.png", dpi=120)
+
+
+OLD_STAGE_NAMES = {"build": "tree_build", "commit": "walk_commit_rest"}  # in files before 2026-12-02
+
+
+def _stage_ms(stages: dict, stage: str) -> float:
+    """A stage's device-loop ms, under its name or the one it had before 2026-12-02."""
+    return stages.get(stage, stages.get(OLD_STAGE_NAMES.get(stage, ""), 0.0))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
 from ddtree_jax.pair import Pair, generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import Prompt, read_prompts  # noqa: E402
 from ddtree_jax.sampling import GREEDY  # noqa: E402
+from ddtree_jax.scheduler import Schedule  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 from ddtree_jax.weights import random_params  # noqa: E402
 
@@ -75,8 +76,8 @@ def run_all(model, tp: int, args, sampling: dict) -> list[dict]:
                 attention=args.attention,
                 tp=tp,
             )
-            gen = generator(pair, plan, sampling)
-            results = gen.run_batch(prompts)
+            gen = generator(pair, plan, sampling, schedule=Schedule(len(prompts), policy="static"))
+            results = list(gen.run(prompts))
             runs.append(
                 {
                     "method": method,

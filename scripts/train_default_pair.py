@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 from ddtree_jax import drafter, target, train  # noqa: E402
 from ddtree_jax.checkpoint import save_hf  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
-from ddtree_jax.generation import Generator, prompt_bucket  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
+from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
 from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
@@ -242,13 +242,13 @@ def self_generated(args, tcfg, tparams, stream: np.ndarray, log_path) -> np.ndar
     """
     rng = np.random.default_rng(args.seed + 2)
     n, prompt_len, new = args.selfgen_sequences, args.selfgen_prompt, args.draft_seq_len - args.selfgen_prompt
-    plan = Plan(tcfg, None, "ar", args.selfgen_batch, prompt_bucket(prompt_len), new, 0, 1)
-    gen = Generator(tparams, None, plan, stop_ids=())
+    plan = Plan(tcfg, None, "ar", new)
+    gen = Generator(tparams, None, plan, (), schedule=Schedule(args.selfgen_batch, policy="static"))
     start, rows = time.perf_counter(), []
     for first in range(0, n, args.selfgen_batch):
         windows = train.random_windows(stream, rng, min(args.selfgen_batch, n - first), prompt_len)
         prompts = [Prompt(first + i, 0, w.tolist(), {}) for i, w in enumerate(windows)]
-        rows += [[*p.input_ids, *r.output_ids] for p, r in zip(prompts, gen.run_batch(prompts), strict=True)]
+        rows += [[*p.input_ids, *r.output_ids] for p, r in zip(prompts, gen.run(prompts), strict=True)]
     seconds = round(time.perf_counter() - start, 1)
     log({"stage": "selfgen", "sequences": len(rows), "seconds": seconds}, log_path)
     return np.asarray(rows, np.int32)  # [n, draft_seq_len]: each row one window

@@ -4,7 +4,13 @@ loading helpers."""
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU backend at its lowest optimisation level: compiling is most of the suite's time, and the
+# programs the tests run are small; the level changes how fast the code runs, not what it computes.
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_llvm_disable_expensive_passes=true",
+)
 # JAX's persistent compilation cache, shared by the pytest-xdist workers and the CLI subprocesses the
 # tests start: many tests build the same programs afresh (new jitted closures over the same fixtures),
 # and XLA's compilation is most of the suite's time on 2 cores. Entries are keyed by the program, the
@@ -99,22 +105,22 @@ def run(
     tempered_draft=False,
     moe_sharding="ep",
 ):
-    """Generate with the engine in float32; returns the Result list in prompt order.
+    """Generate with the engine in float32, static batches of `batch_size` (default: every prompt in
+    one) as `ddtree-generate --static-batches` runs them; returns the Result list in prompt order.
 
     sampling: default settings {temperature, top_k, top_p, seed} (unset: greedy); options: one dict
     per prompt overriding them, like the JSONL fields. tp, dp: the mesh (batch_size a multiple of dp).
     """
-    from ddtree_jax.generation import Generator
     from ddtree_jax.pair import make_plan
     from ddtree_jax.prompts import Prompt
-    from ddtree_jax.sampling import GREEDY
+    from ddtree_jax.scheduler import Generator, Schedule
 
     cfg, params = load_target(target_name, tp=tp, dp=dp, moe_sharding=moe_sharding)
     dcfg = dparams = None
     if draft_name is not None:
         dcfg, dparams = load_drafter(draft_name, tp=tp, dp=dp)
     batch_size = batch_size or len(prompts)
-    plan = make_plan(  # ddtree-generate's plan (branching, block size, ar's padding to two rows)
+    plan = make_plan(  # ddtree-generate's plan (branching, block size)
         cfg,
         dcfg,
         method,
@@ -129,12 +135,8 @@ def run(
         tempered_draft=tempered_draft,
     )
     dparams = dparams if method != "ar" else None
-    gen = Generator(
-        params, dparams, plan, tuple(stop_ids), host_stepped=host_stepped, sampling=GREEDY | (sampling or {})
-    )
+    schedule = Schedule(batch_size, policy="static", host_stepped=host_stepped)
+    gen = Generator(params, dparams, plan, tuple(stop_ids), sampling=sampling, schedule=schedule)
     options = options or [{}] * len(prompts)
     items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
-    results = []
-    for start in range(0, len(items), batch_size):
-        results += gen.run_batch(items[start : start + batch_size])
-    return results
+    return list(gen.run(items))

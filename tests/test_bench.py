@@ -2,17 +2,22 @@
 
 import json
 
+import pytest
+
 from ddtree_jax.bench import main
 
 TINY = ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32", "--rounds", "2"]
 TINY += ["--ceiling-bytes", "1048576"]
 
 
-def test_bench_tiny_writes_every_configuration(tmp_path):
+def test_bench_tiny_writes_every_configuration(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = [*TINY, "--methods", "ar,ddtree", "--budgets", "3", "--batches", "2", "--stages"]
     argv += ["--sampling", "greedy,0.7:5:0.9", "--out", str(out)]
     assert main(argv) == 0
+    err = capsys.readouterr().err  # progress: each configuration as it starts and ends
+    assert "[1/4] ar batch 2 context 32 reference greedy ..." in err
+    assert "[4/4] ddtree 3 batch 2 context 32 reference sampled: " in err and " ms per round (" in err
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [(r["method"], r["sampling"] is None) for r in rows] == [
@@ -24,9 +29,9 @@ def test_bench_tiny_writes_every_configuration(tmp_path):
     for r in rows:
         assert "error" not in r, r.get("error")
         assert r["round_ms"] > 0 and r["target_floor_ms"] > 0
-        assert set(r["stages_ms"]) >= {"tree_build", "verify", "walk_commit"}
-        drafted = {"draft", "tree_build"} if r["method"] == "ddtree" else set()
-        assert set(r["device_stages_ms"]) == {"verify", "walk_commit_rest"} | drafted
+        drafted = {"draft", "build"} if r["method"] == "ddtree" else set()
+        assert set(r["stages_ms"]) == {"build", "verify", "walk", "commit"} | drafted  # engine.STAGES
+        assert set(r["device_stages_ms"]) == {"verify", "walk", "commit"} | drafted
         assert all(r["device_stages_ms"][k] > 0 for k in {"verify"} | drafted)
     assert data["meta"]["read_ceiling_gbs"] > 0
 
@@ -65,15 +70,18 @@ def test_padding_rows_are_inactive_as_generation_pads():
     import jax.numpy as jnp
     import numpy as np
 
-    from ddtree_jax import bench, engine
+    from ddtree_jax import bench
     from ddtree_jax.engine import Plan
+    from ddtree_jax.pair import batch_shape
 
     cfg = bench.SHAPES["tiny"]
-    plan = Plan(cfg, None, "ar", engine.rows_to_run("ar", 1), 32, 64)
-    state = bench.synthetic_state(plan, 32, 0, jnp.float32, active=1)
+    plan = Plan(cfg, None, "ar", 64)
+    shape = batch_shape(plan, 1, 32)
+    assert shape.rows == 2
+    state = bench.synthetic_state(plan, shape, 32, 0, jnp.float32, active=1)
     np.testing.assert_array_equal(state.cache.lengths, [32, 1])
     np.testing.assert_array_equal(state.done, [False, True])
-    full = bench.synthetic_state(plan, 32, 0, jnp.float32)
+    full = bench.synthetic_state(plan, shape, 32, 0, jnp.float32)
     np.testing.assert_array_equal(full.cache.lengths, [32, 32])
     assert not full.done.any()
 
@@ -81,8 +89,6 @@ def test_padding_rows_are_inactive_as_generation_pads():
 def test_dropped_all_reduce_is_restored(tmp_path):
     """--drop-layer-all-reduce (timing only) patches the layers' all-reduce for its run alone, and is
     refused without a mesh."""
-    import pytest
-
     from ddtree_jax import collectives
     from ddtree_jax.models import common
 
@@ -92,8 +98,7 @@ def test_dropped_all_reduce_is_restored(tmp_path):
     assert common.psum is collectives.psum
     row = json.loads(out.read_text())["rows"][0]
     assert "error" not in row and row["tp"] == 2
-    with pytest.raises(SystemExit):
-        main([*argv, "--drop-layer-all-reduce"])
+    assert main([*argv, "--drop-layer-all-reduce"]) == 1
 
 
 def test_stage_loops_keep_every_pass_inside_the_loop():
@@ -105,22 +110,25 @@ def test_stage_loops_keep_every_pass_inside_the_loop():
 
     from ddtree_jax import bench, drafter, engine, target
     from ddtree_jax.engine import Plan
+    from ddtree_jax.programs import Shape
     from ddtree_jax.weights import random_params
 
     cfg = bench.SHAPES["tiny"]
     dcfg = bench.draft_shape(cfg, 1, 4)
     params = random_params(target.weight_specs(cfg), 0, jnp.float32)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.float32)
-    plan = Plan(cfg, dcfg, "ddtree", 2, 32, 64, 7, 7, "reference")
+    plan = Plan(cfg, dcfg, "ddtree", 64, 7, 7, "reference")
     sampled = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 0}
-    state = bench.synthetic_state(plan, 32, 0, jnp.float32, sampled)
+    state = bench.synthetic_state(plan, Shape.of(plan, 2, 32), 32, 0, jnp.float32, sampled)
     logp, tok = engine.draft(params, dparams, state, plan)
     tree = engine.build(state, logp, tok, plan)
+    choice = engine.verify(params, state, tree, plan)[0]
     programs = bench.stage_programs(plan, 4)
     loops = {
         "draft": programs["draft"].lower(params, dparams, state),
-        "build": programs["tree_build"].lower(state, logp, tok),
+        "build": programs["build"].lower(state, logp, tok),
         "verify": programs["verify"].lower(params, state, tree),
+        "walk": programs["walk"].lower(tree, choice),
     }
     for name, lowered in loops.items():
         hlo = lowered.compile().as_text()
@@ -132,12 +140,18 @@ def test_stage_loops_keep_every_pass_inside_the_loop():
 
 def test_bench_moe_shape_and_its_floor(tmp_path):
     """A MoE shape runs on one device and on an expert-parallel mesh; its floor counts the experts its
-    tokens are expected to select, so a larger tree's floor reads more expert bytes."""
+    tokens are expected to select, so a larger tree's floor reads more expert bytes; the floor of the
+    experts the router chose sits beside it (tests/test_chosen_floor.py checks its count)."""
     from ddtree_jax.bench import SHAPES
     from ddtree_jax.models import moe
 
     moe_tiny = [a if a != "tiny" else "tiny-moe" for a in TINY]
-    for extra in ([], ["--tp", "4", "--moe-sharding", "ep"], ["--tp", "2", "--moe-sharding", "tp"]):
+    # the floor of the experts chosen compiles each round twice: on the expert-parallel mesh only
+    for extra in (
+        ["--no-chosen-floor"],
+        ["--tp", "4", "--moe-sharding", "ep"],
+        ["--tp", "2", "--moe-sharding", "tp", "--no-chosen-floor"],
+    ):
         out = tmp_path / "bench.json"
         argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batches", "1", *extra]
         assert main([*argv, "--out", str(out)]) == 0
@@ -146,6 +160,98 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
         ar, small, big = rows
         assert (ar["floor_tokens"], small["floor_tokens"], big["floor_tokens"]) == (1, 4, 16)
         assert ar["target_floor_ms"] < small["target_floor_ms"] < big["target_floor_ms"]
+        for r in rows:  # beside it, unless refused, the floor of the experts chosen: round_over_floor's
+            if "--no-chosen-floor" in extra:
+                assert "chosen_floor_ms" not in r
+                continue
+            assert r["round_over_floor"] == pytest.approx(r["round_ms"] / r["chosen_floor_ms"])
+            assert r["round_over_uniform_floor"] == pytest.approx(r["round_ms"] / r["target_floor_ms"])
+            assert 1 <= r["chosen_distinct_experts"] <= 8
     cfg = SHAPES["qwen3-30b-a3b"]
     assert moe.expected_distinct(cfg.num_experts, cfg.top_k, 1) == 8
     assert round(moe.expected_distinct(cfg.num_experts, cfg.top_k, 8)) == 52
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--budgets", "0"], "--budgets 0: '0' is not an integer >= 1"),
+        (["--budgets", "15,-3"], "--budgets 15,-3: '-3' is not an integer >= 1"),
+        (["--batches", "0"], "--batches 0: '0' is not an integer >= 1"),
+        (["--contexts", "1k"], "--contexts 1k: '1k' is not an integer >= 1"),
+        (["--rounds", "0"], "--rounds 0: must be >= 1"),
+        (["--attention", "foo"], "--attention foo: 'foo' is not one of reference, pallas, pallas-invariant"),
+        (
+            ["--attention", "reference,pallas"],
+            "--attention pallas: the Pallas kernels need a GPU (backend: cpu)",
+        ),
+        (["--methods", "ar,beam"], "--methods ar,beam: 'beam' is not one of ar, dflash, ddtree"),
+        (["--sampling", "greedy,0.7:x:1"], "--sampling '0.7:x:1': not greedy or T:top_k:top_p"),
+        (
+            ["--sampling", "0.7:0:2"],
+            "--sampling '0.7:0:2': needs temperature >= 0, top_k >= 0, 0 < top_p <= 1",
+        ),
+        (
+            ["--block-size", "2", "--budgets", "40"],
+            "--budgets: 40 exceeds the drafter's lattice (1 depths of 32)",
+        ),
+        (["--tp", "9"], "--tp 9: between 1 and the 8 devices here"),
+        (["--shape", "qwen3-8b", "--quantize", "fp8"], "--quantize fp8 needs a shape whose family reads it"),
+        (["--out", "MISSING/b.json"], "directory"),
+        (["--out", "DIR"], "is a directory"),
+        (["--shape", "gpt-5"], "argument --shape: invalid choice: 'gpt-5'"),
+    ],
+)
+def test_flags_refused_before_any_work(tmp_path, capsys, monkeypatch, flags, needle):
+    """A bad flag or --out: one line naming it, exit 1, before any weight is made or file written."""
+    from ddtree_jax import bench
+
+    monkeypatch.setattr(bench, "random_params", lambda *a, **k: pytest.fail("weights made"))
+    flags = [
+        str(tmp_path / f[4:]) if f.startswith("MISSING") else str(tmp_path) if f == "DIR" else f
+        for f in flags
+    ]
+    argv = [*TINY, "--out", str(tmp_path / "b.json"), *flags]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddtree-bench: error: ") and needle in err[0], err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_shape_required_and_help_shows_defaults(capsys):
+    assert main(["--out", "x.json"]) == 1
+    assert "the following arguments are required: --shape" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 15,63)" in text and "(default: reference)" in text and "exit status" in text
+
+
+def test_a_failed_configuration_exits_1(tmp_path, capsys, monkeypatch):
+    """A configuration that fails keeps its error in its row, the others run, and the exit status says so."""
+    from ddtree_jax import bench
+
+    real = bench.bench_one
+
+    def failing(params, dparams, plan, *args):
+        if plan.method == "ar":
+            raise RuntimeError("out of memory")
+        return real(params, dparams, plan, *args)
+
+    monkeypatch.setattr(bench, "bench_one", failing)
+    out = tmp_path / "b.json"
+    assert main([*TINY, "--methods", "ar,dflash", "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["error"] == "RuntimeError: out of memory" and rows[1]["round_ms"] > 0
+    assert "1 of 2 configurations failed" in capsys.readouterr().err
+
+
+def test_default_pair_shape_is_the_bundled_target():
+    """ddtree-bench's `default-pair` shape is the bundled target's config (its stop ids aside)."""
+    import dataclasses
+
+    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.cli import BUNDLED
+    from ddtree_jax.models import load_target_config
+
+    bundled = load_target_config(BUNDLED / "target")
+    assert dataclasses.replace(bundled, eos_token_ids=()) == SHAPES["default-pair"]

@@ -38,7 +38,7 @@ def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
             "--max-new-tokens",
             "24",
             "--batch-size",
-            "1" if method == "ar" else "2",  # ar at one row runs as two (engine.rows_to_run)
+            "1" if method == "ar" else "2",  # ar at one row runs as two (programs.rows_to_run)
         ]
         if method == "ddtree":
             argv += ["--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp"), "--budget", "15"]
@@ -220,32 +220,35 @@ def test_prompts_required_with_target_and_draft_needs_target(tmp_path, capsys):
     assert "--draft needs --target" in capsys.readouterr().err
 
 
+def settings_of(argv: list[str]):
+    """The Settings ddtree-generate makes of `argv`."""
+    from ddtree_jax.cli import build_parser
+    from ddtree_jax.settings import Settings
+
+    return Settings.from_flags(build_parser().parse_args(argv))
+
+
 def test_default_budget_follows_batch_size():
     """Without --budget, ddtree uses the measured default of the batch size (budgets.DEFAULT_BUDGETS)."""
-    from ddtree_jax.cli import build_parser, check_args, make_generator
+    from ddtree_jax.pair import load_generator
 
     base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
     base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl"]
     for batch, budget in ((1, 15), (3, 15), (4, 15), (15, 15), (16, 7), (64, 7)):
-        args = build_parser().parse_args([*base, "--batch-size", str(batch)])
-        check_args(args)
-        assert make_generator(args).plan_template.budget == budget, batch
-    args = build_parser().parse_args([*base, "--batch-size", "1", "--budget", "5"])
-    check_args(args)
-    assert make_generator(args).plan_template.budget == 5
+        assert load_generator(settings_of([*base, "--batch-size", str(batch)])).plan.budget == budget, batch
+    assert load_generator(settings_of([*base, "--batch-size", "1", "--budget", "5"])).plan.budget == 5
 
 
 def test_default_budget_of_moe_targets():
     """A MoE target's default budget comes from budgets.MOE_DEFAULT_BUDGETS (trees select many experts)."""
     from ddtree_jax.budgets import MOE_DEFAULT_BUDGETS
-    from ddtree_jax.cli import build_parser, check_args, make_generator
+    from ddtree_jax.pair import load_generator
 
     base = ["--target", str(FIXTURES / "qwen3_moe_tp"), "--draft", str(FIXTURES / "dflash_qwen3_moe_tp")]
     base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl", "--dtype", "float32"]
     for batch in (1, 16):
-        args = build_parser().parse_args([*base, "--batch-size", str(batch)])
-        check_args(args)
-        assert make_generator(args).plan_template.budget == MOE_DEFAULT_BUDGETS[1, 0] == 7, batch
+        gen = load_generator(settings_of([*base, "--batch-size", str(batch)]))
+        assert gen.plan.budget == MOE_DEFAULT_BUDGETS[1, 0] == 7, batch
 
 
 def test_default_budget_table_lookup():
@@ -269,7 +272,7 @@ def test_run_budget_follows_target_kind_and_context(tmp_path, monkeypatch):
     """ddtree-generate resolves the budget once, from the target's kind and the prompts' mean context, and
     records it in the output settings (a MoE target's default is not the dense table's)."""
     from ddtree_jax import budgets
-    from ddtree_jax.cli import build_parser, prepare
+    from ddtree_jax.cli import prepare
 
     prompts = write_prompts(
         tmp_path / "p.jsonl", [{"id": i, "input_ids": [1] * n} for i, n in enumerate((4, 8))]
@@ -284,10 +287,8 @@ def test_run_budget_follows_target_kind_and_context(tmp_path, monkeypatch):
             "--prompts",
             str(prompts),
         ]
-        args = build_parser().parse_args(
-            [*flags, "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "4", *extra]
-        )
-        return prepare(args)[1]
+        s = settings_of([*flags, "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "4", *extra])
+        return prepare(s).settings.record()
 
     assert settings("qwen3_moe_tp", "dflash_qwen3_moe_tp", "--dtype", "float32")["budget"] == 7
     assert settings("qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp", "--batch-size", "16")["budget"] == 7
@@ -315,15 +316,13 @@ def test_resumed_run_keeps_the_whole_files_budget(tmp_path, monkeypatch):
     )
     flags = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
     flags += ["--prompts", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "4"]
-    left, settings, done = cli.prepare(
-        cli.build_parser().parse_args([*flags, "--batch-size", "16", "--resume"])
-    )
-    assert [p.id for p in left] == [1] and done == 1 and settings["budget"] == 5
+    run = cli.prepare(settings_of([*flags, "--batch-size", "16", "--resume"]))
+    assert [p.id for p in run.prompts] == [0, 1] and run.done == {id_key(0)} and run.settings.budget == 5
 
 
 def test_one_ar_row_runs_as_two():
     """ar at one row per device compiles a two-row program (the faster matmul path); others do not."""
-    from ddtree_jax.cli import build_parser, check_args, make_generator
+    from ddtree_jax.pair import load_generator
 
     base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
     base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl"]
@@ -335,9 +334,8 @@ def test_one_ar_row_runs_as_two():
         (["--method", "dflash", "--batch-size", "1"], 1),
     ):
         ar = extra[1] == "ar"  # --method ar refuses --draft
-        args = build_parser().parse_args([*(base[:2] + base[4:] if ar else base), *extra])
-        check_args(args)
-        assert make_generator(args).plan_template.batch_size == rows, extra
+        gen = load_generator(settings_of([*(base[:2] + base[4:] if ar else base), *extra]))
+        assert gen.rows(100) == rows, extra
 
 
 # -- input edges: refused before any model load, one line naming file and line, exit 1 -----------
@@ -455,9 +453,10 @@ def test_missing_chat_template_names_the_line(tmp_path, capsys):
     ],
 )
 def test_usage_errors_exit_1(capsys, argv, needle):
-    """argparse's errors exit with 1, like every other error (the README's promise)."""
+    """argparse's errors exit with 1 and one line, like every other error (the README's promise)."""
     assert main(argv) == 1
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and len(err.splitlines()) == 1 and err.startswith("ddtree-generate: error: ")
 
 
 def test_help_shows_defaults_keys_and_exit_codes(capsys):
@@ -471,8 +470,11 @@ def test_help_shows_defaults_keys_and_exit_codes(capsys):
         "(default: 8388608)",
         "keys: id, prompt, messages, input_ids, temperature, top_k, top_p, seed",
         "130 after SIGINT, 143 after SIGTERM",
+        "written as each prompt finishes (so in finishing order",
+        "DeepSeek-V3/Kimi-K2",
     ):
         assert needle in text, needle
+    assert "in input order, flushed" not in text
 
 
 @pytest.mark.parametrize("which", ["prompts_dir", "target_file", "target_missing"])
@@ -491,3 +493,34 @@ def test_wrong_kinds_of_path(tmp_path, capsys, which):
     assert (
         err.startswith("ddtree-generate: error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
     )
+
+
+def test_stdout_closed_early_ends_quietly(tmp_path):
+    """`--out - | head -1`: once the reader is gone the run stops with 141 (128 + SIGPIPE), as other
+    tools do, and no error line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    short = [p for p in golden_prompts("qwen3_gqa1") if len(p) <= 16]  # 40 lines: far more than one
+    records = [{"id": i, "input_ids": short[i % len(short)]} for i in range(40)]
+    prompts = write_prompts(tmp_path / "p.jsonl", records)
+    argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(prompts), "--out", "-"]
+    argv += ["--dtype", "float32", "--max-new-tokens", "4", "--batch-size", "1"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    root = Path(__file__).parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddtree_jax.cli", *argv],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = json.loads(proc.stdout.readline())
+    proc.stdout.close()  # what head does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert first["id"] in range(40)
+    assert "rror" not in err and "Traceback" not in err and "Broken pipe" not in err

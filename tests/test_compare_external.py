@@ -206,3 +206,41 @@ def test_own_max_new_tokens_refused_before_loading(tmp_path, capsys, monkeypatch
     theirs = write(tmp_path / "theirs.jsonl", [{"id": "a", "output_ids": [1]}])
     assert main(argv(tmp_path, theirs, prompts=prompts)) == 1
     assert f"{prompts}:2: 'max_new_tokens' per prompt is for ddtree-generate" in capsys.readouterr().err
+
+
+def test_text_only_is_compared_as_text(tmp_path):
+    """SGLang lines with text only: the same text agrees even where our tokens are not the tokenizer's
+    own encoding of it (re-encoding once reported 'differ' for byte-identical text), and a stop token's
+    text on our side alone (SGLang leaves special tokens out of its text) does not count; other text
+    differs."""
+    from ddtree_jax.text import TextCodec
+
+    tied = FIXTURES / "qwen3_gqa2_tied"
+    codec = TextCodec(tied)
+    vocab = codec.tokenizer.get_vocab_size()
+    pieces = {codec.decode([i]): i for i in range(3, vocab)}
+    merged = next(s for s in pieces if len(s) > 1 and s[0] in pieces and s[1:] in pieces)
+    ids = [pieces[merged[0]], pieces[merged[1:]]]  # one text, not the tokenizer's tokens for it
+    assert codec.decode(ids) == merged and codec.encode(merged, add_special_tokens=False) != ids
+    prompts = write(
+        tmp_path / "p.jsonl", [{"id": "a", "input_ids": [5, 6, 7]}, {"id": "b", "input_ids": [8]}]
+    )
+    eos = 2  # <|im_end|>
+    write(
+        tmp_path / "ours.jsonl",
+        [
+            {"id": "a", "output_ids": ids, "text": merged},
+            {"id": "b", "output_ids": [*ids, eos], "text": codec.decode([*ids, eos])},
+        ],
+    )
+    args = argv(tmp_path, tmp_path / "theirs.jsonl", prompts=prompts)
+    args[args.index("--target") + 1] = str(tied)
+    theirs = [{"meta_info": {"id": "a"}, "text": merged}, {"meta_info": {"id": "b"}, "text": merged}]
+    write(tmp_path / "theirs.jsonl", theirs)
+    assert main(args) == 0
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert report_of(tmp_path)["verdict"] == "agree" and c["identical"] == 2 and c["text_only"] == ["a", "b"]
+    write(tmp_path / "theirs.jsonl", [theirs[0], {"meta_info": {"id": "b"}, "text": merged + "x"}])
+    assert main(args) == 0
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert c["identical"] == 1 and [d["id"] for d in c["divergences"]] == ["b"]

@@ -85,7 +85,11 @@ def check_finds_bug(report):
 
 def test_seed_exact_sampling_agrees_then_finds_injected_bug(tmp_path, prompts, capsys, monkeypatch):
     assert main(argv(prompts, tmp_path / "ok", *SAMPLED)) == 0
-    assert capsys.readouterr().out.startswith("lossless: agree")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("lossless: agree")
+    # progress on stderr: each method's generation as it starts and ends
+    assert "ddtree-compare lossless: [1/3] ar: 3 prompts ..." in captured.err
+    assert "ddtree-compare lossless: [3/3] ddtree-7: done in " in captured.err
     check_agrees(tmp_path / "ok")
     jax.clear_caches()  # the programs above were traced with the real choose
     monkeypatch.setattr(engine, "choose", buggy_choose(engine.choose))
@@ -106,8 +110,6 @@ def test_greedy_finds_injected_bug(tmp_path, prompts, monkeypatch):
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--method", "ddtree"], "--method does not apply"),
-        (["--budget", "7"], "--budget does not apply: use --budgets"),
         (["--budgets", "7,x"], "--budgets '7,x': expected a comma list of integers"),
         (["--budgets", "0"], "every budget must be >= 1"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
@@ -144,3 +146,60 @@ def test_bfloat16_divergences_are_near_ties(tmp_path, capsys):
     found = [d for c in rep["comparisons"] for d in c["divergences"]]
     assert all(d["near_tie"] and d["gap"] <= 0.25 for d in found)
     assert rep["verdict"] == ("differ" if found else "agree")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["lossless"], "the following arguments are required: --report"),
+        (["nonsense"], "argument SUBCOMMAND: invalid choice: 'nonsense'"),
+        (["lossless", "--report", "r", "--dtype", "float16"], "argument --dtype: invalid choice"),
+    ],
+)
+def test_usage_errors_exit_1(capsys, args, needle):
+    """Usage errors exit 1 with one line, like every other error (argparse's own status is 2)."""
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_unwritable_report_refused_before_loading(tmp_path, prompts, capsys, monkeypatch):
+    """A --report where nothing can be written (/proc refuses new directories, even to root) is refused
+    before any model loads, not after the whole run."""
+    from ddtree_jax.compare import inputs
+
+    monkeypatch.setattr(inputs, "load_pair", lambda *a, **k: pytest.fail("models loaded"))
+    assert main(argv(prompts, "/proc/ddtree-report")) == 1
+    err = capsys.readouterr().err
+    assert "--report /proc/ddtree-report: cannot write in /proc" in err and "Traceback" not in err
+
+
+def test_a_failed_report_write_is_one_line(tmp_path):
+    """A report that cannot be written at the end (a full disk) is one error line, and nothing is left."""
+    from ddtree_jax.compare.report import Report, run_metadata, write_report
+    from ddtree_jax.errors import DDTreeError
+
+    class Full:
+        def savefig(self, *a, **k):
+            raise OSError(28, "No space left on device")
+
+    report = Report(command="lossless", verdict="agree", summary="", comparisons=[], figures={"x": Full()})
+    with pytest.raises(DDTreeError, match="r: cannot write the report \\(No space left on device\\)"):
+        write_report(tmp_path / "r", report, run_metadata(["lossless"], 1.0))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_reads_without_matplotlib():
+    """--help (the command's and a sub-command's) needs no matplotlib; a run says what to install."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from ddtree_jax.compare.cli import main; "
+        "codes = [main(['--help']), main(['lossless', '--help']), main(['lossless', '--report', 'r'])]; "
+        "print(codes, 'matplotlib' in [m.split('.')[0] for m in sys.modules if sys.modules[m]])"
+    )
+    root = FIXTURES.parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 1] False", done.stderr[-2000:]
+    assert "ddtree-compare: error: needs matplotlib: pip install 'ddtree-jax[compare]'" in done.stderr

@@ -163,7 +163,7 @@ def test_expert_tensor_parallelism_logits():
     n = len(ids)
     from ddtree_jax.engine import Plan, on_mesh, param_specs
 
-    plan = Plan(cfg, None, "ar", 1, n, 4, tp=8)
+    plan = Plan(cfg, None, "ar", 4, tp=8)
     spec, _ = param_specs(plan)
 
     def logits(params, tokens, *, plan):
@@ -247,29 +247,31 @@ def test_cli_kimi_wrapper_and_yarn_switch(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_kimi_k2_round_lowers_for_cuda():
+@pytest.mark.parametrize("impl", ["pallas", "pallas-invariant"])
+def test_kimi_k2_round_lowers_for_cuda(impl):
     """A whole ddtree round at Kimi-K2 width (a dense and a MoE layer, the MLA Pallas kernel, the
-    drafter's GQA kernel) lowers for CUDA under an abstract H200, without a GPU."""
+    drafter's GQA kernel) lowers for CUDA under an abstract H200, without a GPU; --batch-invariant's
+    implementation too (it once ran the MLA layers through the jnp reference)."""
     from ddtree_jax import drafter, engine
     from ddtree_jax.bench import SHAPES, draft_shape, synthetic_state
     from ddtree_jax.engine import Plan
+    from ddtree_jax.programs import Shape
     from ddtree_jax.weights import assemble
 
     cfg = dataclasses.replace(SHAPES["kimi-k2"], num_layers=2)
     dcfg = draft_shape(cfg, 1, 8)
-    plan = Plan(cfg, dcfg, "ddtree", 1, 1024, 64, 15, 15, "pallas")
+    plan = Plan(cfg, dcfg, "ddtree", 64, 15, 15, impl)
 
     def abstract(specs):
         return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))
 
-    state = jax.eval_shape(lambda: synthetic_state(plan, 1024, 0, jnp.bfloat16))
-    stop = jax.ShapeDtypeStruct((8,), jnp.int32)
+    state = jax.eval_shape(lambda: synthetic_state(plan, Shape.of(plan, 1, 1024), 1024, 0, jnp.bfloat16))
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     mesh = jax.sharding.AbstractMesh(
         (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200
     )
     with jax.sharding.use_abstract_mesh(mesh):
-        fn = jax.jit(lambda p, d, s, st: engine.decode_round(p, d, s, st, plan))
-        args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(dcfg)), state, stop)
+        fn = jax.jit(lambda p, d, s: engine.decode_round(p, d, s, plan))
+        args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(dcfg)), state)
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_attention" in text and "tree_attention" in text

@@ -78,24 +78,14 @@ def test_generation_with_draft_window_stays_lossless():
     from conftest import golden_prompts
 
     from ddtree_jax.engine import Plan
-    from ddtree_jax.generation import Generator
     from ddtree_jax.prompts import Prompt
+    from ddtree_jax.scheduler import Generator, Schedule
 
     cfg, params = load_target("qwen3_gqa4_tp")
     dcfg, dparams = load_drafter("dflash_qwen3_gqa4_tp")
-    plan = Plan(
-        cfg,
-        dcfg,
-        "ddtree",
-        batch_size=5,
-        prompt_len=16,
-        max_new_tokens=24,
-        budget=7,
-        branching=7,
-        draft_window=4,
-    )
+    plan = Plan(cfg, dcfg, "ddtree", max_new_tokens=24, budget=7, branching=7, draft_window=4)
     prompts = [Prompt(i, i + 1, p, {}) for i, p in enumerate(golden_prompts("qwen3_gqa4_tp"))]
-    results = Generator(params, dparams, plan, ()).run_batch(prompts)
+    results = list(Generator(params, dparams, plan, (), schedule=Schedule(5, "static")).run(prompts))
     assert [r.output_ids for r in results] == [
         golden("qwen3_gqa4_tp")[f"greedy_{i}"].tolist() for i in range(5)
     ]

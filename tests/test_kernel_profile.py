@@ -203,7 +203,8 @@ def test_script_profiles_a_tiny_round(tmp_path):
         times = [k["ms_per_round"] for k in r["top_kernels"]]
         assert times == sorted(times, reverse=True) and len(times) <= 25
     assert any(s.startswith("verify/") for s in rows[1]["scopes_ms_per_round"])
-    assert any(s.startswith("tree_build/") for s in rows[1]["scopes_ms_per_round"])
+    assert any(s.startswith("build/") for s in rows[1]["scopes_ms_per_round"])
+    assert any(s.startswith("walk/") for s in rows[1]["scopes_ms_per_round"])
 
 
 def test_kernel_without_hlo_op_found_by_its_name():

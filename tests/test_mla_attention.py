@@ -225,3 +225,32 @@ def test_lowers_for_cuda_kimi_k2_shapes(t, h):
 )
 def test_lowers_for_cuda_other_tunings(t, h, dtype, kwargs):
     assert "__gpu$xla.gpu.triton" in lower_for_h200(2, t, h, 1024, dtype, **kwargs)
+
+
+def test_invariant_splits_ignore_batch_and_capacity():
+    """MLA's 'pallas-invariant' (what --batch-invariant runs on DeepSeek-V3/Kimi-K2 targets): a row's
+    output is bit-equal whatever the batch and the cache capacity, where the default splits differ."""
+    from ddtree_jax.attention import kernel
+
+    fn = kernel("pallas-invariant", "mla")
+    ql, qr, lc, rc, lengths, ln, rn, mask = make_inputs(
+        5, b=3, t=8, h=4, c=64, r=16, s=512, lengths=[17, 250, 512], mask_kind="tree", dtype=F32
+    )
+    assert resolve_mla_tuning(ql.shape, 512)["splits"] != resolve_mla_tuning(ql[:1].shape, 256)["splits"]
+    full = fn(ql, qr, lc, rc, lengths, ln, rn, mask, softmax_scale=SCALE, interpret=True)
+    want = mla_attention_reference(ql, qr, lc, rc, lengths, ln, rn, mask, softmax_scale=SCALE)
+    check_close(full, want, F32)
+    row = (ql[1:2], qr[1:2], lc[1:2, :256], rc[1:2, :256], lengths[1:2], ln[1:2], rn[1:2], mask[1:2])
+    alone = fn(*row, softmax_scale=SCALE, interpret=True)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(full[1:2]))
+
+
+def test_unknown_implementation_refused():
+    """Every attention kind has its own table; a name outside it is refused, naming the known ones."""
+    from ddtree_jax.attention import kernel
+
+    assert kernel("pallas", "mla") is mla_attention
+    assert kernel("reference", "mla") is mla_attention_reference
+    for impl, kind in [("foo", "gqa"), ("foo", "mla"), ("causal-xla", "mla"), ("pallas_invariant", "gqa")]:
+        with pytest.raises(ValueError, match=f"no {kind.upper()} attention implementation '{impl}'; known: "):
+            kernel(impl, kind)

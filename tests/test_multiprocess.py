@@ -1,5 +1,5 @@
-"""Two processes of four CPU devices each, joined by jax.distributed, generate what one process of
-eight devices generates (the README's multi-host recipe, on one machine)."""
+"""Two processes of four CPU devices each, joined by jax.distributed, run the same host loop and generate
+what one process of eight devices generates (docs/devices.md's multi-host recipe, on one machine)."""
 
 import json
 import os
@@ -22,6 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait(proc: subprocess.Popen, procs: list[subprocess.Popen], timeout: float = 600) -> tuple[str, str]:
+    """`proc`'s (stdout, stderr); on a timeout every process is killed and each one's stderr shown."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [f"process {i}:\n{p.communicate()[1][-2000:]}" for i, p in enumerate(procs)]
+        raise AssertionError("the two processes did not finish:\n" + "\n".join(tails)) from None
+
+
 def test_two_processes_match_one(tmp_path):
     prompts = tmp_path / "p.jsonl"
     short = [p for p in golden_prompts("qwen3_gqa4_tp") if len(p) <= 16]  # one length bucket: one compile
@@ -33,7 +44,11 @@ def test_two_processes_match_one(tmp_path):
     assert main([*base, "--out", str(tmp_path / "one.jsonl")]) == 0  # this process: 8 devices
 
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    # Gloo's collectives time out after 30 s by default: under a loaded CI machine one process can reach a
+    # collective much later than the other (it compiled slower), and the one left behind then waits forever.
+    flags = ["--xla_force_host_platform_device_count=4", "--xla_cpu_collective_timeout_seconds=900"]
+    flags += ["--xla_cpu_collective_call_terminate_timeout_seconds=900"]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "ddtree_jax.cli", *base, "--out", str(tmp_path / "two.jsonl")]
@@ -46,11 +61,11 @@ def test_two_processes_match_one(tmp_path):
         )
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=300) for p in procs]
+    outputs = [wait(p, procs) for p in procs]
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert f"prompts: {len(short)}" in outputs[0][0] and "prompts:" not in outputs[1][0]  # process 0 reports
     one = (tmp_path / "one.jsonl").read_text().splitlines()
     two = (tmp_path / "two.jsonl").read_text().splitlines()
     by_id = lambda lines: sorted(map(json.loads, lines), key=lambda r: str(r["id"]))  # noqa: E731
-    assert by_id(two) == by_id(one)  # one process streams (lines in finish order), two run static batches
+    assert by_id(two) == by_id(one)  # both run continuous batching (lines in finishing order)

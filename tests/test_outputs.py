@@ -1,5 +1,6 @@
 """`ddtree-generate --out`: checked before any work, written line by line, resumable, interruptible."""
 
+import codecs
 import json
 import os
 import signal
@@ -209,3 +210,157 @@ def test_interrupt_then_resume(tmp_path, sig):
     assert main(argv(prompts, out, "--resume")) == 0
     assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
     assert rows(out) == rows(tmp_path / "whole.jsonl")
+
+
+def test_resume_refuses_settings_that_change_bfloat16_outputs(tmp_path, capsys):
+    """In bfloat16 a row's numerics depend on the run's shapes, kernels and reduction orders: --resume
+    refuses another --batch-size, --static-batches, --batch-invariant, --tp / --dp or --prefill-chunk
+    (float32 outputs do not depend on them: test_resume_refuses_other_settings)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "o.jsonl"
+    bf16 = argv(prompts, out, "--dtype", "bfloat16")  # (the later --dtype wins)
+    assert main(bf16) == 0
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    for flags, needle in (
+        (["--batch-size", "3"], "--batch-size 2 (now 3)"),
+        (["--static-batches"], "--static-batches False (now True)"),
+        (["--batch-invariant"], "--batch-invariant False (now True)"),
+        (["--tp", "2"], "--tp 1 (now 2)"),
+        (["--dp", "2"], "--dp 1 (now 2)"),
+        (["--prefill-chunk", "64"], "--prefill-chunk 256 (now 64)"),
+    ):
+        assert main([*bf16, "--resume", *flags]) == 1
+        assert needle in capsys.readouterr().err
+    assert len(rows(out)) == 1
+
+
+def bundled_lines(n: int) -> list[str]:
+    return (ROOT / "ddtree_jax" / "assets" / "default_pair" / "prompts.jsonl").read_text().splitlines()[:n]
+
+
+def by_id(path: Path) -> dict:
+    return {str(r["id"]): r for r in rows(path)}
+
+
+@pytest.mark.parametrize("policy", [[], ["--static-batches"]])
+def test_resume_reproduces_an_uninterrupted_bfloat16_run(tmp_path, policy):
+    """The bundled pair in bfloat16 (ddtree-generate's defaults but the length): a file cut after its
+    first k lines and resumed holds what the uninterrupted run wrote, line for line. The rows, prompt
+    slots, cache capacity and order of the run come from the whole prompts file, and each prompt's
+    prefill depends on it alone (continuous batching); static runs rerun a batch they cut."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(bundled_lines(10)) + "\n")
+    flags = ["--prompts", str(prompts), "--max-new-tokens", "40", "--batch-size", "4", *policy]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*flags, "--out", str(whole)]) == 0
+    lines = whole.read_text().splitlines(keepends=True)
+    for k in (3, 6):
+        cut = tmp_path / f"cut{k}.jsonl"
+        cut.write_text("".join(lines[:k]))
+        (tmp_path / f"cut{k}.jsonl.settings.json").write_text(
+            (tmp_path / "whole.jsonl.settings.json").read_text()
+        )
+        assert main([*flags, "--out", str(cut), "--resume"]) == 0
+        assert by_id(cut) == by_id(whole), k
+
+
+HOLD = """
+import sys
+from ddtree_jax.outfile import check_out
+check_out(sys.argv[1], sys.argv[2], resume=False, overwrite=True)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_second_writer_refused(reference, tmp_path, capsys, no_loading):
+    """While another process writes --out, a run on the same file (here through a symlink) is refused
+    with one line before any work, and neither the file nor its settings sidecar changes."""
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps(expected[0]) + "\n")
+    sidecar = tmp_path / "o.jsonl.settings.json"
+    sidecar.write_text('{"first": "run"}\n')
+    (tmp_path / "link.jsonl").symlink_to(out)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), str(prompts)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for extra in (["--overwrite"], ["--resume"], []):
+            assert main(argv(prompts, tmp_path / "link.jsonl", *extra)) == 1
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"pid {holder.pid}) is writing it" in err[0], err
+            assert str(out) in err[0]
+        assert out.read_text() == json.dumps(expected[0]) + "\n"
+        assert sidecar.read_text() == '{"first": "run"}\n'
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert not (tmp_path / "o.jsonl.lock").exists()  # the holder removed its lock on exit
+
+
+def test_lock_released_after_run_and_after_a_kill(reference, tmp_path):
+    """A finished run leaves no lock file; a killed holder's lock file does not block the next run."""
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), str(prompts)], cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline() == "locked\n"
+    holder.kill()
+    holder.wait(timeout=60)
+    assert (tmp_path / "o.jsonl.lock").exists()
+    assert main(argv(prompts, out)) == 0
+    assert rows(out) == expected and not (tmp_path / "o.jsonl.lock").exists()
+
+
+def test_refused_resume_leaves_the_file_as_it_was(reference, tmp_path, capsys, no_loading):
+    """A --resume refused (other settings) has not yet dropped the cut-short last line: the file is
+    byte for byte what it was."""
+    prompts, expected = reference
+    out = tmp_path / "o.jsonl"
+    (tmp_path / "o.jsonl.settings.json").write_text(json.dumps({"method": "ar", "max_new_tokens": 6}) + "\n")
+    kept = "".join(json.dumps(r) + "\n" for r in expected[:2]) + json.dumps(expected[2])[:10]
+    out.write_text(kept)
+    assert main(argv(prompts, out, "--resume", "--max-new-tokens", "7")) == 1
+    assert "was made with other settings" in capsys.readouterr().err
+    assert out.read_text() == kept
+
+
+def test_resume_refuses_changed_prompts(reference, tmp_path, capsys):
+    """The sidecar keeps each prompt's digest: resuming after a prompt was edited is refused naming its
+    id (its old output would stay); once its line is deleted from --out, --resume generates it anew."""
+    prompts, expected = reference
+    local = tmp_path / "p.jsonl"
+    local.write_bytes(prompts.read_bytes())
+    out = tmp_path / "o.jsonl"
+    assert main(argv(local, out)) == 0
+    digests = json.loads((tmp_path / "o.jsonl.settings.json").read_text())["prompt_sha256"]
+    assert sorted(digests) == sorted(json.dumps(f"p{i}") for i in range(5))
+    lines = local.read_text().splitlines()
+    edited = json.loads(lines[1])
+    edited["input_ids"] = edited["input_ids"][1:]  # p1 now asks something else
+    local.write_text("\n".join([*lines[:1], json.dumps(edited), *lines[2:]]) + "\n")
+    before = out.read_bytes()
+    assert main(argv(local, out, "--resume")) == 1
+    err = capsys.readouterr().err
+    assert "1 prompts changed since their outputs" in err and '"p1"' in err and out.read_bytes() == before
+    out.write_text(
+        "".join(line + "\n" for line in out.read_text().splitlines() if json.loads(line)["id"] != "p1")
+    )
+    assert main(argv(local, out, "--resume")) == 0
+    assert main(argv(local, tmp_path / "fresh.jsonl")) == 0
+    regenerated = {r["id"]: r for r in rows(out)}
+    assert regenerated == {r["id"]: r for r in rows(tmp_path / "fresh.jsonl")}
+    assert regenerated["p1"] != expected[1]
+
+
+def test_prompts_file_with_a_byte_order_mark(reference, tmp_path):
+    """A UTF-8 byte-order mark at the start of the prompts file (Windows editors write one) is read past."""
+    prompts, expected = reference
+    local = tmp_path / "p.jsonl"
+    local.write_bytes(codecs.BOM_UTF8 + prompts.read_bytes())
+    assert main(argv(local, tmp_path / "o.jsonl")) == 0
+    assert rows(tmp_path / "o.jsonl") == expected

@@ -1,7 +1,12 @@
 """pyproject.toml: one JAX for the main install and the test extra; every dependency used."""
 
+import ast
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
@@ -11,8 +16,8 @@ MODULES = {"orbax-checkpoint": "orbax.checkpoint", "jaxlib": "jax"}
 
 
 def name(requirement: str) -> str:
-    """The distribution name of a requirement string."""
-    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0]
+    """The distribution name of a requirement string, normalised (PEP 503: ml_dtypes is ml-dtypes)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0]).lower()
 
 
 def sources(*folders: str) -> str:
@@ -35,7 +40,74 @@ def test_every_dependency_is_imported():
         assert re.search(rf"^\s*(import|from) {re.escape(module)}\b", package, re.M), requirement
     tests = sources("tests")
     for requirement in PROJECT["optional-dependencies"]["test"]:
-        if name(requirement) in ("pytest", "pytest-xdist", "ruff"):  # the runner, its -n plugin, the linter
+        # the runner, its -n plugin, the linter, the packaging test's wheel builder
+        if name(requirement) in ("pytest", "pytest-xdist", "ruff", "setuptools"):
             continue
         module = name(requirement).replace("-", "_")
         assert re.search(rf"^\s*(import|from) {module}\b", tests + package, re.M), requirement
+
+
+def source_packages() -> set[str]:
+    """Every package of the source tree: the folders under a top-level package that hold an __init__.py."""
+    tops = [p.parent for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests"]
+    return {
+        ".".join(init.parent.relative_to(ROOT).parts) for top in tops for init in top.rglob("__init__.py")
+    }
+
+
+def test_the_wheel_holds_every_package_and_asset(tmp_path):
+    """A non-editable install gets what the source tree has: every package, every asset, every command's
+    module (a hand-written package list once left ddtree_jax.models out of the wheel)."""
+    tree = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+    for top in {p.split(".")[0] for p in source_packages()}:
+        shutil.copytree(ROOT / top, tree / top, ignore=ignore)
+    for name_ in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name_, tree / name_)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+         "-w", str(tmp_path / "dist"), str(tree)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {".".join(n.split("/")[:-1]) for n in names if n.endswith("/__init__.py")}
+    assert packages == source_packages()
+    assets = {
+        p.relative_to(ROOT).as_posix() for p in (ROOT / "ddtree_jax" / "assets").rglob("*") if p.is_file()
+    }
+    assert assets and assets <= set(names), sorted(assets - set(names))
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    for line in zipfile.ZipFile(wheel).read(entry_points).decode().splitlines():
+        if "=" in line:
+            module = line.split("=")[1].split(":")[0].strip()
+            assert module.replace(".", "/") + ".py" in names, line
+
+
+def imported(path: Path) -> set[str]:
+    """The top-level modules a file imports (absolute imports only)."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    return {n.split(".")[0] for n in names}
+
+
+def test_every_import_is_declared():
+    """No third-party import the install does not bring: the main code imports only the main
+    dependencies, ddtree-compare and training their extras, the tests the test extra (and compare's)."""
+    extras = PROJECT["optional-dependencies"]
+    declared = {
+        "main": {name(r) for r in PROJECT["dependencies"]},
+        "compare": {name(r) for r in PROJECT["dependencies"] + extras["compare"]},
+        "train": {name(r) for r in PROJECT["dependencies"] + extras["train"]},
+        "tests": {name(r) for r in PROJECT["dependencies"] + extras["test"] + extras["compare"]},
+    }
+    own = {p.split(".")[0] for p in source_packages()} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    inverse = {module.split(".")[0]: dist for dist, module in MODULES.items()}
+    for path in [*ROOT.glob("ddtree_jax/**/*.py"), *ROOT.glob("tests/*.py")]:
+        part = path.relative_to(ROOT).parts
+        kind = {"tests": "tests", "compare": "compare"}.get(part[0], part[1] if len(part) > 2 else "main")
+        kind = "train" if path.stem == "train" else kind if kind in declared else "main"
+        for module in imported(path) - set(sys.stdlib_module_names) - own:
+            assert name(inverse.get(module, module)) in declared[kind], (path, module)

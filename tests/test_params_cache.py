@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +23,11 @@ def load(directory, dtype="float32", tp=1, dp=1, cache=None):
 
 
 def assert_same(restored, fresh) -> None:
-    """Equal values, dtypes and shardings, leaf by leaf."""
-    chex.assert_trees_all_equal(restored, fresh)
-    chex.assert_trees_all_equal_dtypes(restored, fresh)
+    """Equal structure, values, dtypes and shardings, leaf by leaf."""
+    assert jax.tree.structure(restored) == jax.tree.structure(fresh)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(fresh), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
 
 
@@ -108,3 +108,34 @@ def test_damaged_entry_refused(tmp_path):
     (entry / "params").mkdir()
     with pytest.raises(DDTreeError, match=f"cannot restore {entry} .*delete it to rebuild"):
         load(FIXTURES / "qwen3_gqa1", cache=tmp_path)
+
+
+def test_damaged_chunks_one_short_line(tmp_path):
+    """An entry missing its data chunks: ddtree-generate says so in one short line naming the entry,
+    with no traceback after it (tensorstore's other reads once each printed one at exit)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    load(FIXTURES / "qwen3_gqa1", cache=tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    shutil.rmtree(entry / "params" / "d")
+    (tmp_path / "p.jsonl").write_text('{"id": 0, "input_ids": [3, 4, 5]}\n')
+    argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(tmp_path / "p.jsonl")]
+    argv += [
+        "--out",
+        str(tmp_path / "o.jsonl"),
+        "--params-cache",
+        str(tmp_path / "cache"),
+        "--dtype",
+        "float32",
+    ]
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "ddtree_jax.cli", *argv], cwd=root, capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in done.stderr.splitlines() if "Warning" not in line and line.strip()]
+    assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"ddtree-generate: error: --params-cache: cannot restore {entry} (")
+    assert lines[0].endswith("); delete it to rebuild") and len(lines[0]) < 300
+    assert not (tmp_path / "o.jsonl").exists()

@@ -39,7 +39,7 @@ def logits_on_mesh(name: str, tp: int = 1, dequantize: bool = False) -> np.ndarr
     cfg, params = load(name, tp, dequantize)
     ids = expected(name)["prompt"]
     n = len(ids)
-    plan = Plan(cfg, None, "ar", 1, n, 4, tp=tp)
+    plan = Plan(cfg, None, "ar", 4, tp=tp)
     spec, _ = param_specs(plan)
     causal = jnp.tril(jnp.ones((n, n), bool))[None]
 

@@ -1,7 +1,7 @@
 """Sampling: seed-exact against ar, the target's distribution (G-test), edge cases, invalid settings.
 
 Seed-exact: the noise depends only on (seed, position, token id), so dflash and ddtree must emit the
-tokens ar emits under the same settings, token for token (DESIGN.md, "Sampling that stays lossless
+tokens ar emits under the same settings, token for token (docs/design.md, "Sampling that stays lossless
 on a tree"). Sampling settings are traced, so one compiled program per plan serves every setting.
 """
 

@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 from conftest import golden, golden_prompts, load_drafter, load_target, run
 
-from ddtree_jax import engine, scheduling
-from ddtree_jax.engine import Plan
-from ddtree_jax.generation import Generator
+from ddtree_jax import programs
+from ddtree_jax.engine import MAX_STOP_IDS, Plan
 from ddtree_jax.prompts import Prompt
-from ddtree_jax.sampling import GREEDY
-from ddtree_jax.scheduling import Schedule
+from ddtree_jax.scheduler import Generator, Schedule
 
 TP = "qwen3_gqa4_tp"
 DRAFT = "dflash_qwen3_gqa4_tp"
@@ -29,23 +27,20 @@ def generator(method="ddtree", budget=7, batch_size=3, max_new_tokens=24, stop_i
         target=cfg,
         draft=dcfg,
         method=method,
-        batch_size=batch_size,
-        prompt_len=16,
         max_new_tokens=max_new_tokens,
         budget=budget,
         branching=min(budget, 32) if method == "ddtree" else 1,
     )
-    return Generator(
-        params, dparams, plan, tuple(stop_ids), sampling=GREEDY | (sampling or {}), schedule=Schedule(**kw)
-    )
+    schedule = Schedule(batch_size, **kw)
+    return Generator(params, dparams, plan, tuple(stop_ids), sampling=sampling, schedule=schedule)
 
 
 def stream(prompts, **kw):
-    """Results of `Generator.stream` in prompt order, and the generator (compiled programs are shared
-    by generators of the same plan: generation.STREAM_PROGRAMS)."""
+    """Results of continuous batching in prompt order, and the generator (compiled programs are shared
+    by generators of the same plan and shapes: jax's cache)."""
     gen = generator(**kw)
     items = [Prompt(i, i + 1, p, {}) for i, p in enumerate(prompts)]
-    by_id = {r.id: r for r in gen.stream(items)}
+    by_id = {r.id: r for r in gen.run(items)}
     assert sorted(by_id) == list(range(len(prompts)))
     return [by_id[i] for i in range(len(prompts))], gen
 
@@ -62,12 +57,12 @@ def static_ar():
 def test_ar_stream_matches_hf_greedy():
     results, gen = stream(golden_prompts(TP), method="ar", budget=0, batch_size=2, chunk=16)
     assert ids(results) == [golden(TP)[f"greedy_{i}"].tolist() for i in range(5)]
-    assert gen.stream_rows(5) == 2 and gen.occupancy.refills >= 3
+    assert gen.rows(5) == 2 and gen.occupancy.refills == 5  # one prefill per prompt
 
 
 @pytest.mark.parametrize("batch_size,chunk", [(3, 16), (1, 32)])
 def test_ddtree_stream_equals_static_ar(static_ar, batch_size, chunk):
-    # a 40-token prompt after short ones: the cache capacity grows mid-run (prompt slots 32 -> 64)
+    # prompts of 1 to 40 tokens: the capacity is the 40-token prompt's from the start (64 prompt slots)
     results, gen = stream(PROMPTS, batch_size=batch_size, chunk=chunk)
     assert ids(results) == static_ar
     for r in results:
@@ -102,7 +97,7 @@ def test_own_max_new_tokens_equal_runs_alone():
     ]
     gen = generator(batch_size=4, chunk=16)  # the programs of test_stop_ids_and_sampling_...
     items = [Prompt(i, i + 1, p, o) for i, (p, o) in enumerate(zip(PROMPTS, options, strict=True))]
-    by_id = {r.id: r for r in gen.stream(items)}
+    by_id = {r.id: r for r in gen.run(items)}
     streamed = [by_id[i] for i in range(len(PROMPTS))]
     static = run(TP, PROMPTS, method="ar", options=options)
     for i, n in enumerate(LIMITS):
@@ -113,30 +108,59 @@ def test_own_max_new_tokens_equal_runs_alone():
             alone = run(TP, [PROMPTS[i]], max_new_tokens=n, options=[options[i]])[0]
             assert r.output_ids == alone.output_ids, i
     with pytest.raises(ValueError, match="max_new_tokens 25 is not in"):
-        list(gen.stream([Prompt(0, 1, [1, 2], {"max_new_tokens": 25})]))
+        list(gen.run([Prompt(0, 1, [1, 2], {"max_new_tokens": 25})]))
 
 
-def test_never_more_rows_than_prompts():
+def test_rows_rule():
+    """Continuous runs never have more rows than prompts; one ar row runs as two, except for a MoE
+    target (its family's rule, whatever the policy); batch-invariant and static runs keep every row."""
     gen = generator(batch_size=1000)
-    assert gen.stream_rows(2) == 2 and gen.stream_rows(5000) == 1000
-    assert generator(method="ar", budget=0, batch_size=8).stream_rows(1) == 2  # engine.rows_to_run
-    assert generator(batch_size=8, batch_invariant=True).stream_rows(2) == 8
+    assert gen.rows(2) == 2 and gen.rows(5000) == 1000
+    assert generator(method="ar", budget=0, batch_size=8).rows(1) == 2  # programs.rows_to_run
+    assert generator(batch_size=8, batch_invariant=True).rows(2) == 8
+    assert generator(batch_size=8, policy="static").rows(2) == 8
+    cfg, params = load_target("qwen3_moe_tp")
+    for policy in ("continuous", "static"):
+        moe = Generator(params, None, Plan(cfg, None, "ar", 8), (), schedule=Schedule(1, policy))
+        assert moe.rows(1) == 1, policy
 
 
-def test_prompt_slots_pad_to_chunks():
-    assert [scheduling.prompt_slots(n, 256) for n in (1, 256, 257, 700, 2049)] == [256, 256, 512, 1024, 4096]
+def test_one_bucket_rule_and_chunk_steps():
+    assert [programs.prompt_slots(n) for n in (1, 16, 17, 256, 257, 700, 2049)] == [
+        16,
+        16,
+        32,
+        256,
+        512,
+        1024,
+        4096,
+    ]
     # full chunks of 256 while more than 192 tokens are left, then tail chunks of 64
-    got = [scheduling.chunk_steps(n, 256) for n in (3, 64, 65, 192, 193, 256, 300, 3000)]
+    got = [programs.chunk_steps(n, 256) for n in (3, 64, 65, 192, 193, 256, 300, 3000)]
     assert got == [(0, 1), (0, 1), (0, 2), (0, 3), (1, 0), (1, 0), (1, 1), (11, 3)]
     for n in range(1, 2000, 7):  # every prompt is covered, with fewer than 64 padding tokens
-        full, tails = scheduling.chunk_steps(n, 256)
+        full, tails = programs.chunk_steps(n, 256)
         assert n <= full * 256 + tails * 64 < n + 64 and tails <= 3
-    assert scheduling.chunk_steps(40, 16) == (3, 0)
+    assert programs.chunk_steps(40, 16) == (3, 0)
 
 
-def test_chunked_prefill_equals_one_pass(method="ddtree"):
-    """A 900-token prompt in chunks of 128 (7, then a tail chunk of 32) and of 1024 (one) against the
-    unchunked prefill; in chunks of 256 with the chunks' attention composed of two flash-attention calls
+def one_pass_prefill(params, dparams, cfg, dcfg, prompts, lengths):
+    """The reference: the whole prompts [B, P] in one causal pass ([P, P] mask, no cache), their
+    target and drafter cache entries [B, P, ...] and the greedy first token."""
+    from ddtree_jax import drafter, target
+
+    b, p = prompts.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    mask = jnp.tril(jnp.ones((p, p), bool))[None] & (positions[:, None, :] < lengths[:, None, None])
+    out = target.forward(params, cfg, prompts, positions, mask, None, feature_layers=dcfg.target_layer_ids)
+    ctx = drafter.context_kv(dparams, dcfg, out.features, positions)
+    logits = target.logits(params, out.hidden[jnp.arange(b), lengths - 1][:, None], cfg.vocab_size)
+    return out.kv, ctx, jnp.argmax(logits[:, 0], axis=-1)
+
+
+def test_chunked_prefill_equals_one_pass():
+    """A 900-token prompt in chunks of 128 (7, then a tail chunk of 32) and of 1024 (one) against one
+    causal pass; in chunks of 256 with the chunks' attention composed of two flash-attention calls
     (attention.causal_chunk through XLA, what cuDNN runs on CUDA)."""
     cfg, params = load_target(TP)
     dcfg, dparams = load_drafter(DRAFT)
@@ -145,19 +169,24 @@ def test_chunked_prefill_equals_one_pass(method="ddtree"):
     prompts = np.zeros((2, 1024), np.int32)
     for i, n in enumerate(lengths):
         prompts[i, :n] = rng.integers(0, cfg.vocab_size, n)
-    plan = Plan(cfg, dcfg if method != "ar" else None, method, 2, 1024, 8, budget=7, branching=7)
-    args = (jnp.asarray(prompts), jnp.asarray(lengths), jnp.ones((2,), bool), jnp.asarray([-1], jnp.int32))
-    one = engine.prefill(params, dparams, *args, plan=plan)
-    for chunk, impl in ((128, None), (1024, None), (256, "causal-xla")):
-        got = scheduling.chunked_prefill(params, dparams, *args, plan=plan, chunk=chunk, attention=impl)
-        np.testing.assert_array_equal(got.bonus, one.bonus)
-        np.testing.assert_array_equal(got.cache.lengths, one.cache.lengths)
-        caches = [(got.cache, one.cache)] + ([(got.draft_cache, one.draft_cache)] if method != "ar" else [])
-        for a, b in caches:
-            for x, y in zip(jax.tree.leaves(a.layers), jax.tree.leaves(b.layers), strict=True):
+    plan = Plan(cfg, dcfg, "ddtree", 8, budget=7, branching=7)
+    req = programs.Requests(
+        jnp.asarray(prompts), jnp.asarray(lengths), jnp.arange(2, dtype=jnp.int32), None, jnp.full((2,), 8)
+    )
+    kv, ctx, first = one_pass_prefill(params, dparams, cfg, dcfg, jnp.asarray(prompts), jnp.asarray(lengths))
+    stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
+    for chunk, impl in ((128, "reference"), (1024, "reference"), (256, "causal-xla")):
+        got = programs.prefill(
+            params, dparams, req, stop, plan=plan, rows=2, capacity=1088, chunk=chunk, attention=impl
+        )
+        np.testing.assert_array_equal(got.bonus, first)
+        np.testing.assert_array_equal(got.cache.lengths, lengths)
+        for cached, new in ((got.cache.layers, kv), (got.draft_cache, ctx)):
+            for x, y in zip(jax.tree.leaves(cached), jax.tree.leaves(new), strict=True):
+                y = jnp.swapaxes(y, 1, 2)  # in flight [B, T, H, D], cached [B, H, S, D]
                 # the committed slots of each row; the composed attention sums in another order (float32
                 # noise of 2e-5 on entries of magnitude 5 after 900 tokens)
-                tol = 2e-5 if impl is None else 1e-4
+                tol = 2e-5 if impl == "reference" else 1e-4
                 for row, n in enumerate(lengths):
                     np.testing.assert_allclose(x[row, :, :n], y[row, :, :n], rtol=tol, atol=tol)
 
@@ -179,11 +208,10 @@ def test_batch_invariant_bf16_layouts_of_the_bundled_prompts():
     prompts = [Prompt(i, i + 1, codec.encode(t, add_special_tokens=False), {}) for i, t in enumerate(texts)]
 
     def outputs(order, batch_size):
-        plan = Plan(cfg, dcfg, "ddtree", batch_size, 16, 16, budget=15, branching=15)
-        gen = Generator(
-            params, dparams, plan, cfg.eos_token_ids, schedule=Schedule(chunk=64, batch_invariant=True)
-        )
-        return {r.id: r.output_ids for r in gen.stream([prompts[i] for i in order])}
+        plan = Plan(cfg, dcfg, "ddtree", 16, budget=15, branching=15)
+        schedule = Schedule(batch_size, chunk=64, batch_invariant=True)
+        gen = Generator(params, dparams, plan, cfg.eos_token_ids, schedule=schedule)
+        return {r.id: r.output_ids for r in gen.run([prompts[i] for i in order])}
 
     n = len(prompts)
     first = outputs(range(n), 4)
@@ -195,14 +223,14 @@ def test_stream_on_a_mesh_equals_one_device(static_ar):
     """tp 2 x dp 2 (fake CPU devices): the same tokens as one device, each row to its own limit."""
     cfg, params = load_target(TP, tp=2, dp=2)
     dcfg, dparams = load_drafter(DRAFT, tp=2, dp=2)
-    plan = Plan(cfg, dcfg, "ddtree", 4, 16, 24, budget=7, branching=7, tp=2, dp=2)
-    gen = Generator(params, dparams, plan, (), schedule=Schedule(chunk=16))
+    plan = Plan(cfg, dcfg, "ddtree", 24, budget=7, branching=7, tp=2, dp=2)
+    gen = Generator(params, dparams, plan, (), schedule=Schedule(4, chunk=16))
     limits = [n or 24 for n in LIMITS]
     items = [
         Prompt(i, i + 1, p, {"max_new_tokens": n})
         for i, (p, n) in enumerate(zip(PROMPTS, limits, strict=True))
     ]
-    by_id = {r.id: r.output_ids for r in gen.stream(items)}
+    by_id = {r.id: r.output_ids for r in gen.run(items)}
     assert [by_id[i] for i in range(len(PROMPTS))] == [o[:n] for o, n in zip(static_ar, limits, strict=True)]
 
 
@@ -257,8 +285,9 @@ def test_prefill_attention_choice():
 
     assert attention.prefill_implementation("reference", jnp.bfloat16, 128, False) == "reference"  # CPU
     gen = generator()
-    assert gen.prefill_attention(dataclasses.replace(gen.plan_template, attention="pallas")) == "pallas"
-    gen.schedule = Schedule(prefill_attention="cudnn")  # on the CPU: the plan's
-    assert gen.prefill_attention(dataclasses.replace(gen.plan_template, attention="pallas")) == "pallas"
-    gen.schedule = Schedule(prefill_attention="causal-xla")
-    assert gen.prefill_attention(gen.plan_template) == "causal-xla"
+    plan = dataclasses.replace(gen.plan, attention="pallas")
+    assert Generator(gen.programs.params, None, plan, ()).prefill_attention() == "pallas"
+    on_cpu = Schedule(prefill_attention="cudnn")  # on the CPU: the plan's
+    assert Generator(gen.programs.params, None, plan, (), schedule=on_cpu).prefill_attention() == "pallas"
+    named = gen.scheduled(prefill_attention="causal-xla")
+    assert named.prefill_attention() == "causal-xla" and named.programs.attention == "causal-xla"

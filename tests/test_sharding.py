@@ -15,7 +15,7 @@ import pytest
 from conftest import EXTRA_PROMPTS, FIXTURES, golden, golden_prompts, load_drafter, load_target, run
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import collectives, engine, target
+from ddtree_jax import collectives, engine, programs, target
 from ddtree_jax import sampling as sampling_lib
 from ddtree_jax.cli import main
 from ddtree_jax.sampling import SamplingParams
@@ -198,12 +198,14 @@ def test_tp_program_all_reduces_and_gathers_no_weight():
     tp = 4
     cfg, params = load_target(TP, tp=tp)
     dcfg, dparams = load_drafter(DRAFT, tp=tp)
-    plan = engine.Plan(cfg, dcfg, "ddtree", 8, 16, NEW, budget=7, branching=7, tp=tp)
+    plan = engine.Plan(cfg, dcfg, "ddtree", NEW, budget=7, branching=7, tp=tp)
     prompts = jnp.zeros((8, 16), jnp.int32)
-    lengths, active = jnp.full((8,), 3, jnp.int32), jnp.ones((8,), bool)
+    lengths, rows = jnp.full((8,), 3, jnp.int32), jnp.arange(8, dtype=jnp.int32)
     sampling = SamplingParams.from_rows([SAMPLING] * 8)
-    args = (params, dparams, prompts, lengths, active, jnp.full((8,), -1, jnp.int32), sampling)
-    lowered = engine.generate_jit.lower(*args, plan=plan)
+    req = programs.Requests(prompts, lengths, rows, sampling, jnp.full((8,), NEW, jnp.int32))
+    static = dict(plan=plan, shape=programs.Shape.of(plan, 8, 16), chunk=16, attention="reference")
+    stop = jnp.full((engine.MAX_STOP_IDS,), -1, jnp.int32)
+    lowered = programs.JITTED["generate"].lower(params, dparams, req, stop, **static)
     # psums after o_proj and down_proj of every target layer (prefill, verify) and draft layer, and
     # the vocabulary-parallel reductions.
     assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) >= 2 * (2 * cfg.num_layers + 2)

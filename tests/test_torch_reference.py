@@ -66,7 +66,7 @@ def test_heap_tree_equals_engine_tree_with_ties():
         logp = -np.sort(rng.choice([0.0, 0.5, 1.0, 1.5], size=(d, k)), axis=1).astype(np.float32)
         tok = np.stack([rng.permutation(50)[:k] for _ in range(d)]).astype(np.int32)
         heap = tr.heap_tree(7, logp, tok, budget)
-        ours = tree.build_tree(np.array([7]), logp[None], tok[None], budget)
+        ours = tree.lattice_tree(np.array([7]), logp[None], tok[None], budget)
         valid = np.asarray(ours.valid[0])
         assert heap.tokens == np.asarray(ours.tokens[0])[valid].tolist(), trial
         assert heap.depth == np.asarray(ours.depth[0])[valid].tolist(), trial

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddtree_jax.tree import BUILD_VARIANTS, LOGP_MIN, Tree, ancestor_mask, build_tree, chain_tree, walk
+from ddtree_jax.tree import BUILD_VARIANTS, LOGP_MIN, Tree, ancestor_mask, chain_tree, lattice_tree, walk
 
 # (D, k, budget): few shapes, since each one compiles. Covers budget > lattice size (1,4,10),
 # (3,2,20), (6,1,8), (7,2,255); budget < k (2,8,1), (3,8,4); deep and wide (15,8,64), (15,4,256).
@@ -193,11 +193,11 @@ def test_heap_oracle_matches_brute_force(seed, cfg, mode):
     assert heap_oracle(logp, n) == brute_oracle(logp, n)
 
 
-# ---------------------------------------------------------------- tests: build_tree
+# ---------------------------------------------------------------- tests: lattice_tree
 
 
 def check_against_oracle(bonus, logp, tok, n, variant="paths"):
-    tree = build_tree(bonus, logp, tok, n, variant=variant)
+    tree = lattice_tree(bonus, logp, tok, n, variant=variant)
     t = n + 1
     assert all(x.shape[:2] == (len(bonus), t) for x in tree)
     assert tree.mask.shape == (len(bonus), t, t)
@@ -219,8 +219,8 @@ def check_against_oracle(bonus, logp, tok, n, variant="paths"):
     sort=st.booleans(),
 )
 @HYP
-def test_build_tree_matches_heap_oracle(seed, cfg, mode, sort):
-    """Sorted input (build_tree's contract, what the engine passes): every variant equals the oracle.
+def test_lattice_tree_matches_heap_oracle(seed, cfg, mode, sort):
+    """Sorted input (lattice_tree's contract, what the engine passes): every variant equals the oracle.
     Unsorted input: the "climb" build still does; the pruned builds sort each depth first, which
     keeps the top-N but not the oracle's column order where two sums tie only by float rounding
     (e.g. -1e20 + 0 and -1e20 - 1)."""
@@ -232,7 +232,7 @@ def test_build_tree_matches_heap_oracle(seed, cfg, mode, sort):
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("mode", ["ties", "zeros"])
 @pytest.mark.parametrize("variant", ["paths", "climb"])  # "paths-unrolled": the test above
-def test_build_tree_ties_every_shape(cfg, mode, variant):
+def test_lattice_tree_ties_every_shape(cfg, mode, variant):
     _, bonus, logp, tok = random_case(7, cfg, mode)
     check_against_oracle(bonus, logp, tok, cfg[2], variant)
 
@@ -241,7 +241,7 @@ def test_all_zero_scores_give_breadth_first_order():
     d, k, n = 3, 2, 20  # 14 lattice nodes, all of score 0: depth by depth, parent then rank
     logp = np.zeros((1, d, k), np.float32)
     tok = np.tile(np.array([5, 6], np.int32), (1, d, 1))
-    tree = build_tree(np.array([9], np.int32), logp, tok, n)
+    tree = lattice_tree(np.array([9], np.int32), logp, tok, n)
     np.testing.assert_array_equal(tree.depth[0], [0, 1, 1, 2, 2, 2, 2] + [3] * 8 + [0] * 6)
     np.testing.assert_array_equal(tree.parent[0, :15], [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6])
     np.testing.assert_array_equal(tree.valid[0], [True] * 15 + [False] * 6)
@@ -251,7 +251,7 @@ def test_all_zero_scores_give_breadth_first_order():
 def test_padding_nodes_when_budget_exceeds_lattice():
     logp = np.log(np.array([[[0.5, 0.3, 0.15, 0.05]]], np.float32))  # D = 1, k = 4
     tok = np.array([[[11, 12, 13, 14]]], np.int32)
-    tree = build_tree(np.array([3], np.int32), logp, tok, 10)
+    tree = lattice_tree(np.array([3], np.int32), logp, tok, 10)
     np.testing.assert_array_equal(tree.tokens[0], [3, 11, 12, 13, 14] + [0] * 6)
     np.testing.assert_array_equal(tree.valid[0], [True] * 5 + [False] * 6)
     np.testing.assert_array_equal(tree.depth[0], [0, 1, 1, 1, 1] + [0] * 6)
@@ -261,22 +261,22 @@ def test_padding_nodes_when_budget_exceeds_lattice():
     assert not mask[:5, 5:].any()  # nobody valid attends to padding
 
 
-def test_build_tree_batch_rows_are_independent():
+def test_lattice_tree_batch_rows_are_independent():
     cfg = (4, 3, 16)
     _, bonus, logp, tok = random_case(3, cfg, "ties", b=4)
     logp[1] = 0.0
     logp[2, :, 1:] = -1e30  # row 2: a chain after clamping ties
-    batched = build_tree(bonus, logp, tok, cfg[2])
+    batched = lattice_tree(bonus, logp, tok, cfg[2])
     for b in range(4):
-        single = build_tree(bonus[b : b + 1], logp[b : b + 1], tok[b : b + 1], cfg[2])
+        single = lattice_tree(bonus[b : b + 1], logp[b : b + 1], tok[b : b + 1], cfg[2])
         for got, want in zip(row(batched, b), row(single, 0), strict=True):
             np.testing.assert_array_equal(got, want)
 
 
-def test_build_tree_largest_shape_compiles():
+def test_lattice_tree_largest_shape_compiles():
     d, k, n, b = 15, 16, 511, 32
     _, bonus, logp, tok = random_case(0, (d, k, n), "float", b=b)
-    tree = build_tree(bonus, logp, tok, n)
+    tree = lattice_tree(bonus, logp, tok, n)
     assert tree.mask.shape == (b, n + 1, n + 1)
     for r in (0, b - 1):
         want = expected_tree(heap_oracle(logp[r], n), bonus[r], tok[r], n)
@@ -350,7 +350,7 @@ def steer(rng, tree, b, target, vocab):
 def test_walk_matches_reference(seed, cfg, mode, steered):
     d, k, n = cfg
     rng, bonus, logp, tok = random_case(seed, cfg, mode)
-    tree = build_tree(bonus, logp, tok, n)
+    tree = lattice_tree(bonus, logp, tok, n)
     vocab = max(2 * k, 4)
     choice = rng.integers(0, vocab, (BATCH, n + 1)).astype(np.int32)
     targets = np.zeros(BATCH, np.int64)
@@ -407,10 +407,10 @@ def test_walk_never_accepts_padding():
     choice = np.array([[0, 0, 0, 0, 0, 0, 0, 0]], np.int32)  # padding node 7 has token 0
     out = check_walk(tree, choice, 3)
     assert int(out.length[0]) == 1 and int(out.path[0, 0]) == 0
-    # The same through build_tree's padding (D = 1, k = 2, budget 5: nodes 3..5 are padding).
+    # The same through lattice_tree's padding (D = 1, k = 2, budget 5: nodes 3..5 are padding).
     logp = np.array([[[-0.1, -2.0]]], np.float32)
     tok = np.array([[[10, 11]]], np.int32)
-    built = build_tree(np.array([1], np.int32), logp, tok, 5)
+    built = lattice_tree(np.array([1], np.int32), logp, tok, 5)
     assert not np.asarray(built.valid[0, 3:]).any() and (np.asarray(built.tokens[0, 3:]) == 0).all()
     out = check_walk(built, np.zeros((1, 6), np.int32), 1)
     assert int(out.length[0]) == 1
@@ -427,7 +427,7 @@ def test_walk_never_accepts_padding():
 def test_walk_batch_rows_are_independent():
     cfg = (4, 3, 16)
     rng, bonus, logp, tok = random_case(11, cfg, "float", b=4)
-    tree = build_tree(bonus, logp, tok, cfg[2])
+    tree = lattice_tree(bonus, logp, tok, cfg[2])
     choice = np.stack([steer(rng, tree, b, min(3 * b + 2, 16), 6) for b in range(4)])
     batched = walk(tree, choice, cfg[0])
     for b in range(4):

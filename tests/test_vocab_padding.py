@@ -22,11 +22,11 @@ from ddtree_jax.cli import main
 from ddtree_jax.config import load_draft_config
 from ddtree_jax.engine import Plan
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.generation import Generator
 from ddtree_jax.models import dense, load_target_config
 from ddtree_jax.models.common import PADDED_LOGIT
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.sampling import GREEDY
+from ddtree_jax.scheduler import Generator, Schedule
 from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import assemble
 
@@ -118,16 +118,15 @@ def generate(dirs, method, tp, options):
         target=tcfg,
         draft=None if method == "ar" else dcfg,
         method=method,
-        batch_size=8,
-        prompt_len=16,
         max_new_tokens=NEW,
         budget=budget,
         branching=min(budget, 8) or 1,
         tp=tp,
     )
-    gen = Generator(tparams, None if method == "ar" else dparams, plan, (), sampling=dict(GREEDY))
+    dparams = None if method == "ar" else dparams
+    gen = Generator(tparams, dparams, plan, (), sampling=dict(GREEDY), schedule=Schedule(8, "static"))
     items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(PROMPTS, options, strict=True))]
-    return [(r.output_ids, r.acceptance_lengths) for r in gen.run_batch(items)]
+    return [(r.output_ids, r.acceptance_lengths) for r in gen.run(items)]
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,15 @@ import argparse
 
 import numpy as np
 
-from ddtree_jax.cli import resolve_budget
 from ddtree_jax.compare import stats
 from ddtree_jax.compare.divergence import Scorer
-from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
+from ddtree_jax.compare.inputs import (
+    check_generation_flags,
+    generate_all,
+    load_inputs,
+    resolve_budget,
+    settings_of,
+)
 from ddtree_jax.compare.report import Comparison, Divergence, Report, Table, verdict_of
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.pair import generator, plan_from_args, sampling_from_args
@@ -74,7 +79,7 @@ def run(args: argparse.Namespace) -> Report:
     """Sample every prompt, test each against the exact distribution."""
     check(args)
     inputs = load_inputs(args, with_draft=args.method != "ar")
-    resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
+    args = resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
     scorer = Scorer.load(args.target)
     defaults = sampling_from_args(args)
     per_prompt, flagged = {}, []

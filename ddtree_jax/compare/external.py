@@ -3,7 +3,8 @@
 Ours are generated with the given flags (or read from --ours FILE); theirs come from --theirs FILE in
 any format outputs.py accepts. Per prompt: identical tokens, else the first divergence with our
 target's float32 margin there (over prompt + our output); mean acceptance lengths and histograms side
-by side. Prompts theirs does not cover are listed, not compared.
+by side. Prompts theirs does not cover are listed, not compared. An output given as text only (SGLang
+without output_ids) is compared as text: encoding it again may tokenize the same text otherwise.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddtree_jax.cli import resolve_budget
 from ddtree_jax.compare import outputs
 from ddtree_jax.compare.divergence import Scorer, divergence
-from ddtree_jax.compare.inputs import check_generation_flags, generate_all, load_inputs, settings_of
+from ddtree_jax.compare.inputs import (
+    check_generation_flags,
+    generate_all,
+    load_inputs,
+    resolve_budget,
+    settings_of,
+)
 from ddtree_jax.compare.outputs import OutputRecord
-from ddtree_jax.compare.plots import histogram_bars
-from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
+from ddtree_jax.compare.report import Comparison, Divergence, Report, Table, verdict_of
 from ddtree_jax.pair import generator, plan_from_args, sampling_from_args
 
 HELP = "another system's outputs (SGLang, the DDTree reference, ours) against ours on the same prompts"
@@ -43,10 +48,12 @@ def our_records(args: argparse.Namespace, inputs) -> list[OutputRecord]:
 
 def run(args: argparse.Namespace) -> Report:
     """Read theirs, get ours, compare prompt by prompt."""
+    from ddtree_jax.compare import plots  # matplotlib: imported when a report is made, not for --help
+
     check_generation_flags(args)
     theirs = outputs.read_outputs(args.theirs)  # bad input fails before any model loads
     inputs = load_inputs(args, with_draft=args.ours is None and args.method != "ar")
-    resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
+    args = resolve_budget(args, inputs.pair.target, inputs.prompts)  # one --budget, as ddtree-generate's
     their_by_id = outputs.match_prompts(theirs, inputs.prompts, args.prompts)
     our_by_id = outputs.match_prompts(our_records(args, inputs), inputs.prompts, args.prompts)
     sampling = sampling_from_args(args)
@@ -55,14 +62,20 @@ def run(args: argparse.Namespace) -> Report:
         if prompt.id not in their_by_id or prompt.id not in our_by_id:
             missing.append(prompt.id)
             continue
+        compared.append(prompt.id)
+        texts = outputs.texts_to_compare(our_by_id[prompt.id], their_by_id[prompt.id], inputs.pair.codec)
+        if texts is not None and texts[0] == texts[1]:
+            continue  # one side has text only: the same text is the same output, however tokenized
         ours = outputs.tokens_of(our_by_id[prompt.id], inputs.pair.codec)
         other = outputs.tokens_of(their_by_id[prompt.id], inputs.pair.codec)
-        compared.append(prompt.id)
-        if ours == other:
+        if ours == other and texts is None:
             continue
         scorer = scorer or Scorer.load(args.target)
         options = sampling | {k: v for k, v in prompt.options.items() if k in sampling}
-        found.append(divergence(scorer, prompt.id, prompt.input_ids, ours, other, options, args.dtype))
+        found.append(
+            divergence(scorer, prompt.id, prompt.input_ids, ours, other, options, args.dtype)
+            or Divergence(prompt.id, len(ours), None, {"text_differs": True})  # same tokens, other text
+        )
     our_list = [our_by_id[i] for i in compared]
     their_list = [their_by_id[i] for i in compared]
     ours_name, theirs_name = "ours", Path(args.theirs).stem
@@ -92,7 +105,7 @@ def run(args: argparse.Namespace) -> Report:
         comparisons=[comparison],
         tables=tables(comparison, acceptance, hists),
         notes=notes(comparison),
-        figures={"acceptance": histogram_bars(hists, f"acceptance lengths: ours vs {theirs_name}")},
+        figures={"acceptance": plots.histogram_bars(hists, f"acceptance lengths: ours vs {theirs_name}")},
         details={"settings": settings_of(args, theirs=args.theirs, ours=args.ours or "generated")},
     )
 
@@ -115,9 +128,10 @@ def notes(c: Comparison) -> list[str]:
         out.append(f"Not compared (no output on one side): {', '.join(map(repr, c.extra['not_compared']))}.")
     if c.extra["text_only"]:
         out.append(
-            "Compared through their text encoded with our tokenizer (no output_ids given): "
+            "Compared as text (no output_ids given; the same text agrees, however tokenized): "
             + ", ".join(map(repr, c.extra["text_only"]))
-            + ". A different tokenization of the same text shows up as a divergence."
+            + ". Where the texts differ, the divergence's position is in their text encoded with our "
+            "tokenizer."
         )
     return out
 

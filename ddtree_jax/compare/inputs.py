@@ -1,4 +1,7 @@
-"""What every sub-command starts from: ddtree-generate's flags checked, the pair loaded, the prompts read."""
+"""What every sub-command starts from: ddtree-generate's flags checked, the pair loaded, the prompts read.
+
+The parsed flags are resolved once into a new namespace (`resolved`: the bundled pair, the method
+default); nothing changes a namespace in place."""
 
 from __future__ import annotations
 
@@ -7,9 +10,10 @@ import dataclasses
 from pathlib import Path
 
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.generation import Result
 from ddtree_jax.pair import Pair, load_pair
 from ddtree_jax.prompts import Prompt
+from ddtree_jax.scheduler import Result
+from ddtree_jax.settings import Settings
 
 
 @dataclasses.dataclass
@@ -20,11 +24,24 @@ class Inputs:
     prompts: list[Prompt]
 
 
-def check_generation_flags(args: argparse.Namespace) -> None:
-    """ddtree-generate's own checks (bundled pair defaults, method default, sampling values)."""
-    from ddtree_jax.cli import check_args
+def check_generation_flags(args: argparse.Namespace) -> Settings:
+    """ddtree-generate's own checks (bundled pair, method, counts, sampling values): its settings."""
+    return Settings.from_flags(args)
 
-    check_args(args)
+
+def resolved(args: argparse.Namespace, method: bool = True) -> argparse.Namespace:
+    """The flags with ddtree-generate's defaults filled in (the bundled pair and its prompts; the
+    method when `method`), as a new namespace."""
+    s = check_generation_flags(args)
+    fill = dict(target=s.target, draft=s.draft, prompts=s.prompts) | (dict(method=s.method) if method else {})
+    return argparse.Namespace(**vars(args) | fill)
+
+
+def resolve_budget(args: argparse.Namespace, cfg, prompts: list[Prompt]) -> argparse.Namespace:
+    """The flags with ddtree's one --budget resolved as ddtree-generate resolves it (from the target's
+    kind and the prompts' mean context), as a new namespace."""
+    budget = check_generation_flags(args).with_budget(cfg, prompts).budget
+    return argparse.Namespace(**vars(args) | {"budget": budget if args.method == "ddtree" else args.budget})
 
 
 def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
@@ -55,11 +72,8 @@ def load_inputs(args: argparse.Namespace, with_draft: bool) -> Inputs:
 
 
 def generate_all(gen, prompts: list[Prompt], batch_size: int) -> list[Result]:
-    """Run `gen` over every prompt, `batch_size` at a time, in prompt order."""
-    results = []
-    for start in range(0, len(prompts), batch_size):
-        results += gen.run_batch(prompts[start : start + batch_size])
-    return results
+    """Run `gen` over every prompt, static batches of `batch_size` in prompt order."""
+    return list(gen.scheduled(policy="static", batch_size=batch_size).run(prompts))
 
 
 def mean_acceptance(results: list[Result]) -> float | None:

@@ -8,6 +8,8 @@ reported at its first divergence with the target's float32 margin there (diverge
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 from ddtree_jax.compare.divergence import Scorer, divergence
 from ddtree_jax.compare.inputs import (
@@ -18,7 +20,6 @@ from ddtree_jax.compare.inputs import (
     mean_acceptance,
     settings_of,
 )
-from ddtree_jax.compare.plots import acceptance_histograms
 from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.pair import generator, plan_from_args, sampling_from_args
@@ -62,21 +63,34 @@ def methods(budgets: list[int]) -> list[tuple[str, str, int | None]]:
     return [("ar", "ar", None), ("dflash", "dflash", None)] + [(f"ddtree-{n}", "ddtree", n) for n in budgets]
 
 
+def progress(message: str) -> None:
+    """One progress line on stderr (a lossless run is several whole generations)."""
+    print(f"ddtree-compare lossless: {message}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> Report:
     """Every method on every prompt, each compared with ar."""
     budgets = check(args)
+    progress("loading the target and the drafter")
     inputs = load_inputs(args, with_draft=True)
     sampling = sampling_from_args(args)
     outputs = {}
-    for label, method, budget in methods(budgets):
+    runs = methods(budgets)
+    for n, (label, method, budget) in enumerate(runs, start=1):
+        progress(f"[{n}/{len(runs)}] {label}: {len(inputs.prompts)} prompts ...")
+        start = time.perf_counter()
         plan = plan_from_args(inputs.pair, args, method=method, budget=budget)
         gen = generator(inputs.pair, plan, sampling, args.host_stepped)
         outputs[label] = generate_all(gen, inputs.prompts, args.batch_size)
+        progress(f"[{n}/{len(runs)}] {label}: done in {time.perf_counter() - start:.1f} s")
+    progress("comparing with ar (a divergence loads the float32 scorer)")
     return make_report(args, inputs, outputs, sampling)
 
 
 def make_report(args: argparse.Namespace, inputs: Inputs, outputs: dict, sampling: dict) -> Report:
     """Compare every method's outputs with ar's."""
+    from ddtree_jax.compare.plots import acceptance_histograms  # matplotlib: not needed for --help
+
     scorer = None
     reference = outputs["ar"]
     comparisons = []

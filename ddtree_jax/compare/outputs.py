@@ -105,7 +105,7 @@ def read_outputs(path: str | Path) -> list[OutputRecord]:
     """Every non-empty line of an outputs file, in order."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a byte-order mark is no part of line 1
     except FileNotFoundError:
         raise DDTreeError(f"{path}: file not found") from None
     except UnicodeDecodeError:
@@ -146,6 +146,26 @@ def tokens_of(record: OutputRecord, codec: TextCodec | None) -> list[int]:
     if codec is None:
         raise DDTreeError(f"{record.where}: only 'text' given, and the target has no tokenizer.json")
     return codec.encode(record.text, add_special_tokens=False)
+
+
+def texts_to_compare(
+    ours: OutputRecord, theirs: OutputRecord, codec: TextCodec | None
+) -> tuple[str, str] | None:
+    """(our text, their text) when one side gives text only (the other's text as given, else decoded
+    with our tokenizer), special tokens' text left out of both when the target has a tokenizer (SGLang's
+    text skips them by default, ours keeps its stop token); None when both give output_ids."""
+    if ours.output_ids is not None and theirs.output_ids is not None:
+        return None
+
+    def text(record: OutputRecord, other: OutputRecord) -> str:
+        if record.text is not None:
+            return record.text
+        if codec is None:
+            raise DDTreeError(f"{other.where}: only 'text' given, and the target has no tokenizer.json")
+        return codec.decode(record.output_ids)
+
+    pair = text(ours, theirs), text(theirs, ours)
+    return pair if codec is None else (codec.without_special(pair[0]), codec.without_special(pair[1]))
 
 
 RATIO = "completion_tokens / spec_verify_ct"

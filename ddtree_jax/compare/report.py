@@ -149,11 +149,19 @@ def run_metadata(argv: list[str], seconds: float) -> dict[str, Any]:
 
 
 def check_report_dir(path: Path) -> None:
-    """Refuse a report directory that cannot be written (before any model runs)."""
-    if not path.parent.exists():
+    """Refuse a report directory that cannot be written (before any model runs): its parent must exist
+    and take a new directory (tried: write_report builds the report beside it), an existing one must be
+    an earlier report."""
+    if not path.parent.is_dir():
         raise DDTreeError(f"--report {path}: parent directory {path.parent} does not exist")
     if path.exists() and not (path / "report.json").exists():
         raise DDTreeError(f"--report {path}: exists and holds no report.json (not replacing it)")
+    try:
+        tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.").cleanup()
+    except OSError as e:
+        raise DDTreeError(f"--report {path}: cannot write in {path.parent} ({e.strerror})") from None
+    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
+        raise DDTreeError(f"--report {path}: not writable (an earlier report cannot be replaced)")
 
 
 def write_report(path: Path, report: Report, meta: dict[str, Any]) -> None:
@@ -171,6 +179,9 @@ def write_report(path: Path, report: Report, meta: dict[str, Any]) -> None:
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
+    except OSError as e:  # a disk filled or a directory made read-only during the run: one line
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DDTreeError(f"--report {path}: cannot write the report ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

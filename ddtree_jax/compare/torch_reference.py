@@ -11,7 +11,7 @@ that prefix with an ancestor-only 4-D attention mask, which transformers 5 takes
 (`masking_utils`: a 4-D mask is returned unchanged; eager attention adds it to the scores). `ar` is
 plain greedy steps over HF's K/V cache.
 
-The round, as DESIGN.md describes it: draft a block `[bonus, mask x D]`, build the tree, verify it,
+The round, as docs/design.md describes it: draft a block `[bonus, mask x D]`, build the tree, verify it,
 walk from the root along the target's choices, commit the walked path. A round's acceptance length
 is the number of tokens it adds to the output (accepted draft tokens plus the bonus, cut by a stop id
 or by `max_new_tokens`); the prefill's token belongs to no round.
@@ -107,8 +107,8 @@ class DraftLayer(nn.Module):
 def use_legacy_yarn(cfg) -> None:
     """A yarn drafter's cos/sin factor as older transformers computed it, 0.1 ln(factor) + 1, unless its
     config gives `attention_factor` or `dflash_config.yarn_scaling` says "hf" (the convention the
-    published Kimi-K2.5 drafter was trained with; README "Drafter RoPE"). Written into the config's
-    rope parameters, which HF's rotary embedding reads."""
+    published Kimi-K2.5 drafter was trained with; docs/architectures.md, "Drafter RoPE"). Written into
+    the config's rope parameters, which HF's rotary embedding reads."""
     for params in {id(p): p for p in (getattr(cfg, "rope_parameters", None), cfg.rope_scaling) if p}.values():
         legacy = cfg.dflash_config.get("yarn_scaling", "legacy") == "legacy"
         if params.get("rope_type") == "yarn" and params.get("attention_factor") is None and legacy:

@@ -87,7 +87,7 @@ def tree_attention_reference(
     p = jnp.where(scores > MASK_VALUE / 2, p, 0.0)
     # The sums run as dots, cache and in-flight parts apart: XLA's CPU reductions group their terms
     # by the reduced length, its dots do not, so a row's result does not depend on the capacity S
-    # (the masked slots add exact zeros): batch invariance (generation.py).
+    # (the masked slots add exact zeros): batch invariance (scheduler.py).
     total = jnp.einsum("bhgts,s->bhgt", p[..., :s], jnp.ones((s,), jnp.float32))
     total += jnp.einsum("bhgtj,j->bhgt", p[..., s:], jnp.ones((t,), jnp.float32))
     p = p / jnp.maximum(total, 1e-30)[..., None]

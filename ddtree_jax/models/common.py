@@ -17,6 +17,10 @@ from ddtree_jax.collectives import Axis, axis_size, psum, vocab_offset
 from ddtree_jax.quant import arrays as quant_arrays
 from ddtree_jax.weights import Params, WeightSpec, norm
 
+# Checkpoint tensors a model of any family may carry and not use: RoPE's inverse frequencies, a
+# buffer older checkpoints saved per layer (HF drops them on load too). Patterns for re.match.
+IGNORED_TENSORS = (r".*\brotary_emb\.inv_freq$",)
+
 # layer(i, p, x) -> (x, the layer's new cache entry): one decoder layer, closed over mask and cache.
 Layer = Callable[[int, dict, jax.Array], tuple[jax.Array, Any]]
 
@@ -28,6 +32,11 @@ class ForwardOutput(NamedTuple):
     hidden: jax.Array
     kv: list[Any]
     features: jax.Array | None
+
+
+def ignored_tensors(cfg) -> tuple[str, ...]:
+    """Checkpoint tensors the family may find and not load (checkpoint_checks): IGNORED_TENSORS."""
+    return IGNORED_TENSORS
 
 
 def all_reduce(x: jax.Array, model_axis: Axis) -> jax.Array:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,7 @@ class DeepseekV3Config(TargetConfig, moe.RoutedExperts):
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     weight_prefix: str = ""  # "language_model." for wrapped (Kimi-K2.5-style) checkpoints
+    mtp_layers: int = 0  # num_nextn_predict_layers: layers after the decoder's, not read
     EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"
 
     @property
@@ -157,7 +159,18 @@ def config_from_hf(
         topk_group=int(text.get("topk_group") or n_group),
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         weight_prefix=prefix,
+        mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
     )
+
+
+def ignored_tensors(cfg: DeepseekV3Config) -> tuple[str, ...]:
+    """Checkpoint tensors left unread by design: the multi-token-prediction layers (model.layers.{L}..,
+    which HF ignores too), a wrapper's parts outside its text model (Kimi-K2.5's vision tower and
+    projector), and common.IGNORED_TENSORS."""
+    pre = re.escape(cfg.weight_prefix)
+    mtp = [rf"{pre}model\.layers\.{cfg.num_layers + i}\." for i in range(cfg.mtp_layers)]
+    outside = [rf"(?!{pre})"] if cfg.weight_prefix else []
+    return (*mtp, *outside, *common.IGNORED_TENSORS)
 
 
 def moe_specs(prefix: str, path: tuple, cfg: DeepseekV3Config) -> list[WeightSpec]:
@@ -370,8 +383,10 @@ FAMILY = Family(
     cache_shapes=cache_shapes,
     unread_weight_bytes=unread_weight_bytes,
     check_divisible=check_divisible,
+    ignored_tensors=ignored_tensors,
     heads_per_device=heads_per_device,
     draft_dims=draft_dims,
+    ATTENTION="mla",
     PAD_ONE_ROW_AR=False,  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
     ROUTED_EXPERTS=True,  # the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
     CUDNN_PREFILL=False,  # MLA: its prefill is the expanded form (models/mla.py)

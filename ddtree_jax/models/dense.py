@@ -184,9 +184,9 @@ def _dims(hidden, ff, heads, kv_heads, head_dim, qk_norm) -> LayerDims:
 
 
 def _shape(
-    arch: str, vocab: int, layers: int, dims: LayerDims, rope: RopeConfig, max_pos: int
+    arch: str, vocab: int, layers: int, dims: LayerDims, rope: RopeConfig, max_pos: int, tied: bool = False
 ) -> DenseConfig:
-    return DenseConfig(arch, vocab, layers, rope, False, max_pos, dims=dims)
+    return DenseConfig(arch, vocab, layers, rope, tied, max_pos, dims=dims)
 
 
 FAMILY = Family(
@@ -201,8 +201,10 @@ FAMILY = Family(
     cache_shapes=cache_shapes,
     unread_weight_bytes=unread_weight_bytes,
     check_divisible=check_divisible,
+    ignored_tensors=common.ignored_tensors,
     heads_per_device=heads_per_device,
     draft_dims=draft_dims,
+    ATTENTION="gqa",
     PAD_ONE_ROW_AR=True,  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster
     ROUTED_EXPERTS=False,  # dense layers: the default ddtree budgets of budgets.DEFAULT_BUDGETS
     CUDNN_PREFILL=True,
@@ -219,5 +221,9 @@ FAMILY = Family(
             131072,
         ),
         "tiny": _shape("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), 4096),
+        # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
+        "default-pair": _shape(
+            "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), 4096, tied=True
+        ),
     },
 )

@@ -37,9 +37,13 @@ class Family:
     unread_weight_bytes  (params, cfg, tokens, nbytes) -> bytes one device holds that a pass over
                          `tokens` tokens need not read (the benchmark's floor)
     check_divisible      (cfg, tp, model) -> None, or a clear error: its mesh rules
+    ignored_tensors      cfg -> patterns (re.match) of checkpoint tensors it may find and not read;
+                         any other unread tensor is refused (checkpoint_checks)
     heads_per_device     (cfg, tp) -> query heads one device holds (the memory check's scores)
     draft_dims           cfg -> the layer shape of a DFlash drafter for it where none is published
                          (benchmarks)
+    ATTENTION            the attention kind of its layers: the table of `attention.KERNELS` ("gqa",
+                         "mla") that `--attention` names an implementation of
     PAD_ONE_ROW_AR       whether a one-row ar step runs as two rows (engine.py)
     ROUTED_EXPERTS       whether tokens are routed to experts (the default ddtree budgets: budgets.py)
     CUDNN_PREFILL        whether its prefill chunks may use cuDNN attention (GQA layers, `cfg.dims`)
@@ -58,8 +62,10 @@ class Family:
     cache_shapes: Callable[..., list]
     unread_weight_bytes: Callable[..., float]
     check_divisible: Callable[..., None]
+    ignored_tensors: Callable[[Any], tuple[str, ...]]
     heads_per_device: Callable[[Any, int], int]
     draft_dims: Callable[[Any], LayerDims]
+    ATTENTION: str
     PAD_ONE_ROW_AR: bool
     ROUTED_EXPERTS: bool
     CUDNN_PREFILL: bool

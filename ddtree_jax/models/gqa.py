@@ -121,7 +121,7 @@ def cache_attend(
     impl: str, entry: KVEntry, lengths: jax.Array, mask: jax.Array, window: int | None = None
 ) -> Attend:
     """attend(q, k_new, v_new) over one cached layer up to `lengths` [B] plus the new tokens under mask."""
-    fn = kernel(impl)
+    fn = kernel(impl, "gqa")
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         return fn(q, entry.k, entry.v, lengths, k, v, mask, window=window)

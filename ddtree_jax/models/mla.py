@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ddtree_jax.attention import kernel
 from ddtree_jax.collectives import Axis
 from ddtree_jax.kernels.flash import MASK_VALUE
-from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
 from ddtree_jax.models.common import all_reduce, apply_rope, dense_weight, matmul, rms_norm
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import WeightSpec, linear, norm
@@ -182,8 +182,8 @@ def absorbed_attend(
     window: int | None = None,
 ) -> Attend:
     """attend over one cached layer up to `lengths` [B] plus the new tokens under mask [B, T, T], in the
-    absorbed form (`impl`: "pallas" for the kernel, else its jnp reference)."""
-    fn = mla_attention if impl == "pallas" else mla_attention_reference
+    absorbed form (`impl`: an MLA implementation of attention.KERNELS)."""
+    fn = kernel(impl, "mla")
 
     def attend(p: dict, q_nope: jax.Array, q_rope: jax.Array, new: LatentEntry) -> jax.Array:
         w_uk, w_uv = kv_b(p, dims, q_nope.dtype)

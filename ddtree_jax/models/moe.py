@@ -21,19 +21,27 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
            (block_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
            in interpret mode (tests, any backend)
   sorted_mgpu  the sort with JAX's bundled Hopper kernel (Mosaic GPU, H100/H200, plain arrays only)
+  fused    tiles of (token, slot) pairs of one chosen expert each, through two Mosaic GPU kernels
+           (`kernels.fused_experts`: gate + up + SiLU, then down; Hopper): each program reads one
+           64-column block of its tile's expert once, only chosen experts are read, no per-token
+           copies; bf16 / f16 activations, experts whose shapes it cannot tile go through `grouped`
+           (`fused_experts.supported`); `fused_interpret` runs it in GPU interpret mode (tests)
   dense    every local expert on every token, weighted by the routing weights (zero where not chosen):
            E / k times the FLOPs of the routed work, but plain batched matmuls
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import positive_field
@@ -53,8 +61,9 @@ from ddtree_jax.weights import Params, WeightSpec, stacked_linear
 
 MOE_SHARDINGS = ("ep", "tp")  # experts over "model": whole experts per device, or columns of every expert
 DISPATCHES = ("gather", "sorted", "dense")  # any backend
-GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu")  # CUDA GPUs (sorted_mgpu: Hopper)
-INTERPRETED_DISPATCHES = ("grouped_interpret", "grouped_split_interpret")  # the Pallas ones, tests only
+GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu", "fused")  # CUDA (sorted_mgpu, fused: Hopper)
+# the Pallas ones in interpret mode, tests only
+INTERPRETED_DISPATCHES = ("grouped_interpret", "grouped_split_interpret", "fused_interpret")
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token counts up to GATHER_MAX_TOKENS use `gather`; above it `sorted` (ragged_dot) off the GPU and the
 # Pallas `grouped` kernel on a GPU. H200 figures (results/notes.md): gather 5.6x / 2.9x the
@@ -64,6 +73,9 @@ EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # rows (gather, grouped, grouped_split) decide for the Qwen3-30B-A3B shape.
 GATHER_MAX_TOKENS = 4
 GPU_GATHER_MAX_TOKENS = 4
+# On a Hopper GPU, token counts up to FUSED_MAX_TOKENS use `fused` (the decode and verify regime; not yet
+# measured on the H200: scripts/bench_moe_fused.py decides it), above it `grouped`; 0 turns it off.
+FUSED_MAX_TOKENS = 128
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 
 
@@ -136,6 +148,37 @@ def unread_expert_bytes(
     return unread
 
 
+class RoutingLog:
+    """The routing of every `run_experts` call traced while the log is active (`with RoutingLog() as
+    log:` around tracing a program; read after running it): per call site in trace order (one per MoE
+    layer of a traced forward) the chosen experts [N, k] (global ids) of each execution, as device 0 of
+    the model axis sees them (its tokens are every device's). A host callback per call: for a program
+    run once to count experts (`ddtree_jax.bench.chosen_expert_floor`), never for one that is timed."""
+
+    active: RoutingLog | None = None  # the log that `run_experts` feeds at trace time
+
+    def __init__(self) -> None:
+        self.calls: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+        self._sites = 0
+
+    def __enter__(self) -> RoutingLog:
+        RoutingLog.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        RoutingLog.active = None
+
+    def record(self, experts: jax.Array, model_axis: Axis) -> None:
+        """At trace time: a callback that stores this call site's experts [N, k] at every execution."""
+        site, self._sites = self._sites, self._sites + 1
+        device = jnp.int32(0) if model_axis is None else jax.lax.axis_index(model_axis)
+        jax.debug.callback(functools.partial(self._store, site), experts, device)
+
+    def _store(self, site: int, experts, device) -> None:
+        if int(device) == 0:
+            self.calls[site].append(np.asarray(experts))
+
+
 class Routing(NamedTuple):
     """Per token the chosen experts [N, k] int32 (global ids) and their weights [N, k] (x's dtype)."""
 
@@ -196,7 +239,7 @@ def _gather(p: dict, x: jax.Array, experts: jax.Array) -> jax.Array:
 
 
 def _mgpu_ragged_dot(lhs: jax.Array, rhs: Weight, sizes: jax.Array) -> jax.Array:
-    """`jax.lax.ragged_dot` by JAX's bundled Hopper kernel (blocks as DESIGN.md measured them best)."""
+    """`jax.lax.ragged_dot` by JAX's bundled Hopper kernel (blocks as docs/design.md records them best)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     if not isinstance(rhs, jax.Array):
@@ -312,18 +355,40 @@ def _dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
 def expected_distinct(num_experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts `tokens` tokens select when each picks top_k of num_experts uniformly and
     independently: E (1 - (1 - k/E)^N); exactly k for one token. (Qwen3-30B-A3B shapes on the H200,
-    DESIGN.md: 8 / 51 / 127 / 128 measured at 1 / 8 / 64 / 512 tokens; this gives 8 / 51.6 / 125.9 /
+    docs/design.md: 8 / 51 / 127 / 128 measured at 1 / 8 / 64 / 512 tokens; this gives 8 / 51.6 / 125.9 /
     128.)"""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def choose_dispatch(num_tokens: int, backend: str | None = None) -> str:
+def hopper() -> bool:
+    """Whether the default device is a CUDA GPU of compute capability 9 (H100 / H200: wgmma, TMA)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "0")).startswith("9")
+
+
+def choose_dispatch(num_tokens: int, backend: str | None = None, fused: bool | None = None) -> str:
     """The dispatch for a static token count N on `backend` (default: jax.default_backend() at trace
-    time): on a GPU `grouped` above GPU_GATHER_MAX_TOKENS, elsewhere `sorted` above GATHER_MAX_TOKENS;
-    `gather` below."""
+    time): on a GPU `fused` up to FUSED_MAX_TOKENS where `fused` (default: `hopper()`), else `gather` up
+    to GPU_GATHER_MAX_TOKENS and `grouped` above; elsewhere `gather` up to GATHER_MAX_TOKENS, `sorted`
+    above."""
     if (backend or jax.default_backend()) == "gpu":
+        if num_tokens <= FUSED_MAX_TOKENS and (hopper() if fused is None else fused):
+            return "fused"
         return "gather" if num_tokens <= GPU_GATHER_MAX_TOKENS else "grouped"
     return "gather" if num_tokens <= GATHER_MAX_TOKENS else "sorted"
+
+
+def _fused(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: jax.Array, dispatch: str):
+    """[N, H] through `kernels.fused_experts`, or through the grouped kernel where it cannot take the
+    experts (e.g. 96 columns a device) or activations (float32)."""
+    from ddtree_jax.kernels import fused_experts
+
+    interpret = dispatch.endswith("_interpret")
+    gate, up, down = (p[name] for name in EXPERT_WEIGHTS)
+    if not fused_experts.supported(gate, up, down, x.dtype):
+        grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
+        return _combine(_sorted(p, x, experts, here, grouped), weights, here)
+    return fused_experts.fused_experts(x, experts, here, weights, gate, up, down, interpret=interpret)
 
 
 def run_experts(
@@ -339,6 +404,8 @@ def run_experts(
     Expert weights are any `quant.Weight`. Any router can feed it (a family's own scores, groups or
     bias); no all-reduce here: the caller adds the layer's. `dispatch` None picks one by token count.
     """
+    if RoutingLog.active is not None:
+        RoutingLog.active.record(routing.experts, model_axis)
     experts, here = _local(routing, num_experts(p["experts_gate"]), model_axis, sharding)
     dispatch = dispatch or choose_dispatch(x.shape[0])
     names = DISPATCHES + GPU_DISPATCHES + INTERPRETED_DISPATCHES
@@ -348,6 +415,8 @@ def run_experts(
         return _dense(p, x, experts, routing.weights, here)
     if dispatch == "gather":
         return _combine(_gather(p, x, experts), routing.weights, here)
+    if dispatch.startswith("fused"):
+        return _fused(p, x, experts, routing.weights, here, dispatch)
     return _combine(_sorted(p, x, experts, here, _grouped_fn(dispatch)), routing.weights, here)
 
 

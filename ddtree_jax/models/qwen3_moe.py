@@ -143,11 +143,13 @@ FAMILY = Family(
     cache_shapes=dense.cache_shapes,  # GQA, as for dense targets
     unread_weight_bytes=unread_weight_bytes,
     check_divisible=check_divisible,
+    ignored_tensors=common.ignored_tensors,
     heads_per_device=dense.heads_per_device,
     draft_dims=dense.draft_dims,
     # No second, inactive row for one-row ar steps: its token would read up to top_k more experts per
     # layer (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row reads of the
     # dense part).
+    ATTENTION="gqa",
     PAD_ONE_ROW_AR=False,
     ROUTED_EXPERTS=True,  # the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
     CUDNN_PREFILL=True,

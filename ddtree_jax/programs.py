@@ -1,0 +1,398 @@
+"""The device programs of a run over a typed batch of requests (`Requests`), each compiled once.
+
+  start     a new decode state of B rows: the requests prefilled into their rows, the others done
+  refill    the requests prefilled into rows of a running state (rows freed by finished prompts)
+  rounds    decoding rounds (engine.decode_round) until `until` rows are done, or every row is
+  generate  start, then rounds until every row is done: a static batch's whole generation as ONE
+            program (no round returns to the host)
+  stages    the round's five steps as programs of their own, for a host that times each
+
+One prefill serves every program: the prompt runs in chunks of C tokens through the cache path (each
+chunk attends to the cache written so far and to itself under a causal mask, as a verify does: no
+[P, P] scores; a chunk at least the prompt is one pass), its end in chunks of C / 4, so a prompt
+computes fewer than C / 4 padding tokens. Each "data" device loops over its own rows' chunks only. The
+drafter's context entries of each chunk come from the chunk's target features, at the same slots.
+One bucket rule (`prompt_slots`) sizes every program's prompt buffer; `Shape` records a batch's
+shapes (rows, prompt slots, capacity) apart from the `Plan`, which holds what a round is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import drafter, engine, kv_cache, models, target
+from ddtree_jax.config import TargetConfig
+from ddtree_jax.engine import ALL, ROW, DecodeState, Plan, on_mesh, param_specs, state_specs
+from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.sampling import SamplingParams, choose
+from ddtree_jax.sharding import DATA
+from ddtree_jax.weights import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The shapes of one decode state: B rows, P prompt slots, S cache slots per row."""
+
+    rows: int
+    prompt_slots: int
+    capacity: int
+
+    @classmethod
+    def of(cls, plan: Plan, rows: int, prompt_slots: int) -> Shape:
+        """The shape of `rows` rows holding prompts of up to `prompt_slots` tokens under `plan`."""
+        return cls(rows, prompt_slots, plan.capacity(prompt_slots))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Requests:
+    """R prompts bound for rows of a decode state (a row index of B or more: padding, dropped)."""
+
+    tokens: jax.Array  # [R, P] int32, right-padded
+    lengths: jax.Array  # [R] int32 (>= 1)
+    rows: jax.Array  # [R] int32: the state row each goes to
+    sampling: SamplingParams | None  # [R] each; None: every row greedy (the greedy-only program)
+    limits: jax.Array  # [R] int32: each one's own max_new_tokens
+
+
+REQUEST_SPECS = Requests(ROW, ROW, ROW, ROW, ROW)
+
+
+def prompt_slots(length: int) -> int:
+    """The prompt slots of a batch whose longest prompt has `length` tokens, the one bucket rule: the
+    next power of two, at least 16 (few shapes compile; a prefill chunk is the smaller of its own size
+    and these slots, so the slots are whole chunks)."""
+    return max(16, 1 << (length - 1).bit_length())
+
+
+def rows_to_run(method: str, rows: int, cfg: TargetConfig) -> int:
+    """The rows rule: rows per device a program runs for `rows` requested. One ar row runs as two (the
+    second inactive): XLA's one-row matmuls read the weights slower than its two-row ones (H200,
+    Qwen3-8B shapes: 6.2-6.5 ms a step at one row, 5.0 ms at two; results/h200/README.md), unless the
+    target's family says a second row costs more (`PAD_ONE_ROW_AR`: a MoE row reads its own experts)."""
+    pad = models.family(cfg).PAD_ONE_ROW_AR
+    return 2 if pad and method == "ar" and rows == 1 else rows
+
+
+def tail_chunk(chunk: int) -> int:
+    """The chunk of a prompt's end: C / 4, at least 16 (the prompt computes < C / 4 padding tokens)."""
+    return max(chunk // 4, 16)
+
+
+def chunk_steps(length, chunk: int) -> tuple:
+    """(full chunks, tail chunks) of a prompt of `length` tokens (an int, or an int array on the
+    device): full chunks while more than C - C / 4 tokens are left (four tail chunks would cost one
+    full one), then tail chunks. At most tail - 1 tokens are left after the full chunks' ceiling
+    division, so the tail count is never negative."""
+    tail = tail_chunk(chunk)
+    full = (length + tail - 1) // chunk
+    return full, (length - full * chunk + tail - 1) // tail
+
+
+# -- the programs, per device (shard_map bodies) ---------------------------------------------------
+
+
+def initial_state(
+    cache: KVCache, draft_cache: list | None, first: jax.Array, req: Requests, active, stop_ids, plan: Plan
+) -> DecodeState:
+    """The state of freshly prefilled rows: caches filled up to the prompts' lengths, the first token
+    [R] chosen (the next root); each row finishes at its own limit; inactive rows are done."""
+    r = first.shape[0]
+    stopped = active & jnp.isin(first, stop_ids)
+    limits = jnp.minimum(req.limits.astype(jnp.int32), plan.max_new_tokens)
+    return DecodeState(
+        cache=cache,
+        draft_cache=draft_cache,
+        bonus=first,
+        output=jnp.zeros((r, plan.max_new_tokens + plan.path_slots), jnp.int32).at[:, 0].set(first),
+        num_output=active.astype(jnp.int32),
+        done=~active | stopped | (limits <= 1),
+        stopped=stopped,
+        acceptance=jnp.zeros((r, plan.max_new_tokens), jnp.int32),
+        rounds=jnp.zeros((r,), jnp.int32),
+        max_new_tokens=limits,
+        stop_ids=stop_ids,
+        sampling=req.sampling,
+    )
+
+
+def prefill(
+    params: Params,
+    draft_params: Params | None,
+    req: Requests,
+    stop_ids: jax.Array,
+    *,
+    plan: Plan,
+    rows: int,
+    capacity: int,
+    chunk: int,
+    attention: str,
+) -> DecodeState:
+    """The state of the R requests [R, P] (this device's rows): prompts run in chunks of min(`chunk`,
+    P) tokens through the cache path (`attention`: the chunks' implementation), caches of `capacity`
+    slots, the first token chosen; a request bound for row `rows` or beyond is inactive."""
+    cfg, (r, p) = plan.target, req.tokens.shape
+    axis, dtype = plan.model_axis, params["embed"].dtype
+    chunk = min(chunk, p)  # a chunk of the whole prompt buffer is one pass
+    if p % chunk:
+        raise ValueError(f"prompt width {p} is not a multiple of the chunk {chunk}")
+    tail = tail_chunk(chunk)
+
+    def forward(tokens, positions, mask, cache):
+        return target.forward(
+            params, cfg, tokens, positions, mask, cache,
+            feature_layers=plan.feature_layers, attention=attention, model_axis=axis,
+        )  # fmt: skip
+
+    probe = jax.eval_shape(
+        lambda: forward(
+            req.tokens[:, :chunk], jnp.zeros((r, chunk), jnp.int32), jnp.ones((r, chunk, chunk), bool), None
+        )
+    )
+    cache = kv_cache.empty_like(_zeros(probe.kv), capacity)
+    draft_cache = None
+    if plan.method != "ar":
+        ctx = jax.eval_shape(
+            lambda f: drafter.context_kv(draft_params, plan.draft, f, jnp.zeros((r, chunk), jnp.int32)),
+            jax.ShapeDtypeStruct(probe.features.shape, dtype),
+        )
+        draft_cache = kv_cache.empty_like(_zeros(ctx), capacity)
+    last = jnp.zeros((r, probe.hidden.shape[-1]), probe.hidden.dtype)
+
+    def step(size: int, base):
+        """One chunk of `size` tokens, the i-th from position `base`."""
+        arange = jnp.arange(size, dtype=jnp.int32)
+        causal = arange[None, :] <= arange[:, None]  # [C, C]
+
+        def run(carry):
+            i, cache, draft_cache, last = carry
+            start = base + i * size
+            tokens = jax.lax.dynamic_slice_in_dim(req.tokens, start, size, axis=1)
+            positions = jnp.broadcast_to(start + arange, (r, size))
+            mask = causal[None] & (positions[:, None, :] < req.lengths[:, None, None])
+            seen = jnp.minimum(start, req.lengths)  # each row's cache holds its prompt before the chunk
+            out = forward(tokens, positions, mask, KVCache(cache.layers, seen))
+            at = jnp.full((r,), start, jnp.int32)
+            cache = kv_cache.write(cache, out.kv, at)
+            if draft_cache is not None:
+                ctx = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
+                draft_cache = kv_cache.write(draft_cache, ctx, at)
+            here = req.lengths - 1 - start  # the last prompt token's index in this chunk
+            inside = (here >= 0) & (here < size)
+            picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, size - 1)]
+            return i + 1, cache, draft_cache, jnp.where(inside[:, None], picked, last)
+
+        return run
+
+    full, tails = chunk_steps(jnp.max(req.lengths), chunk)  # this device's rows only
+    carry = (jnp.int32(0), cache, draft_cache, last)
+    _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < full, step(chunk, 0), carry)
+    if tail < chunk:  # (with tail == chunk there are no tail chunks)
+        carry = (jnp.int32(0), cache, draft_cache, last)
+        _, cache, draft_cache, last = jax.lax.while_loop(
+            lambda c: c[0] < tails, step(tail, full * chunk), carry
+        )
+    # the target's choice after each prompt: the token at position L, also its noise position (sampling.py)
+    head = target.logits(params, last[:, None], cfg.vocab_size, axis)
+    first = choose(head, req.sampling, req.lengths[:, None], axis)[:, 0]
+    layers = None if draft_cache is None else draft_cache.layers
+    cache = KVCache(cache.layers, req.lengths)
+    return initial_state(cache, layers, first, req, req.rows < rows, stop_ids, plan)
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def _rows_sum(x: jax.Array, plan: Plan) -> jax.Array:
+    """The sum over the "data" axis (every device runs the same number of rounds)."""
+    return jax.lax.psum(x, DATA) if plan.dp > 1 else x
+
+
+def run_rounds(params, draft_params, state: DecodeState, until, *, plan: Plan, rows: int):
+    """Rounds until `until` (a scalar) of the `rows` rows are done or all are; also the rounds run
+    ([B], every entry the same)."""
+
+    def going(c):
+        done = _rows_sum(jnp.sum(c[0].done.astype(jnp.int32)), plan)
+        return (done < until) & (done < rows)
+
+    def body(c):
+        return engine.decode_round(params, draft_params, c[0], plan), c[1] + 1
+
+    state, n = jax.lax.while_loop(going, body, (state, jnp.int32(0)))
+    return state, jnp.full(state.bonus.shape, n)
+
+
+# -- the programs over the whole batch (jit bodies) ------------------------------------------------
+
+
+def _prefill_on_mesh(params, draft_params, req, stop_ids, plan, rows, capacity, chunk, attention):
+    tspec, dspec = param_specs(plan)
+    fn = on_mesh(
+        lambda *a, plan: prefill(
+            *a, plan=plan, rows=rows, capacity=capacity, chunk=chunk, attention=attention
+        ),
+        plan,
+        (tspec, dspec, REQUEST_SPECS, ALL),
+        state_specs(plan),
+    )
+    return fn(params, draft_params, req, stop_ids)
+
+
+def _map_rows(fn, *states: DecodeState) -> DecodeState:
+    """`fn` over the leaves that have rows (axis 0) of `states`; the stop ids are the first's."""
+    fields = [f.name for f in dataclasses.fields(DecodeState) if f.name != "stop_ids"]
+    mapped = {name: jax.tree.map(fn, *(getattr(s, name) for s in states)) for name in fields}
+    return DecodeState(**mapped, stop_ids=states[0].stop_ids)
+
+
+def place_rows(state: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
+    """The state with rows [R] replaced by the R rows of `new` (row index B or more: dropped)."""
+    return _map_rows(lambda old, x: old.at[rows].set(x, mode="drop"), state, new)
+
+
+def empty_rows(new: DecodeState, rows: int) -> DecodeState:
+    """A state of `rows` rows shaped like `new`, every row done (one cached token, as padding)."""
+    zeros = _map_rows(lambda x: jnp.zeros((rows, *x.shape[1:]), x.dtype), new)
+    cache = KVCache(zeros.cache.layers, jnp.ones((rows,), jnp.int32))
+    return dataclasses.replace(zeros, cache=cache, done=jnp.ones((rows,), bool))
+
+
+def start(
+    params, draft_params, req: Requests, stop_ids, *, plan: Plan, shape: Shape, chunk: int, attention: str
+):
+    """A new state of shape.rows rows: the requests prefilled into their rows, every other row done.
+    Requests for every row (R = B) are the rows in order."""
+    new = _prefill_on_mesh(
+        params, draft_params, req, stop_ids, plan, shape.rows, shape.capacity, chunk, attention
+    )
+    if req.tokens.shape[0] == shape.rows:
+        return new
+    return place_rows(empty_rows(new, shape.rows), new, req.rows)
+
+
+def refill(
+    params, draft_params, state: DecodeState, req: Requests, *, plan: Plan, chunk: int, attention: str
+):
+    """The state with the requests prefilled into their rows."""
+    rows, capacity = state.bonus.shape[0], state.cache.capacity
+    new = _prefill_on_mesh(params, draft_params, req, state.stop_ids, plan, rows, capacity, chunk, attention)
+    return place_rows(state, new, req.rows)
+
+
+def rounds(params, draft_params, state: DecodeState, until, *, plan: Plan):
+    """Rounds until `until` rows are done or all are; the state and the rounds run ([B], equal)."""
+    tspec, dspec = param_specs(plan)
+    sspec, rows = state_specs(plan), state.bonus.shape[0]
+    fn = on_mesh(
+        lambda *a, plan: run_rounds(*a, plan=plan, rows=rows), plan, (tspec, dspec, sspec, ALL), (sspec, ROW)
+    )
+    return fn(params, draft_params, state, until)
+
+
+def generate(
+    params, draft_params, req: Requests, stop_ids, *, plan: Plan, shape: Shape, chunk: int, attention: str
+):
+    """A static batch's whole generation: `start`, then rounds until every row is done."""
+    state = start(
+        params, draft_params, req, stop_ids, plan=plan, shape=shape, chunk=chunk, attention=attention
+    )
+    return rounds(params, draft_params, state, jnp.int32(shape.rows), plan=plan)[0]
+
+
+def stage_programs(plan: Plan) -> dict[str, Any]:
+    """The round's steps (engine.STAGES) as jitted programs on the plan's mesh, for a host that calls
+    and times each: draft(params, draft_params, state), build(state, logp, tok), verify(params, state,
+    tree), walk(tree, choice), commit(draft_params, state, walk, kv, features) (the state donated)."""
+    tspec, dspec = param_specs(plan)
+    sspec, wspec = state_specs(plan), engine.walk_specs()
+    kv = [models.family(plan.target).Entry.new_spec()] * plan.target.num_layers
+
+    def program(fn, in_specs, out_specs, donate=()):
+        return jax.jit(on_mesh(fn, plan, in_specs, out_specs), donate_argnums=donate)
+
+    return {
+        "draft": program(engine.draft, (tspec, dspec, sspec), (ROW, ROW)),
+        "build": program(engine.build, (sspec, ROW, ROW), ROW),
+        "verify": program(engine.verify, (tspec, sspec, ROW), (ROW, kv, ROW)),
+        "walk": program(engine.walk, (ROW, ROW), wspec),
+        "commit": program(engine.commit, (dspec, sspec, wspec, kv, ROW), sspec, donate=(1,)),
+    }
+
+
+JITTED = {
+    "start": jax.jit(start, static_argnames=("plan", "shape", "chunk", "attention")),
+    "refill": jax.jit(refill, static_argnames=("plan", "chunk", "attention"), donate_argnums=(2,)),
+    "rounds": jax.jit(rounds, static_argnames=("plan",), donate_argnums=(2,)),
+    "generate": jax.jit(generate, static_argnames=("plan", "shape", "chunk", "attention")),
+}
+# The one compile cache is jax's own, of these jitted programs (jax.clear_caches empties it); here
+# only which (program, static arguments, argument shapes) have compiled, so that each compilation's
+# time is counted once, apart from generation, by whichever `Programs` meets it first.
+_COMPILED: set[tuple] = set()
+
+
+class Programs:
+    """The device programs of one plan over one pair of parameter trees, compiled on first use (the
+    time kept apart in `compile_seconds`, each compilation in `compile_log`)."""
+
+    def __init__(self, params: Params, draft_params: Params | None, plan: Plan, chunk: int, attention: str):
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"the prefill chunk must be a power of two >= 16, got {chunk}")
+        self.params, self.draft_params, self.plan = params, draft_params, plan
+        self.chunk, self.attention = chunk, attention  # the prefill chunks' size and attention
+        self.compile_seconds = 0.0
+        self.compile_log: list[tuple[str, float]] = []
+        self._stages: dict[str, Any] | None = None
+
+    def _call(self, name: str, *args, **static):
+        """Program `name` on (params, draft params, *args), compiled ahead on its first use of these
+        shapes (on a mesh the jit compiles at its first call, which counts as compilation)."""
+        static |= {"plan": self.plan}
+        args = (self.params, self.draft_params, *args)
+        leaves, tree = jax.tree.flatten(args[2:])
+        key = (name, tree, *((x.shape, x.dtype) for x in leaves), *static.items(), self.params["embed"].dtype)
+        jitted, begin = JITTED[name], time.perf_counter()
+        if key in _COMPILED:
+            return jitted(*args, **static)
+        if self.plan.tp * self.plan.dp > 1:
+            out = jax.block_until_ready(jitted(*args, **static))
+        else:
+            jitted.lower(*args, **static).compile()  # (jax keeps it: the call below reuses it)
+            out = None
+        _COMPILED.add(key)
+        self.count_compile(name, time.perf_counter() - begin)
+        return jitted(*args, **static) if out is None else out
+
+    def count_compile(self, name: str, seconds: float) -> None:
+        """Count `seconds` of compiling program `name`."""
+        self.compile_seconds += seconds
+        self.compile_log.append((name, round(seconds, 2)))
+
+    def start(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
+        """A new state of `shape` holding the requests."""
+        return self._call("start", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
+
+    def refill(self, state: DecodeState, req: Requests) -> DecodeState:
+        """The state (donated) with the requests in their rows."""
+        return self._call("refill", state, req, chunk=self.chunk, attention=self.attention)
+
+    def rounds(self, state: DecodeState, until: int) -> tuple[DecodeState, jax.Array]:
+        """Rounds over the state (donated) until `until` rows are done or all are; the rounds run ([B])."""
+        return self._call("rounds", state, jnp.int32(until))
+
+    def generate(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
+        """The requests' whole generation in one program."""
+        return self._call("generate", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
+
+    def stages(self) -> dict[str, Any]:
+        """The round's steps as programs of their own (`stage_programs`)."""
+        if self._stages is None:
+            self._stages = stage_programs(self.plan)
+        return self._stages

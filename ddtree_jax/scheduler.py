@@ -1,0 +1,405 @@
+"""The host loop: prompts into the rows of a decode state, rounds on the device, results out.
+
+Policies: `continuous` (the default) prompts enter shortest first and a row freed by a finished prompt
+takes the next one between chunks of rounds, one prompt per "data" device per prefill; `static` runs
+B prompts at a time in input order, each batch one program until its slowest row finishes (the
+baseline). Either may be `host_stepped`: the rounds driven from the host one timed step at a time
+(engine.STAGES). Several processes run the same loop on the same prompts; each gathers every row.
+
+A run's shapes come from the WHOLE list of prompts: the rows, the prompt slots and capacity
+(continuous: the longest prompt's; static: each batch's, cut from the whole list), the sampling
+program or not, the order prompts enter rows. Prompts in `skip` (--resume: already written) keep their
+place: continuous runs leave them out, static runs rerun a batch they share. A row then sees the shapes
+of a run of every prompt, and its prefill depends on its prompt alone, so a resumed run reproduces an
+uninterrupted one in bfloat16 too: rows never mix (every matmul, attention and sample is per row), but
+for a mixture-of-experts target, whose dispatch groups every row's tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax import attention, models
+from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
+from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots, rows_to_run
+from ddtree_jax.prompts import LIMIT, Prompt, id_key
+from ddtree_jax.sampling import GREEDY, SamplingParams
+from ddtree_jax.text import TextCodec
+from ddtree_jax.weights import Params
+
+POLICIES = ("continuous", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How prompts are scheduled onto the rows of a decode state."""
+
+    batch_size: int = 8  # rows asked for (`Generator.rows`)
+    policy: str = "continuous"
+    host_stepped: bool = False  # rounds driven from the host, one timed step at a time
+    chunk: int = 256  # C: prefill tokens per row per step (a power of two); the tail runs in C / 4
+    refill_at: int = 1  # continuous: return to the host for a refill once this many rows are done
+    batch_invariant: bool = False  # fixed rows and kernel splits: tokens independent of the batch
+    # "same": the plan's attention; "cudnn": cuDNN flash attention where it applies (CUDA, bf16/f16,
+    # GQA, not batch-invariant), else the plan's; or an implementation name (attention.kernel).
+    prefill_attention: str = "same"
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
+        if self.batch_size < 1 or self.refill_at < 1:
+            raise ValueError("batch_size and refill_at must be >= 1")
+
+
+@dataclasses.dataclass
+class Result:
+    """One output line."""
+
+    id: Any
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    rounds: int
+    acceptance_lengths: list[int]
+    text: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object written for this prompt."""
+        out = {"id": self.id, "output_ids": self.output_ids}
+        if self.text is not None:
+            out["text"] = self.text
+        out |= {
+            "finish_reason": self.finish_reason,
+            "num_output_tokens": len(self.output_ids),
+            "rounds": self.rounds,
+            "acceptance_lengths": self.acceptance_lengths,
+        }
+        return out
+
+
+@dataclasses.dataclass
+class Occupancy:
+    """Row-rounds of continuous batching: how busy the rows were."""
+
+    rounds: int = 0  # decode rounds run (each over every row of the state)
+    row_rounds: int = 0  # rows x rounds
+    busy: int = 0  # row-rounds spent on a live prompt
+    waiting_row_rounds: int = 0  # row-rounds run while prompts waited for a row
+    waiting_busy: int = 0  # of those, busy ones
+    refills: int = 0  # prefill programs run
+    chunks: int = 0  # returns to the host
+
+    def waiting_fraction(self) -> float:
+        """The busy fraction of the row-rounds run while prompts waited (1 when none waited)."""
+        return self.waiting_busy / self.waiting_row_rounds if self.waiting_row_rounds else 1.0
+
+
+class Generator:
+    """The models, the plan and a schedule; `run` generates for a list of prompts."""
+
+    def __init__(
+        self,
+        params: Params,
+        draft_params: Params | None,
+        plan: Plan,
+        stop_ids: tuple[int, ...],
+        codec: TextCodec | None = None,
+        sampling: dict | None = None,
+        schedule: Schedule | None = None,
+    ):
+        self.plan, self.stop_ids, self.codec = plan, tuple(stop_ids), codec
+        self.sampling = GREEDY | (sampling or {})  # defaults; a prompt's own settings override them
+        self.schedule = schedule or Schedule()
+        impl = attention.invariant(plan.attention) if self.schedule.batch_invariant else plan.attention
+        self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
+        self.programs = Programs(params, draft_params, self.plan, self.schedule.chunk, self._prefill_impl())
+        self.generate_seconds = 0.0
+        self.stage_seconds: dict[str, float] = {}  # host-stepped: seconds per step (and prefill)
+        self.occupancy = Occupancy()
+        self.stepper = HostStepper(self.programs)  # host-stepped rounds
+        self.rows_run = 0  # B of the last run
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling programs (kept apart from generation; each in `compile_log`)."""
+        return self.programs.compile_seconds
+
+    @property
+    def compile_log(self) -> list[tuple[str, float]]:
+        return self.programs.compile_log
+
+    def scheduled(self, **changes) -> Generator:
+        """This generator under another schedule (the same models and compiled programs)."""
+        return Generator(
+            self.programs.params, self.programs.draft_params, self.plan, self.stop_ids, self.codec,
+            self.sampling, dataclasses.replace(self.schedule, **changes),
+        )  # fmt: skip
+
+    def run_batch(self, prompts: list[Prompt]) -> list[Result]:
+        """The prompts as one static batch: their Results in input order."""
+        return list(self.scheduled(policy="static", batch_size=len(prompts)).run(prompts))
+
+    def prefill_attention(self) -> str:
+        """The attention implementation of the prefill chunks (`_prefill_impl`)."""
+        return self.programs.attention
+
+    def _prefill_impl(self) -> str:
+        """The attention of the prefill chunks: the plan's ("same"), cuDNN flash attention on CUDA for
+        GQA families in bf16/f16 ("cudnn", attention.prefill_implementation; else the plan's), or the
+        implementation the schedule names."""
+        choice, plan = self.schedule.prefill_attention, self.plan
+        if choice == "same":
+            return plan.attention
+        if choice != "cudnn":
+            return choice
+        if not models.family(plan.target).CUDNN_PREFILL:
+            return plan.attention
+        return attention.prefill_implementation(
+            plan.attention, self.dtype, plan.target.dims.head_dim, self.schedule.batch_invariant
+        )
+
+    def rows(self, num_prompts: int) -> int:
+        """B, the rows of a run over `num_prompts` prompts: the batch size (one ar row as two, a
+        multiple of the "data" devices), continuous runs never more than the prompts on any device
+        (batch-invariant runs keep every row)."""
+        plan, sched = self.plan, self.schedule
+        batch = sched.batch_size
+        if sched.policy == "continuous" and not sched.batch_invariant:
+            batch = min(batch, num_prompts)
+        per_device = max(-(-batch // plan.dp), 1)
+        return rows_to_run(plan.method, per_device, plan.target) * plan.dp
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    def run(self, prompts: list[Prompt], skip: frozenset = frozenset()) -> Iterator[Result]:
+        """Each prompt's Result as its row finishes (static: each batch's in input order), except the
+        prompts whose `prompts.id_key` is in `skip`, which keep their place in the schedule only."""
+        if not prompts:
+            return
+        b = self.rows_run = self.rows(len(prompts))
+        kept = [id_key(p.id) not in skip for p in prompts]
+        waiting = collections.deque(self._order(prompts, kept))
+        sampled = any(self._settings(p)["temperature"] != 0 for p in prompts)
+        longest = max(len(p.input_ids) for p in prompts)
+        run = _Run(prompts, b, sampled, Shape.of(self.plan, b, prompt_slots(longest)))
+        step = self._static_step if self.schedule.policy == "static" else self._continuous_step
+        while waiting or any(i is not None for i in run.row_of):
+            begin, compiled = time.perf_counter(), self.compile_seconds
+            ran = step(run, waiting)
+            out = _fetch(_outputs(run.state) | ({} if ran is None else {"ran": ran}))
+            self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
+            if "ran" in out:
+                self._count(run, out, bool(waiting))
+            for r, i in enumerate(run.row_of):
+                if i is not None and out["done"][r]:
+                    run.row_of[r] = None
+                    if kept[i]:
+                        yield self._result(prompts[i], out, r)
+
+    def _order(self, prompts: list[Prompt], kept: list[bool]) -> list[int]:
+        """The order prompts enter rows: static, input order in batches cut from the whole list (a
+        batch of skipped prompts only is left out); continuous, shortest first, skipped ones left out."""
+        if self.schedule.policy == "continuous":
+            by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i].input_ids))
+            return [i for i in by_length if kept[i]]
+        n = self.schedule.batch_size
+        batches = [range(i, min(i + n, len(prompts))) for i in range(0, len(prompts), n)]
+        return [i for batch in batches if any(kept[j] for j in batch) for i in batch]
+
+    def _static_step(self, run: _Run, waiting: collections.deque) -> jax.Array | None:
+        """The next batch, in its own state from prefill to its slowest row's end."""
+        take = [waiting.popleft() for _ in range(min(self.schedule.batch_size, len(waiting)))]
+        longest = max(len(run.prompts[i].input_ids) for i in take)
+        shape = Shape.of(self.plan, run.rows, prompt_slots(longest))
+        req = self._requests(run, take, list(range(len(take))), run.rows, shape)
+        for r, i in enumerate(take):
+            run.row_of[r] = i
+        if not self.schedule.host_stepped:
+            run.state = self.programs.generate(req, self._stop_array(), shape)
+            return None
+        run.state = self._prefill(lambda: self.programs.start(req, self._stop_array(), shape))
+        run.state, _ = self._stepped_rounds(run.state, run.rows)
+        return None
+
+    def _continuous_step(self, run: _Run, waiting: collections.deque) -> jax.Array:
+        """Waiting prompts into the free rows, one per "data" device per prefill (each prompt's
+        prefill depends on it alone), then rounds until a refill is due."""
+        free = [r for r, i in enumerate(run.row_of) if i is None]
+        take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+        dp = self.plan.dp
+        for g in range(0, len(take), dp):
+            group, rows = take[g : g + dp], free[g : g + dp]
+            req = self._requests(run, group, rows, dp, run.shape)
+            if run.state is None:
+                run.state = self._prefill(
+                    lambda req=req: self.programs.start(req, self._stop_array(), run.shape)
+                )
+            else:
+                run.state = self._prefill(lambda req=req: self.programs.refill(run.state, req))
+            for r, i in zip(rows, group, strict=True):
+                run.row_of[r], run.seen[r] = i, 0
+            self.occupancy.refills += 1
+        live = sum(i is not None for i in run.row_of)
+        until = (run.rows - live) + self.schedule.refill_at if waiting else run.rows
+        if self.schedule.host_stepped:
+            run.state, ran = self._stepped_rounds(run.state, until)
+            return jnp.full((run.rows,), ran)
+        run.state, ran = self.programs.rounds(run.state, until)
+        return ran
+
+    def _count(self, run: _Run, out: dict, waiting: bool) -> None:
+        """Occupancy of the rounds just run."""
+        occ, ran = self.occupancy, int(out["ran"][0])
+        busy = sum(int(out["rounds"][r] - run.seen[r]) for r, i in enumerate(run.row_of) if i is not None)
+        occ.chunks += 1
+        occ.rounds += ran
+        occ.row_rounds += ran * run.rows
+        occ.busy += busy
+        if waiting:
+            occ.waiting_row_rounds += ran * run.rows
+            occ.waiting_busy += busy
+        for r, i in enumerate(run.row_of):
+            if i is not None:
+                run.seen[r] = out["rounds"][r]
+
+    # -- host-stepped rounds -------------------------------------------------------------------------
+
+    def _prefill(self, program) -> DecodeState:
+        """`program()`, timed as the "prefill" step when host-stepped."""
+        if not self.schedule.host_stepped:
+            return program()
+        begin, compiled = time.perf_counter(), self.compile_seconds
+        state = jax.block_until_ready(program())
+        seconds = time.perf_counter() - begin - (self.compile_seconds - compiled)
+        self.stage_seconds["prefill"] = self.stage_seconds.get("prefill", 0.0) + seconds
+        return state
+
+    def _stepped_rounds(self, state: DecodeState, until: int) -> tuple[DecodeState, int]:
+        """Rounds from the host, step by step, until `until` rows are done or all are."""
+        ran, rows = 0, state.bonus.shape[0]
+        while int(np.sum(_fetch({"done": state.done})["done"])) < min(until, rows):
+            state = self.stepper.round(state)
+            ran += 1
+        for stage, times in self.stepper.times.items():
+            self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + sum(times)
+        self.stepper.times.clear()
+        return state, ran
+
+    # -- requests and results ------------------------------------------------------------------------
+
+    def _stop_array(self) -> jax.Array:
+        ids = list(self.stop_ids)[:MAX_STOP_IDS]
+        return jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32)
+
+    def _settings(self, prompt: Prompt) -> dict:
+        """The prompt's sampling settings: its own over the defaults."""
+        return self.sampling | {k: prompt.options[k] for k in GREEDY if k in prompt.options}
+
+    def _requests(self, run: _Run, take: list[int], rows: list[int], count: int, shape: Shape) -> Requests:
+        """Requests [count] for prompts `take` bound for `rows` (the rest padding)."""
+        tokens = np.zeros((count, shape.prompt_slots), np.int32)
+        lengths = np.ones((count,), np.int32)
+        where = np.full((count,), run.rows, np.int32)
+        limits = np.full((count,), self.plan.max_new_tokens, np.int32)
+        settings = [dict(GREEDY)] * count
+        for j, (i, row) in enumerate(zip(take, rows, strict=True)):
+            prompt = run.prompts[i]
+            tokens[j, : len(prompt.input_ids)] = prompt.input_ids
+            lengths[j], where[j], limits[j] = len(prompt.input_ids), row, self._limit(prompt)
+            settings[j] = self._settings(prompt)
+        sampling = SamplingParams.from_rows(settings) if run.sampled else None
+        arrays = (jnp.asarray(x) for x in (tokens, lengths, where))
+        return Requests(*arrays, sampling=sampling, limits=jnp.asarray(limits))
+
+    def _limit(self, prompt: Prompt) -> int:
+        """The prompt's own `max_new_tokens`, else the plan's."""
+        most = self.plan.max_new_tokens
+        n = prompt.options.get(LIMIT, most)
+        if not 1 <= n <= most:
+            raise ValueError(f"prompt {prompt.id!r}: max_new_tokens {n} is not in [1, {most}]")
+        return n
+
+    def _result(self, prompt: Prompt, out: dict, r: int) -> Result:
+        n, rounds = int(out["num_output"][r]), int(out["rounds"][r])
+        ids = out["output"][r, :n].tolist()
+        return Result(
+            id=prompt.id,
+            output_ids=ids,
+            finish_reason="stop" if out["stopped"][r] else "length",
+            rounds=rounds,
+            acceptance_lengths=out["acceptance"][r, :rounds].tolist(),
+            text=self.codec.decode(ids) if self.codec is not None else None,
+        )
+
+
+@dataclasses.dataclass
+class _Run:
+    """The host's view of one run: its prompts, the rows' occupants and the device state."""
+
+    prompts: list[Prompt]
+    rows: int  # B
+    sampled: bool  # the sampling program (some prompt samples), else the greedy-only one
+    shape: Shape  # continuous: the whole run's
+    state: DecodeState | None = None
+    row_of: list[int | None] = dataclasses.field(default_factory=list)  # the prompt in each row
+    seen: np.ndarray | None = None  # each row's rounds at the last return to the host
+
+    def __post_init__(self):
+        self.row_of = [None] * self.rows
+        self.seen = np.zeros((self.rows,), np.int64)
+
+
+class HostStepper:
+    """The round driven from the host, one jitted step (engine.STAGES) at a time, with the wall time
+    of each call; a step's first call on new shapes compiles and counts as compilation."""
+
+    def __init__(self, programs: Programs):
+        self.programs = programs
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+        self._compiled: set[tuple] = set()
+
+    def _timed(self, stage: str, shapes: tuple, *args):
+        begin = time.perf_counter()
+        out = jax.block_until_ready(self.programs.stages()[stage](*args))
+        seconds = time.perf_counter() - begin
+        if (stage, *shapes) in self._compiled:
+            self.times[stage].append(seconds)
+        else:
+            self._compiled.add((stage, *shapes))
+            self.programs.count_compile(stage, seconds)
+        return out
+
+    def round(self, state: DecodeState) -> DecodeState:
+        """One round (the state donated), step by step, each step's wall time appended to `times`."""
+        p, d, plan = self.programs.params, self.programs.draft_params, self.programs.plan
+        shapes = (state.bonus.shape, state.cache.capacity, state.sampling is not None)
+        logp = tok = None
+        if plan.method != "ar":
+            logp, tok = self._timed("draft", shapes, p, d, state)
+        t = self._timed("build", shapes, state, logp, tok)
+        choice, kv, features = self._timed("verify", shapes, p, state, t)
+        w = self._timed("walk", shapes, t, choice)
+        return self._timed("commit", shapes, d, state, w, kv, features)
+
+
+def _fetch(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Arrays on the host; with several processes, each gathers every process's rows."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _outputs(state: DecodeState) -> dict[str, jax.Array]:
+    keys = ("output", "num_output", "stopped", "rounds", "acceptance", "done")
+    return {k: getattr(state, k) for k in keys}

@@ -1,0 +1,319 @@
+"""The settings of a run: ddtree-generate's flags, declared once in groups that every tool sharing them
+adds, and resolved once into a frozen record (`Settings`) that the rest of the program reads.
+
+`Settings.from_flags` turns parsed flags into the record (the bundled pair when no --target, the method
+by whether a drafter is given, every budget-free check); `with_budget` resolves ddtree's budget and
+branching once the target's config and the prompts are known. Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from ddtree_jax import compile_cache
+from ddtree_jax.budgets import (
+    DEFAULT_BUDGETS,
+    MOE_DEFAULT_BUDGETS,
+    default_branching,
+    default_budget,
+    describe,
+    rows_per_device,
+    run_context,
+)
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES
+
+BUNDLED = Path(__file__).parent / "assets" / "default_pair"
+SAMPLING = ("temperature", "top_k", "top_p", "seed")
+
+# Every flag once: dest -> (option strings, argparse keywords).
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "target": (("--target",), dict(help="HF target directory (any family in ddtree_jax/models: Qwen3, "
+        "Llama 3, Qwen3-MoE, DeepSeek-V3/Kimi-K2); default: the bundled code model")),
+    "draft": (("--draft",), dict(help="DFlash drafter directory (z-lab layout); default with no --target: "
+        "the bundled one")),
+    "prompts": (("--prompts",), dict(help="JSONL: {id, prompt | messages | input_ids}; default with no "
+        "--target: bundled code starts")),
+    "out": (("--out",), dict(required=True, help="JSONL output, one line per prompt, in the order they "
+        "finish; '-' for standard output (the summary then goes to stderr). An existing file needs "
+        "--resume or --overwrite")),
+    "resume": (("--resume",), dict(action="store_true", help="skip the ids already in --out, append the "
+        "rest (the settings must be those --out was made with)")),
+    "overwrite": (("--overwrite",), dict(action="store_true", help="replace an existing --out")),
+    "method": (("--method",), dict(choices=["ar", "dflash", "ddtree"], help="default: ddtree with --draft, "
+        "else ar")),
+    "max_new_tokens": (("--max-new-tokens",), dict(type=int, default=128, help="tokens generated per "
+        "prompt at most")),
+    "batch_size": (("--batch-size",), dict(type=int, default=8, help="prompts generated together")),
+    "dtype": (("--dtype",), dict(choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype "
+        "(float32 also sets the highest matmul precision)")),
+    "seed": (("--seed",), dict(type=int, default=0, help="sampling seed of prompts that set none")),
+    "no_chat_template": (("--no-chat-template",), dict(action="store_true", help="encode 'prompt' text "
+        "as is")),
+    "budget": (("--budget",), dict(type=int, help="ddtree: tree nodes besides the root (default by rows "
+        "per --dp device and the prompts' mean length plus their new tokens: "
+        f"{describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: {describe(MOE_DEFAULT_BUDGETS)})")),
+    "block_size": (("--block-size",), dict(type=int, help="draft block size (<= the drafter's, the "
+        "default; depth = block - 1)")),
+    "branching": (("--branching",), dict(type=int, help="ddtree: drafter candidates per depth (default "
+        "min(budget, 32))")),
+    "draft_window": (("--draft-window",), dict(type=int, help="drafter attends to the last N context "
+        "tokens only (default: all)")),
+    "draft_yarn_scaling": (("--draft-yarn-scaling",), dict(choices=["legacy", "hf"], help="a yarn "
+        "drafter's cos/sin factor when its config gives none: legacy = 1 + 0.1 ln(factor) (what the "
+        "Kimi-K2.5 DFlash drafter was trained with), hf = today's transformers mscale ratio; default: "
+        "the drafter config's dflash_config.yarn_scaling, else legacy")),
+    "attention": (("--attention",), dict(choices=["auto", "reference", "pallas", "mosaic"], default="auto",
+        help="decode attention: the Pallas kernel (auto on GPU), the Mosaic GPU one (Hopper) or the jnp "
+        "reference")),
+    "host_stepped": (("--host-stepped",), dict(action="store_true", help="drive rounds from Python, time "
+        "each step (draft, build, verify, walk, commit)")),
+    "prefill_chunk": (("--prefill-chunk",), dict(type=int, default=256, help="prefill tokens per row per "
+        "step (a power of two >= 16)")),
+    "prefill_attention": (("--prefill-attention",), dict(choices=("same", "cudnn"), default="same",
+        help="the prefill chunks' attention: the decode attention (same) or, on CUDA in bf16, cuDNN flash "
+        "attention (faster for one long prompt, slower for continuous refills: results/notes.md)")),
+    "batch_invariant": (("--batch-invariant",), dict(action="store_true", help="fixed shapes: a prompt's "
+        "tokens do not depend on the prompts beside it or on --batch-size (bfloat16 too)")),
+    "static_batches": (("--static-batches",), dict(action="store_true", help="run --batch-size prompts "
+        "at a time in input order, each batch until its slowest row (no continuous batching)")),
+    "temperature": (("--temperature",), dict(type=float, default=0.0, help="sampling temperature "
+        "(0 = greedy)")),
+    "top_p": (("--top-p",), dict(type=float, default=1.0, help="nucleus sampling mass (1 = off)")),
+    "top_k": (("--top-k",), dict(type=int, default=0, help="sample among the k most likely tokens "
+        "(0 = off)")),
+    "tp": (("--tp",), dict(type=int, default=1, help="tensor-parallel devices: heads, MLP columns and "
+        "vocabulary split")),
+    "dp": (("--dp",), dict(type=int, default=1, help="data-parallel devices: the batch split (padded to "
+        "a multiple)")),
+    "params_cache": (("--params-cache",), dict(metavar="DIR", help="convert the checkpoints once into "
+        "orbax checkpoints under DIR (keyed by the checkpoint's files, --dtype and the layout) and restore "
+        "them from there afterwards (default: off)")),
+    "compile_cache": compile_cache.FLAG,
+    "max_line_bytes": (("--max-line-bytes",), dict(type=int, default=MAX_LINE_BYTES, help="refuse a "
+        "prompts line longer than this before decoding it")),
+    "coordinator": (("--coordinator",), dict(metavar="HOST:PORT", help="several processes (one per "
+        "host): process 0's address for jax.distributed (default: one process)")),
+    "num_processes": (("--num-processes",), dict(type=int, help="several processes: how many (with "
+        "--coordinator)")),
+    "process_id": (("--process-id",), dict(type=int, help="several processes: this one's index; process 0 "
+        "writes --out")),
+    "moe_sharding": (("--moe-sharding",), dict(choices=["ep", "tp"], default="ep", help="MoE targets "
+        "under --tp: whole experts per device (ep) or columns of every expert (tp)")),
+    "dequantize": (("--dequantize",), dict(action="store_true", help="a quantized target (FP8 "
+        "block-scaled, INT4 experts): expand its weights to --dtype at load, for comparison (default: "
+        "kept quantized in device memory)")),
+}  # fmt: skip
+
+# The groups tools share (ddtree-generate takes them all; ddtree-compare the ones it honours).
+PAIR = ("target", "draft", "dtype", "tp", "dp", "moe_sharding", "dequantize", "draft_yarn_scaling")
+PROMPTS = ("prompts", "no_chat_template")
+DECODING = ("max_new_tokens", "batch_size", "block_size", "branching", "draft_window", "attention")
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
+RUN = ("method", "budget", "host_stepped")
+COMPILE = ("compile_cache",)
+GENERATE_ONLY = (
+    "out", "resume", "overwrite", "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention",
+    "batch_invariant", "static_batches", "coordinator", "num_processes", "process_id",
+)  # fmt: skip
+GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *COMPILE, *GENERATE_ONLY)
+
+
+def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """Give `parser` the flags `names`, as ddtree-generate declares them."""
+    for name in names:
+        options, kwargs = FLAGS[name]
+        parser.add_argument(*options, dest=name, **kwargs)
+
+
+def defaults(names: tuple[str, ...]) -> dict[str, Any]:
+    """The default value of each flag in `names` (for tools that do not offer them)."""
+    return {name: FLAGS[name][1].get("default", False if _is_switch(name) else None) for name in names}
+
+
+def _is_switch(name: str) -> bool:
+    return FLAGS[name][1].get("action") == "store_true"
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """Several processes joined by jax.distributed."""
+
+    coordinator: str  # HOST:PORT of process 0
+    count: int
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a run reads from its flags, each default resolved once."""
+
+    target: str
+    draft: str | None = None  # None: no drafter (ar)
+    prompts: str | None = None  # the prompts file (None: prompts given otherwise)
+    method: str = "ar"
+    dtype: str = "bfloat16"
+    max_new_tokens: int = 128
+    batch_size: int = 8
+    budget: int | None = None  # ddtree: nodes besides the root (None until `with_budget`); else 0
+    branching: int | None = None  # ddtree: candidates per depth (None until `with_budget`); else None
+    block_size: int | None = None  # None: the drafter's
+    draft_window: int | None = None
+    draft_yarn_scaling: str | None = None
+    attention: str = "auto"
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    chat_template: bool = True
+    static_batches: bool = False
+    host_stepped: bool = False
+    batch_invariant: bool = False
+    prefill_chunk: int = 256
+    prefill_attention: str = "same"
+    tp: int = 1
+    dp: int = 1
+    moe_sharding: str = "ep"
+    dequantize: bool = False
+    out: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    params_cache: str | None = None
+    compile_cache: str | None = None  # --compile-cache: DIR, 'off' or None (compile_cache.enable)
+    max_line_bytes: int = MAX_LINE_BYTES
+    processes: Processes | None = None
+
+    def __post_init__(self):
+        if self.method not in ("ar", "dflash", "ddtree"):
+            raise DDTreeError(f"method must be ar, dflash or ddtree, got {self.method!r}")
+        if (self.method == "ar") != (self.draft is None):
+            need = "uses no" if self.method == "ar" else "needs a"
+            raise DDTreeError(f"--method {self.method} {need} --draft")
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> Settings:
+        """The settings of parsed flags, checked (flags a tool does not offer take their defaults);
+        the bundled pair (and its prompts) when no --target is given."""
+        flags = defaults(tuple(FLAGS)) | vars(args)
+        _check_numbers(flags)
+        target, draft, prompts = _pair(flags)
+        method = flags["method"] or ("ddtree" if draft else "ar")
+        if method == "ar":
+            draft = None  # the bundled pair's drafter is not used
+        elif not draft:
+            raise DDTreeError(f"--method {method} needs --draft DIR")
+        if method != "ddtree" and (flags["budget"] or flags["branching"]):
+            raise DDTreeError("--budget and --branching apply to --method ddtree only")
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in flags.items() if k in names}
+        return cls(
+            **given
+            | dict(
+                target=target,
+                draft=draft,
+                prompts=prompts,
+                method=method,
+                budget=flags["budget"] if method == "ddtree" else 0,
+                branching=flags["branching"] if method == "ddtree" else None,
+                chat_template=not flags["no_chat_template"],
+                processes=_processes(flags),
+            )
+        )
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The default sampling settings {temperature, top_k, top_p, seed} (a prompt's own override)."""
+        return {k: getattr(self, k) for k in SAMPLING}
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes --out and the summary (process 0, or the only process)."""
+        return self.processes is None or self.processes.index == 0
+
+    def with_budget(self, target_cfg, prompts: list) -> Settings:
+        """ddtree's budget (when not given: the default for the rows per device, the target's kind and
+        the prompts' mean context, each one's length plus its new tokens) and branching, resolved."""
+        if self.method != "ddtree":
+            return self
+        budget = self.budget
+        if budget is None:
+            context = run_context(
+                [len(p.input_ids) + p.options.get(LIMIT, self.max_new_tokens) for p in prompts]
+            )
+            budget = default_budget(rows_per_device(self.batch_size, self.dp), target_cfg, context)
+        branching = min(self.branching or default_branching("ddtree", budget), target_cfg.vocab_size)
+        return dataclasses.replace(self, budget=budget, branching=branching)
+
+    def schedule(self):
+        """The scheduler's Schedule of these settings."""
+        from ddtree_jax.scheduler import Schedule
+
+        return Schedule(
+            batch_size=self.batch_size,
+            policy="static" if self.static_batches else "continuous",
+            host_stepped=self.host_stepped,
+            chunk=self.prefill_chunk,
+            batch_invariant=self.batch_invariant,
+            prefill_attention=self.prefill_attention,
+        )
+
+    def record(self) -> dict[str, Any]:
+        """What OUT.settings.json records: every setting, paths resolved (--resume checks those that
+        decide the outputs: outfile.SETTINGS)."""
+        out = dataclasses.asdict(self)
+        out["target"] = str(Path(self.target).resolve())
+        out["draft"] = str(Path(self.draft).resolve()) if self.draft else None
+        out["no_chat_template"] = not out.pop("chat_template")
+        return out
+
+
+def _check_numbers(flags: dict[str, Any]) -> None:
+    """Positive counts, the prefill chunk, block size and sampling values (no config needed)."""
+    from ddtree_jax.sampling import check
+
+    for name in ("max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp"):
+        if flags[name] is not None and flags[name] < 1:
+            raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {flags[name]}")
+    if flags["max_line_bytes"] < 1:
+        raise DDTreeError(f"--max-line-bytes must be >= 1, got {flags['max_line_bytes']}")
+    chunk = flags["prefill_chunk"]
+    if chunk < 16 or chunk & (chunk - 1):
+        raise DDTreeError(f"--prefill-chunk must be a power of two >= 16, got {chunk}")
+    for name in SAMPLING:
+        if (why := check(name, flags[name])) is not None:
+            raise DDTreeError(f"--{name.replace('_', '-')} {why}")
+    if flags["block_size"] is not None and flags["block_size"] < 2:
+        raise DDTreeError("--block-size must be >= 2")
+
+
+def _pair(flags: dict[str, Any]) -> tuple[str, str | None, str]:
+    """(target, draft, prompts): the given ones, or the bundled pair and its prompts."""
+    if flags["method"] == "ar" and flags["draft"] is not None:
+        raise DDTreeError("--draft applies to --method dflash and ddtree; --method ar uses no drafter")
+    if flags["target"] is not None:
+        if flags["prompts"] is None:
+            raise DDTreeError("--prompts FILE is required with --target")
+        return flags["target"], flags["draft"], flags["prompts"]
+    if flags["draft"] is not None:
+        raise DDTreeError("--draft needs --target (the bundled target comes with its own drafter)")
+    return str(BUNDLED / "target"), str(BUNDLED / "draft"), flags["prompts"] or str(BUNDLED / "prompts.jsonl")
+
+
+def _processes(flags: dict[str, Any]) -> Processes | None:
+    """--coordinator, --num-processes and --process-id come together, with a valid process id."""
+    given = [flags[k] is not None for k in ("coordinator", "num_processes", "process_id")]
+    if not any(given):
+        return None
+    if not all(given):
+        raise DDTreeError("--coordinator, --num-processes and --process-id go together")
+    count, index = flags["num_processes"], flags["process_id"]
+    if count < 1 or not 0 <= index < count:
+        raise DDTreeError(f"--process-id {index} must be in [0, --num-processes {count})")
+    if flags["resume"] and count > 1:
+        raise DDTreeError("--resume runs in one process only (the others cannot read --out)")
+    if ":" not in flags["coordinator"]:
+        raise DDTreeError(f"--coordinator {flags['coordinator']}: expected HOST:PORT")
+    return Processes(flags["coordinator"], count, index)

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 28 on one H200, one device call (deadline 235 s): the one-engine code (this checkout) beside the
+# code before it ($OLD, a copy of the previous tree inside the repository root; make it before the call:
+# `mkdir old && git archive <previous commit> | tar -x -C old`). Each measurement runs old, then new:
+#   rounds-{old,new}.json  ddtree-bench, Qwen3-8B shape (random bf16 weights), Pallas attention, batch 1,
+#                          1k context: the ar step and the ddtree rounds at budgets 15 and 63 (round_ms:
+#                          the median of 3 calls of 32 rounds in the device loop)
+#   pair-{old,new}.*       ddtree-generate's main job on the bundled pair (the default path: bf16,
+#                          continuous batching): tok/s from its summary line (compilation excluded),
+#                          and whether old and new wrote the same tokens
+# Goal: new within 3% of old on each figure; summary.json holds each pair and its ratio.
+# Run from the repository root:  OUT=$OUT OLD=old bash scripts/h200_engine_check.sh
+# DRY_RUN=1 prints the steps; STEPS="rounds-old rounds-new" runs some. A CPU check at toy size:
+#   SHAPE=tiny ATTENTION=reference MAX_NEW=8 PAIR_LIMIT=300 DEADLINE=900 OUT=/tmp/ec OLD=old \
+#   bash scripts/h200_engine_check.sh
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/engine-check}
+DEADLINE=${DEADLINE:-235}
+OLD=${OLD:-old}
+SHAPE=${SHAPE:-qwen3-8b} ATTENTION=${ATTENTION:-pallas} MAX_NEW=${MAX_NEW:-128}
+ROUNDS_LIMIT=${ROUNDS_LIMIT:-75} PAIR_LIMIT=${PAIR_LIMIT:-35}  # seconds a step may take
+mkdir -p "$OUT"
+source "$(dirname "$0")/h200_lib.sh"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+new=$PWD
+rounds() {  # rounds DIR NAME
+  (cd "$1" && python3 scripts/bench.py --shape "$SHAPE" --attention "$ATTENTION" --rounds 32 --methods ar,ddtree \
+    --budgets 15,63 --contexts 1024 --batches 1 --out "$OUT/$2.json")
+}
+pair() {  # pair DIR NAME [FLAGS...]: the bundled pair's main job
+  local dir=$1 name=$2
+  shift 2
+  (cd "$dir" && python3 scripts/generate.py --max-new-tokens "$MAX_NEW" --out "$OUT/$name.jsonl" "$@")
+}
+export -f rounds pair
+export OUT SHAPE ATTENTION MAX_NEW
+step rounds-old 30 "$ROUNDS_LIMIT" bash -c "rounds $OLD rounds-old"
+step rounds-new 30 "$ROUNDS_LIMIT" bash -c "rounds $new rounds-new"
+step pair-old 15 "$PAIR_LIMIT" bash -c "pair $OLD pair-old"
+step pair-new 15 "$PAIR_LIMIT" bash -c "pair $new pair-new"
+python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+import json, re, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+def rounds(side):
+    p = out / f"rounds-{side}.json"
+    rows = json.loads(p.read_text())["rows"] if p.exists() else []
+    return {f"{r['method']}{r.get('budget') or ''}_round_ms": r["round_ms"] for r in rows if "round_ms" in r}
+
+def pair(side):
+    log = out / f"pair-{side}.log"
+    m = re.search(r"generation: [\d.]+ s \(([\d.]+) tok/s\)", log.read_text()) if log.exists() else None
+    return {"pair_tok_s": float(m.group(1))} if m else {}
+
+def tokens(side):
+    p = out / f"pair-{side}.jsonl"
+    if not p.exists():
+        return None
+    return {d["id"]: d.get("output_ids") for d in map(json.loads, p.read_text().splitlines())}
+
+old, new = rounds("old") | pair("old"), rounds("new") | pair("new")
+figures = {k: {"old": old.get(k), "new": new.get(k)} for k in sorted(old.keys() | new.keys())}
+for k, f in figures.items():
+    if f["old"] and f["new"]:
+        slower = f["new"] / f["old"] if k.endswith("_ms") else f["old"] / f["new"]
+        f["new_over_old_time"] = round(slower, 4)
+        f["within_3pct"] = slower <= 1.03
+    print(k, f)
+same = tokens("new") is not None and tokens("old") == tokens("new")
+print("same tokens old/new:", same)
+(out / "summary.json").write_text(json.dumps({"figures": figures, "same_tokens": same}, indent=1))
+EOF
+date -u
