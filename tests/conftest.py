@@ -39,6 +39,12 @@ TARGETS = [
     "qwen3_moe_norm",
     "qwen3_moe_tp",
 ]
+# Three prompts beside the golden five (8 rows: one per device at dp 8), without HF outputs.
+EXTRA_PROMPTS = [
+    [7, 9, 11],
+    [200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [42] * 9,
+]
 DRAFTERS = {
     "dflash_qwen3_gqa4_tp": "qwen3_gqa4_tp",
     "dflash_qwen3_gqa1": "qwen3_gqa1",
