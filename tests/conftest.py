@@ -45,6 +45,12 @@ EXTRA_PROMPTS = [
     [200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
     [42] * 9,
 ]
+def fixture_id(name: str) -> str:
+    """A test id for a fixture name or path that is the same in every pytest-xdist worker (a copy under
+    a temporary directory, e.g. test_families.py's, is named by its folder)."""
+    return name if "/" not in name else "copy-" + Path(name).name
+
+
 DRAFTERS = {
     "dflash_qwen3_gqa4_tp": "qwen3_gqa4_tp",
     "dflash_qwen3_gqa1": "qwen3_gqa1",
