@@ -143,12 +143,13 @@ def check_memory(s: Settings, cfg, dcfg) -> None:
     """An upper bound of --budget from the device's memory: the tree's float32 attention scores."""
     if s.method != "ddtree":
         return
+    from ddtree_jax import models
     from ddtree_jax.budgets import rows_per_device
     from ddtree_jax.programs import rows_to_run
 
     depth = (s.block_size or dcfg.block_size) - 1
     rows = rows_to_run(s.method, rows_per_device(s.batch_size, s.dp), cfg)
-    heads = cfg.dims.num_heads // s.tp if cfg.dims.num_heads % s.tp == 0 else cfg.dims.num_heads
+    heads = models.family(cfg).heads_per_device(cfg, s.tp)
     context = 16 + s.max_new_tokens + depth + 1  # the smallest cache a prompt gets
     per_pair = rows * heads * 4  # float32 attention scores per (tree token, key) pair
     memory = device_memory()
@@ -192,7 +193,8 @@ def check_stops(prompts: list[Prompt], s: Settings, codec) -> None:
 def read_configs(s: Settings):
     """(target config, drafter config or None, tokenizer or None) of the settings' pair, each read once,
     the limits that need them checked."""
-    from ddtree_jax.config import load_draft_config, load_target_config
+    from ddtree_jax.config import load_draft_config
+    from ddtree_jax.models import load_target_config
     from ddtree_jax.text import TextCodec
 
     cfg = load_target_config(s.target, moe_sharding=s.moe_sharding)

@@ -26,11 +26,18 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.kernels.flash import merge_by_lse
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
 from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu
+from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference
 from ddtree_jax.kernels.tree_attention_mgpu import TMA_ROW_TILE, tree_attention_mgpu
-from pallas_kernels import mla_attention as mla_kernel
-from pallas_kernels import tree_attention, tree_attention_reference
-from pallas_kernels.tree_attention import TREE_TUNING, default_splits, merge_by_lse, resolve_tuning
+from ddtree_jax.kernels.tuning import (
+    TREE_TUNING,
+    default_mla_splits,
+    default_tree_splits,
+    resolve_mla_tuning,
+    resolve_tree_tuning,
+)
 
 IMPLEMENTATIONS = ("reference", "pallas", "pallas-invariant", "mosaic")
 PREFILL_IMPLEMENTATIONS = ("causal-cudnn", "causal-xla")  # prefill chunks only: a causal mask assumed
@@ -49,11 +56,11 @@ def invariant(impl: str) -> str:
 
 def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
     """`tree_attention` with splits that depend on neither the batch nor the cache capacity."""
-    tuning = resolve_tuning(q.shape, k_cache.shape)
+    tuning = resolve_tree_tuning(q.shape, k_cache.shape)
     # The tree rule at every T, T = 1 included (9 splits at Hkv 8 for T = 1): what the H200 figures of
     # the batch-invariant mode ran (results/notes.md); the decode rule would give 17 (not measured).
     rule = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
-    splits = default_splits(
+    splits = default_tree_splits(
         SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"], **rule
     )
     return tree_attention(q, k_cache, *args, splits=splits, **kwargs)
@@ -63,13 +70,11 @@ def mla_invariant(
     q_latent: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, *args, **kwargs
 ) -> jax.Array:
     """`mla_attention` with splits that depend on neither the batch nor the cache capacity."""
-    tuning = mla_kernel.resolve_tuning(q_latent.shape, latent_cache.shape[1])
-    per_sm = 2 if tuning["block_q"] <= 16 and tuning["num_warps"] <= 4 else 1  # as resolve_tuning's
+    tuning = resolve_mla_tuning(q_latent.shape, latent_cache.shape[1])
+    per_sm = 2 if tuning["block_q"] <= 16 and tuning["num_warps"] <= 4 else 1  # as resolve_mla_tuning's
     programs = tuning["row_tiles"] * tuning["value_splits"]
-    splits = mla_kernel.default_splits(
-        SPLIT_ROWS, programs, LONG_CACHE, tuning["block_k"], programs_per_sm=per_sm
-    )
-    return mla_kernel.mla_attention(q_latent, q_rope, latent_cache, *args, splits=splits, **kwargs)
+    splits = default_mla_splits(SPLIT_ROWS, programs, LONG_CACHE, tuning["block_k"], programs_per_sm=per_sm)
+    return mla_attention(q_latent, q_rope, latent_cache, *args, splits=splits, **kwargs)
 
 
 def causal_chunk(
@@ -125,12 +130,12 @@ def mosaic_gqa(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.Array:
 def mosaic_mla(q_latent: jax.Array, q_rope: jax.Array, latent_cache: jax.Array, *args, **kwargs) -> jax.Array:
     """`mla_attention_mgpu`, or the Triton kernel for a latent cache [B, S, C] with S not a multiple of 8
     (as `mosaic_gqa`)."""
-    fn = mla_kernel.mla_attention if latent_cache.shape[1] % TMA_ROW_TILE else mla_attention_mgpu
+    fn = mla_attention if latent_cache.shape[1] % TMA_ROW_TILE else mla_attention_mgpu
     return fn(q_latent, q_rope, latent_cache, *args, **kwargs)
 
 
 # Per attention kind, every implementation by name; those of one kind share one signature (GQA:
-# tree_attention's, MLA: mla_attention's, both in pallas_kernels; the Mosaic kernels in ddtree_jax.kernels).
+# tree_attention's, MLA: mla_attention's; every kernel in ddtree_jax.kernels).
 KERNELS: dict[str, dict[str, Callable]] = {
     "gqa": {
         "reference": tree_attention_reference,
@@ -141,8 +146,8 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "causal-xla": functools.partial(causal_chunk, implementation="xla"),
     },
     "mla": {
-        "reference": mla_kernel.mla_attention_reference,
-        "pallas": mla_kernel.mla_attention,
+        "reference": mla_attention_reference,
+        "pallas": mla_attention,
         "pallas-invariant": mla_invariant,
         "mosaic": mosaic_mla,
     },

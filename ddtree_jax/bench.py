@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import math
 import os
 import platform
 import statistics
@@ -31,14 +30,11 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import compile_cache, drafter, engine, models, target
 from ddtree_jax.attention import IMPLEMENTATIONS
-from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig, Yarn, default_target_layer_ids
+from ddtree_jax.config import DraftConfig, RopeConfig, TargetConfig, default_target_layer_ids
 from ddtree_jax.engine import MAX_STOP_IDS, ROW, DecodeState, Plan
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.kv_cache import KVCache, bytes_per_token
 from ddtree_jax.models import common, moe
-from ddtree_jax.models.deepseek_v3 import DeepseekV3Config
-from ddtree_jax.models.mla import MLADims
-from ddtree_jax.models.qwen3_moe import Qwen3MoeConfig
 from ddtree_jax.pair import batch_shape, make_plan
 from ddtree_jax.programs import Programs, Shape
 from ddtree_jax.quant import load as quant_load
@@ -47,96 +43,7 @@ from ddtree_jax.sampling import GREEDY, SamplingParams
 from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
 
-
-def _dims(hidden, ff, heads, kv_heads, head_dim, qk_norm) -> LayerDims:
-    return LayerDims(hidden, ff, heads, kv_heads, head_dim, 1e-6, qk_norm)
-
-
-SHAPES = {
-    "qwen3-8b": TargetConfig(
-        "qwen3", 151936, 36, _dims(4096, 12288, 32, 8, 128, True), RopeConfig(1e6, 128), False, 40960
-    ),
-    "llama-3.1-8b": TargetConfig(
-        "llama",
-        128256,
-        32,
-        _dims(4096, 14336, 32, 8, 128, False),
-        RopeConfig(5e5, 128, (8.0, 1.0, 4.0, 8192)),
-        False,
-        131072,
-    ),
-    "tiny": TargetConfig("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), False, 4096),
-    # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
-    "default-pair": TargetConfig(
-        "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), True, 4096
-    ),
-    "qwen3-30b-a3b": Qwen3MoeConfig(
-        "qwen3_moe",
-        151936,
-        48,
-        _dims(2048, 6144, 32, 4, 128, True),
-        RopeConfig(1e6, 128),
-        False,
-        40960,
-        num_experts=128,
-        top_k=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=True,
-    ),
-    "tiny-moe": Qwen3MoeConfig(
-        "qwen3_moe",
-        512,
-        4,
-        _dims(64, 128, 4, 2, 16, True),
-        RopeConfig(1e4, 16),
-        False,
-        4096,
-        num_experts=8,
-        top_k=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        mlp_only_layers=(0,),
-    ),
-}
-
-
-def _kimi_k2(num_layers: int) -> DeepseekV3Config:
-    """Kimi-K2-Instruct's shape (MODELS.md) cut to `num_layers` layers: the first dense, the rest MoE."""
-    yarn = Yarn(32.0, 1.0, 1.0, 4096)
-    mscale = 0.1 * math.log(32.0) + 1  # mscale_all_dim 1: the softmax scale's factor (squared)
-    mla = MLADims(7168, 64, 1536, 512, 128, 64, 128, 1e-6, True, 192**-0.5 * mscale * mscale)
-    return DeepseekV3Config(
-        "deepseek_v3",
-        163840,
-        num_layers,
-        _dims(7168, 18432, 64, 64, 128, False),
-        RopeConfig(50000.0, 64, yarn=yarn),
-        False,
-        131072,
-        mla=mla,
-        first_k_dense_replace=1,
-        num_experts=384,
-        top_k=8,
-        moe_intermediate_size=2048,
-        n_shared_experts=1,
-        routed_scaling_factor=2.827,
-    )
-
-
-# Kimi-K2 at 4 of its 61 layers (1 dense + 3 MoE) is the most that fits one H200 in bf16: 4.7 GB of
-# embedding and lm_head, 1.0 GB for the dense layer, 34.1 GB per MoE layer (384 experts of 88 MB),
-# 6.9 GB for a 6-layer drafter: 115 GB, against 139 GiB (149 GB); a fifth layer would need 149 GB.
-SHAPES["kimi-k2"] = _kimi_k2(4)
-SHAPES["tiny-mla"] = dataclasses.replace(
-    _kimi_k2(3),
-    vocab_size=512,
-    dims=_dims(64, 128, 4, 4, 16, False),
-    rope=RopeConfig(1e4, 16),
-    mla=MLADims(64, 4, 32, 32, 16, 16, 16, 1e-6, True, 32**-0.5),
-    num_experts=8,
-    top_k=2,
-    moe_intermediate_size=16,
-)
+SHAPES = models.bench_shapes()  # every family's benchmark shapes (Family.SHAPES)
 
 
 # --quantize: the target's weights as the published checkpoints store them (quant.load.published_form)
@@ -144,13 +51,11 @@ QUANTIZE = {"none": None, "fp8": Fp8Block((128, 128)), "int4-experts": Int4Group
 
 
 def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
-    """A DFlash drafter matching the target's layer shape, with at most 8 K/V heads (an MLA target
-    has as many as query heads; the Kimi-K2.5 drafter's head counts are not published: assumed
-    64 query and 8 K/V heads of 128)."""
-    d = cfg.dims
+    """A DFlash drafter of the layer shape the target's family gives (`Family.draft_dims`)."""
+    d = models.family(cfg).draft_dims(cfg)
     return DraftConfig(
         layers,
-        dataclasses.replace(d, qk_norm=True, num_kv_heads=min(d.num_kv_heads, 8)),
+        d,
         RopeConfig(cfg.rope.theta, d.head_dim),
         block_size,
         cfg.vocab_size - 1,
@@ -724,8 +629,12 @@ def check_args(args: argparse.Namespace) -> Grid:
         raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
     if args.drop_layer_all_reduce and args.tp == 1:
         raise DDTreeError("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
-    if args.quantize != "none" and not isinstance(cfg, DeepseekV3Config):
-        raise DDTreeError(f"--quantize {args.quantize} needs a DeepSeek-V3 shape (kimi-k2, tiny-mla)")
+    scheme = type(QUANTIZE.get(args.quantize))
+    if args.quantize != "none" and scheme not in models.family(cfg).QUANTIZED_FORMATS:
+        fit = sorted(n for n, c in SHAPES.items() if scheme in models.family(c).QUANTIZED_FORMATS)
+        raise DDTreeError(
+            f"--quantize {args.quantize} needs a shape whose family reads it ({', '.join(fit)})"
+        )
     check_out_path(args.out)
     return grid
 
@@ -762,10 +671,11 @@ def run(args: argparse.Namespace, grid: Grid) -> int:
     cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
-    if isinstance(cfg, Qwen3MoeConfig | DeepseekV3Config):
+    family = models.family(cfg)
+    if family.ROUTED_EXPERTS:
         cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding, moe_dispatch=args.moe_dispatch)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
-    models.family(cfg).check_divisible(cfg, args.tp)
+    family.check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
     _progress(f"making random {args.shape} weights")

@@ -1,5 +1,6 @@
-"""Model configurations from HF `config.json` files: shared fields, the dense target config, the DFlash
-drafter; each family (models/) parses its own target fields with the helpers here."""
+"""Model configurations from HF `config.json` files: the fields every target shares, the layer shape of
+GQA layers, RoPE, the DFlash drafter; each family (models/) parses its own target fields with the
+helpers here, and `models.load_target_config` picks the family of a checkpoint."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ddtree_jax.errors import DDTreeError
+
+if TYPE_CHECKING:
+    from ddtree_jax.quant.formats import Scheme
 
 YARN_SCALINGS = ("hf", "legacy")  # how yarn's cos/sin factor is derived when a config leaves it unset
 # Drafters default to "legacy": the published Kimi-K2.5 DFlash drafter (yarn factor 64, mscale =
@@ -108,16 +112,22 @@ class LayerDims:
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    """A dense target (Qwen3ForCausalLM, LlamaForCausalLM); other families extend it (models/)."""
+    """The fields every target has, whatever its family; each family's config extends it (models/)
+    with its layer shapes (GQA `dims`, MLA's latent dims, routed experts)."""
 
-    architecture: str  # "qwen3" | "llama" | ...: picks the family (models.FAMILIES)
+    architecture: str  # "qwen3" | "llama" | ...: picks the family (models.family_of)
     vocab_size: int
     num_layers: int
-    dims: LayerDims
     rope: RopeConfig
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
+    quantization: Scheme | None = None  # how the checkpoint stores its weights (None: plain)
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the residual stream (what a drafter's features and embeddings have)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its hidden size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,32 +263,11 @@ def hf_dims(raw: dict[str, Any], path: Path, qk_norm: bool) -> LayerDims:
     )
 
 
-def _as_ids(value: Any) -> tuple[int, ...]:
+def token_ids(value: Any) -> tuple[int, ...]:
+    """An HF config's token id field (one id, a list of them, or null) as a tuple."""
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
-
-
-def load_target_config(directory: str | Path, **options: Any) -> TargetConfig:
-    """Parse `config.json` (and `generation_config.json` for stop ids) of an HF target directory.
-
-    The family of its `architectures` entry parses the rest (`options`: family settings such as
-    `moe_sharding`; families without them ignore them).
-    """
-    from ddtree_jax.models import ARCHITECTURES, family_of
-
-    directory = Path(directory)
-    path = directory / "config.json"
-    raw = read_json(path)
-    archs = raw.get("architectures") or []
-    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-    if arch is None:
-        raise DDTreeError(f"{path}: unsupported architecture {archs!r}; supported: {sorted(ARCHITECTURES)}")
-    eos = _as_ids(raw.get("eos_token_id"))
-    gen_path = directory / "generation_config.json"
-    if gen_path.exists():
-        eos = _as_ids(read_json(gen_path).get("eos_token_id")) or eos
-    return family_of(arch).config_from_hf(raw, path, arch, eos, **options)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -318,9 +307,9 @@ def load_draft_config(
         vocab_size=target.vocab_size,
         target_architecture=target.architecture,
     )
-    if dims.hidden_size != target.dims.hidden_size:
+    if dims.hidden_size != target.hidden_size:
         raise DDTreeError(
-            f"{path}: hidden_size {dims.hidden_size} differs from the target's {target.dims.hidden_size}"
+            f"{path}: hidden_size {dims.hidden_size} differs from the target's {target.hidden_size}"
         )
     if num_target_layers != target.num_layers:
         raise DDTreeError(

@@ -62,7 +62,8 @@ def load_pair(
     `dequantize`: a quantized target's weights expanded to `dtype` at load instead of kept quantized).
     `configs` and `codec`: the configs and tokenizer already read (default: read here)."""
     from ddtree_jax import drafter, models, target
-    from ddtree_jax.config import load_draft_config, load_target_config
+    from ddtree_jax.config import load_draft_config
+    from ddtree_jax.models import load_target_config
     from ddtree_jax.sharding import make_mesh, param_sharding
 
     jdtype = use_dtype(dtype)

@@ -39,7 +39,6 @@ from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 POLICIES = ("continuous", "static")
-GQA_FAMILIES = ("dense", "qwen3_moe")  # models.FAMILIES whose prefill chunks may use cuDNN attention
 OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP)  # a prompt's own settings over the generator's
 STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
 
@@ -187,7 +186,7 @@ class Generator:
             return plan.attention
         if choice != "cudnn":
             return choice
-        if models.FAMILIES.get(plan.target.architecture) not in GQA_FAMILIES:
+        if not models.family(plan.target).CUDNN_PREFILL:
             return plan.attention
         return attention.prefill_implementation(
             plan.attention, self.dtype, plan.target.dims.head_dim, self.schedule.batch_invariant

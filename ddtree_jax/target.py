@@ -73,26 +73,18 @@ def load(
     family settings, e.g. `moe_sharding`; `cfg`: its config already read). A quantized checkpoint
     keeps its quantized weights as stored (ddtree_jax.quant), or expands them to `dtype` with
     `dequantize`."""
-    from pathlib import Path
-
     from ddtree_jax.checkpoint import load_params
     from ddtree_jax.checkpoint_checks import check_against_config, check_finite
-    from ddtree_jax.config import load_target_config, read_json
-    from ddtree_jax.errors import DDTreeError
-    from ddtree_jax.quant import formats
     from ddtree_jax.quant import load as quant_load
 
-    cfg = cfg or load_target_config(directory, **options)
+    cfg = cfg or models.load_target_config(directory, **options)
     specs = weight_specs(cfg)
-    scheme = getattr(cfg, "quantization", None)  # only families that read quantized weights have it
-    if scheme is None and formats.parse_quantization(read_json(Path(directory) / "config.json")) is not None:
-        raise DDTreeError(f"{directory}: quantized checkpoints load for DeepseekV3 targets only")
-    check_against_config(directory, specs, models.family(cfg).ignored_tensors(cfg), scheme)
-    if scheme is None:
+    check_against_config(directory, specs, models.family(cfg).ignored_tensors(cfg), cfg.quantization)
+    if cfg.quantization is None:
         params = load_params(directory, specs, dtype, sharding)
         check_finite(directory, params, specs)
         return cfg, params
-    params = quant_load.load_params(directory, specs, scheme, dtype, sharding, dequantize)
+    params = quant_load.load_params(directory, specs, cfg.quantization, dtype, sharding, dequantize)
     check_finite(directory, params, specs)
     # expanded: the config says so (plans compiled for quantized params are keyed by it)
     return (dataclasses.replace(cfg, quantization=None) if dequantize else cfg), params

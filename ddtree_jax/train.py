@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import drafter, target
-from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig, TargetConfig
+from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig
 from ddtree_jax.models.common import rms_norm, rope_tables
-from ddtree_jax.models.dense import decoder_layer
+from ddtree_jax.models.dense import DenseConfig, decoder_layer
 from ddtree_jax.weights import Params, WeightSpec, assemble
 
 # -- configs and initialisation -----------------------------------------------------------------
@@ -40,10 +40,10 @@ def make_target_config(
     max_positions: int = 4096,
     rope_theta: float = 10000.0,
     eos_token_ids: tuple[int, ...] = (),
-) -> TargetConfig:
+) -> DenseConfig:
     """A Qwen3 target with tied embeddings."""
     dims = LayerDims(hidden, ff, heads, kv_heads, head_dim, 1e-6, qk_norm=True)
-    return TargetConfig(
+    return DenseConfig(
         architecture="qwen3",
         vocab_size=vocab_size,
         num_layers=layers,
@@ -56,7 +56,7 @@ def make_target_config(
 
 
 def make_draft_config(
-    tcfg: TargetConfig,
+    tcfg: DenseConfig,
     mask_token_id: int,
     layers: int = 1,
     block_size: int = 16,
@@ -118,7 +118,7 @@ def _layer_fields(dims: LayerDims, rope: RopeConfig) -> dict[str, Any]:
     }
 
 
-def target_hf_config(cfg: TargetConfig, bos_token_id: int | None = None) -> dict[str, Any]:
+def target_hf_config(cfg: DenseConfig, bos_token_id: int | None = None) -> dict[str, Any]:
     """config.json of a Qwen3ForCausalLM (bfloat16 weights)."""
     eos = list(cfg.eos_token_ids)
     return {
@@ -140,7 +140,7 @@ def target_hf_config(cfg: TargetConfig, bos_token_id: int | None = None) -> dict
     }
 
 
-def draft_hf_config(cfg: DraftConfig, tcfg: TargetConfig) -> dict[str, Any]:
+def draft_hf_config(cfg: DraftConfig, tcfg: DenseConfig) -> dict[str, Any]:
     """config.json of a z-lab DFlash drafter (no embedding, no lm_head: the target's are used)."""
     return {
         "architectures": ["DFlashDraftModel"],
@@ -179,7 +179,7 @@ def residual_dropout(key: jax.Array, rate: float, calls: int) -> Callable[[jax.A
 
 
 def target_loss(
-    params: Params, cfg: TargetConfig, tokens: jax.Array, key: jax.Array | None = None, dropout: float = 0.0
+    params: Params, cfg: DenseConfig, tokens: jax.Array, key: jax.Array | None = None, dropout: float = 0.0
 ) -> jax.Array:
     """Mean next-token cross-entropy of tokens [B, T + 1] (inputs tokens[:, :-1]); with `dropout` > 0
     (and a key), inverted dropout on the embeddings and every residual branch."""
@@ -201,7 +201,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def target_teacher(
-    params: Params, cfg: TargetConfig, dcfg: DraftConfig, tokens: jax.Array
+    params: Params, cfg: DenseConfig, dcfg: DraftConfig, tokens: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """One frozen target pass over tokens [B, T]: features [B, T, F] of dcfg.target_layer_ids and
     the target's greedy choice [B, T] at every position (the token it predicts next)."""
@@ -327,7 +327,7 @@ def draft_loss(
     params: Params,
     dcfg: DraftConfig,
     target_params: Params,
-    tcfg: TargetConfig,
+    tcfg: DenseConfig,
     tokens: jax.Array,
     key: jax.Array,
     num_anchors: int,
@@ -409,7 +409,7 @@ class Trainer:
         return loss, aux
 
 
-def target_trainer(cfg: TargetConfig, params: Params, oc: OptimConfig, dropout: float = 0.0) -> Trainer:
+def target_trainer(cfg: DenseConfig, params: Params, oc: OptimConfig, dropout: float = 0.0) -> Trainer:
     """A Trainer of the target's next-token loss, with residual dropout at `dropout` (aux: nothing)."""
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"target dropout must be in [0, 1), got {dropout}")
@@ -420,7 +420,7 @@ def draft_trainer(
     dcfg: DraftConfig,
     params: Params,
     target_params: Params,
-    tcfg: TargetConfig,
+    tcfg: DenseConfig,
     oc: OptimConfig,
     num_anchors: int,
     gamma: float | None,
@@ -449,7 +449,7 @@ def random_windows(stream: np.ndarray, rng: np.random.Generator, batch: int, len
 _jit_target_loss = jax.jit(lambda p, t, cfg: target_loss(p, cfg, t), static_argnames="cfg")
 
 
-def eval_target_loss(params: Params, cfg: TargetConfig, stream: np.ndarray, length: int, batch: int) -> float:
+def eval_target_loss(params: Params, cfg: DenseConfig, stream: np.ndarray, length: int, batch: int) -> float:
     """Mean next-token loss over the consecutive non-overlapping windows of `stream` that fit, in
     batches of at most `batch` windows (the last batch may be smaller)."""
     n = (len(stream) - 1) // length

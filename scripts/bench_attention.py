@@ -42,11 +42,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pallas_kernels.tree_attention import (  # noqa: E402
-    resolve_tuning,
-    tree_attention,
-    tree_attention_reference,
-)
+from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
+from ddtree_jax.kernels.tuning import resolve_tree_tuning  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -237,7 +234,7 @@ class Budget:
 
 def explicit_tuning(q_shape, cache_shape, tuning: dict) -> dict:
     """The resolved tuning as `tree_attention` keywords (the rule knobs waves / mb resolved away)."""
-    tun = resolve_tuning(q_shape, cache_shape, **tuning)
+    tun = resolve_tree_tuning(q_shape, cache_shape, **tuning)
     return {key: tun[key] for key in ("block_q", "block_k", "splits", "num_warps", "num_stages", "merge")}
 
 
@@ -286,7 +283,7 @@ def bench_shape(
     row = dict(B=b, S=s, T=t, Hkv=hkv, G=g, D=d)
     tuning = dict(tuning or {})
     try:
-        row["tuning"] = resolve_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
+        row["tuning"] = resolve_tree_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
         tuning = explicit_tuning((b, t, hkv * g, d), (b, hkv, s, d), tuning)
     except Exception as e:  # noqa: BLE001
         row["error"] = short_error(e)
@@ -639,7 +636,7 @@ def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, budget
         return row
     try:
         row["spec"] = dict(tuning)
-        row["tuning"] = resolve_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
+        row["tuning"] = resolve_tree_tuning((b, t, hkv * g, d), (b, hkv, s, d), **tuning)
         tuning = explicit_tuning((b, t, hkv * g, d), (b, hkv, s, d), tuning)
         lengths = args[3]
         kv_bytes = int(np.asarray(lengths).sum()) * hkv * d * 2 * args[1].dtype.itemsize

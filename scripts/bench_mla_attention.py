@@ -34,11 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attention import random_tree_mask, read_ceiling, rel_errors, short_error  # noqa: E402
 
-from pallas_kernels.mla_attention import (  # noqa: E402
-    mla_attention,
-    mla_attention_reference,
-    resolve_tuning,
-)
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
+from ddtree_jax.kernels.tuning import resolve_mla_tuning  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -147,7 +144,7 @@ def bench_row(
     floor_s = max(row["byte_floor_s"], row["flop_floor_s"])
     out = ref = None
     try:
-        row["tuning"] = resolve_tuning((b, t, h, c), s, **tuning)
+        row["tuning"] = resolve_mla_tuning((b, t, h, c), s, **tuning)
         timing, out = time_per_call(calls(mla_attention, interpret=interpret, **tuning), args, k=k)
         row["kernel"] = timing
         row["kernel_x_floor"] = timing["s"] / floor_s
@@ -299,7 +296,7 @@ def main(argv=None) -> None:
         plan = [("row", shape, {}) for shape in main_shapes]
         plan += [("sweep", shape, tun) for shape, tunings in sweep_runs for tun in tunings]
         for kind, shape, tun in plan:
-            print(kind, shape, resolve_tuning((shape["B"], shape["T"], shape["H"], c), shape["S"], **tun))
+            print(kind, shape, resolve_mla_tuning((shape["B"], shape["T"], shape["H"], c), shape["S"], **tun))
         print(f"{len(main_shapes)} rows, {len(plan) - len(main_shapes)} sweep points, budget {budget_s} s")
         return
 

@@ -12,8 +12,8 @@ goes on), the JSON rewritten (atomically) after every row, nothing new started p
    interpreter checks, one split, no ping-pong) and the Triton kernel against the jnp reference
    (max abs error, relative L2, max error relative to max |ref|), and Mosaic against Triton.
 3. The GQA table (Qwen3-8B: Hq 32, Hkv 8, D 128, every cache entry visible, random ancestor masks):
-   T = 1 / 16 / 64, B = 1 / 16, S = 1k / 8k / 32k; Triton, Mosaic, cuDNN-merged (when the module
-   still has `tree_attention_merged`), and at T = 1 JAX's bundled decode kernel (no in-flight token).
+   T = 1 / 16 / 64, B = 1 / 16, S = 1k / 8k / 32k; Triton, Mosaic, cuDNN-merged (`tree_attention_merged`
+   of scripts/bench_prefix_attention.py), and at T = 1 JAX's bundled decode kernel (no in-flight token).
    Each against max(byte floor, FLOP floor): bytes (visible K/V + queries + output + in-flight K/V)
    over the measured read ceiling, FLOPs (4 x B x Hq x T x (S + T) x D) over 790 TFLOP/s (the figure
    the notes' ratios use) and over the measured matmul ceiling. Most informative rows first (the goal
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import importlib
 import json
 import os
 import statistics
@@ -49,14 +48,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import random_tree_mask, read_ceiling, short_error  # noqa: E402
+from bench_prefix_attention import tree_attention_merged  # noqa: E402
 
 from ddtree_jax.bench import run_meta  # noqa: E402
+from ddtree_jax.kernels import tree_attention as triton_gqa  # noqa: E402
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
 from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu  # noqa: E402
 from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu  # noqa: E402
-from pallas_kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
 
-# The module, not the function that pallas_kernels/__init__ exports under the same name.
-triton_gqa = importlib.import_module("pallas_kernels.tree_attention")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 START = time.perf_counter()
@@ -180,9 +179,8 @@ def gqa_kernels(interpret: bool, skip: set[str], t: int) -> dict:
         "triton": lambda *a: triton_gqa.tree_attention(*a, interpret=interpret),
         "mosaic": lambda *a: tree_attention_mgpu(*a, interpret=interpret),
     }
-    merged = getattr(triton_gqa, "tree_attention_merged", None)
-    if merged is not None and not interpret and t > 1:
-        out["cudnn-merged"] = lambda *a: merged(*a, prefix="cudnn")
+    if not interpret and t > 1:
+        out["cudnn-merged"] = lambda *a: tree_attention_merged(*a, prefix="cudnn")
     if t == 1 and not interpret:
         out["bundled-decode"] = bundled_decode
     return {k: v for k, v in out.items() if k not in skip and k.split("-")[0] not in skip}

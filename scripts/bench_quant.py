@@ -1,8 +1,8 @@
 """Quantized matmuls on the GPU: INT4 (compressed-tensors words, and jnp.int4) and FP8 block-scaled
 against bf16, through XLA (`ddtree_jax.quant.arrays`) and through the Pallas grouped kernel
-(`pallas_kernels.quant_matmul`, method "pallas"), for the Kimi-K2 routed experts (384 x [7168 ->
-2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's dense MLP), at 1, 16, 64 and 512
-tokens.
+(`ddtree_jax.kernels.quant_matmul` by `quant.arrays.pallas_ragged_matmul`, method "pallas"), for the
+Kimi-K2 routed experts (384 x [7168 -> 2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's
+dense MLP), at 1, 16, 64 and 512 tokens.
 
 python scripts/bench_quant.py --out bench_quant.json [--hlo-dir hlo/] [--small]
 
@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.quant import arrays  # noqa: E402
-from pallas_kernels.quant_matmul import grouped_matmul  # noqa: E402
 
 FORMATS = ("bf16", "int4", "int4-s4", "fp8")
 ENTRY_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+([a-z][a-z0-9\-_.]*)\(")
@@ -111,7 +110,7 @@ def run_case(row: dict, fn, args, per_expert_bytes: float, elements: int, hlo_di
 def dense_pallas(x: jax.Array, w: arrays.Weight, interpret: bool = False) -> jax.Array:
     """x [T, in] @ W [in, out] through the grouped kernel with one expert."""
     sizes = jnp.array([x.shape[0]], jnp.int32)
-    return grouped_matmul(x, arrays.with_expert_axis(w), sizes, interpret=interpret)
+    return arrays.pallas_ragged_matmul(x, arrays.with_expert_axis(w), sizes, interpret=interpret)
 
 
 def cases(args, shapes, weights, per_expert):
@@ -125,7 +124,7 @@ def cases(args, shapes, weights, per_expert):
             w_exp, w_dense = weights[fmt]
             methods = {"sorted": arrays.sorted_matmul}
             if fmt != "int4-s4":
-                kernel = functools.partial(grouped_matmul, interpret=args.small)
+                kernel = functools.partial(arrays.pallas_ragged_matmul, interpret=args.small)
                 methods["pallas"] = functools.partial(arrays.sorted_matmul, grouped=kernel)
             if t <= args.gather_max_tokens:
                 methods["gather"] = arrays.gather_matmul

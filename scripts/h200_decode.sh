@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 22 item 2 on one H200, one device call (~2.5 min): tree attention at T = 1 (Qwen3-8B heads:
 # Hkv 8, G 4, D 128, bf16) for B in {1, 4, 16} and S in {1k, 8k, 32k}: the kernel at its defaults
-# (DECODE_TUNING in pallas_kernels/tree_attention.py) and JAX's bundled Pallas decode kernel
+# (DECODE_TUNING in ddtree_jax/kernels/tuning.py) and JAX's bundled Pallas decode kernel
 # (decode_attention.mqa, its defaults: 16 splits, block_k 256) on the same cache, both profiled
 # (device time and launches per call by kernel), then a sweep of candidate tunings around the
 # defaults on every shape, ending with a table of ours / bundled per shape and tuning.

@@ -22,7 +22,7 @@ step cudnn-check 20 45 python3 - "$OUT/cudnn-check.json" <<'PY'
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from ddtree_jax.attention import causal_chunk
-from pallas_kernels import tree_attention_reference
+from ddtree_jax.kernels.tree_attention import tree_attention_reference
 rng = np.random.default_rng(0)
 b, t, hq, hkv, d, s, n = 2, 512, 32, 8, 128, 2048, 1500
 x = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)

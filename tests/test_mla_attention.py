@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from test_tree_attention import H200, check_close, make_mask
 
-from pallas_kernels.mla_attention import mla_attention, mla_attention_reference, resolve_tuning
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
+from ddtree_jax.kernels.tuning import resolve_mla_tuning
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 SCALE = 192**-0.5 * 1.3**2  # DeepSeek-V3's (qk_nope + qk_rope)**-0.5 times a yarn mscale**2
@@ -165,17 +166,17 @@ def test_default_tuning_for_kimi_k2_shapes():
     counted in waves of 132 SMs (two 16-row programs per SM, one 64-row), the fewest within 10% of
     the least waves x blocks, at most 256 and at least 4 cache blocks each."""
     keys = ("block_q", "block_k", "num_warps", "row_tiles", "value_splits", "splits")
-    assert [resolve_tuning((1, 1, 64, 512), 32768)[k] for k in keys] == [64, 64, 8, 1, 1, 128]
-    assert [resolve_tuning((1, 1, 8, 512), 32768)[k] for k in keys] == [16, 32, 4, 1, 1, 256]
-    assert resolve_tuning((1, 1, 8, 512), 1024)["splits"] == 8  # 4 blocks of 32 per split
-    assert [resolve_tuning((1, 64, 8, 512), 32768)[k] for k in keys] == [64, 64, 8, 8, 1, 15]  # one wave
-    tp1_verify = resolve_tuning((1, 64, 64, 512), 32768)
+    assert [resolve_mla_tuning((1, 1, 64, 512), 32768)[k] for k in keys] == [64, 64, 8, 1, 1, 128]
+    assert [resolve_mla_tuning((1, 1, 8, 512), 32768)[k] for k in keys] == [16, 32, 4, 1, 1, 256]
+    assert resolve_mla_tuning((1, 1, 8, 512), 1024)["splits"] == 8  # 4 blocks of 32 per split
+    assert [resolve_mla_tuning((1, 64, 8, 512), 32768)[k] for k in keys] == [64, 64, 8, 8, 1, 15]  # one wave
+    tp1_verify = resolve_mla_tuning((1, 64, 64, 512), 32768)
     assert (tp1_verify["row_tiles"], tp1_verify["splits"]) == (64, 2)  # not 3: 192 programs, two waves
-    assert resolve_tuning((16, 64, 64, 512), 32768)["splits"] == 1
-    assert resolve_tuning((16, 1, 64, 512), 32768)["splits"] == 8  # 128 programs
-    assert resolve_tuning((1, 1, 64, 512), 1024, value_splits=2)["splits"] == 4  # 16 blocks of 64
+    assert resolve_mla_tuning((16, 64, 64, 512), 32768)["splits"] == 1
+    assert resolve_mla_tuning((16, 1, 64, 512), 32768)["splits"] == 8  # 128 programs
+    assert resolve_mla_tuning((1, 1, 64, 512), 1024, value_splits=2)["splits"] == 4  # 16 blocks of 64
     with pytest.raises(ValueError, match="value_splits"):
-        resolve_tuning((1, 1, 64, 64), 256, value_splits=8)
+        resolve_mla_tuning((1, 1, 64, 64), 256, value_splits=8)
 
 
 # ---- CUDA lowering on CPU: catches Triton lowering-rule errors before any GPU time. ----
@@ -235,7 +236,7 @@ def test_invariant_splits_ignore_batch_and_capacity():
     ql, qr, lc, rc, lengths, ln, rn, mask = make_inputs(
         5, b=3, t=8, h=4, c=64, r=16, s=512, lengths=[17, 250, 512], mask_kind="tree", dtype=F32
     )
-    assert resolve_tuning(ql.shape, 512)["splits"] != resolve_tuning(ql[:1].shape, 256)["splits"]
+    assert resolve_mla_tuning(ql.shape, 512)["splits"] != resolve_mla_tuning(ql[:1].shape, 256)["splits"]
     full = fn(ql, qr, lc, rc, lengths, ln, rn, mask, softmax_scale=SCALE, interpret=True)
     want = mla_attention_reference(ql, qr, lc, rc, lengths, ln, rn, mask, softmax_scale=SCALE)
     check_close(full, want, F32)

@@ -34,7 +34,7 @@ def test_one_jax_everywhere():
 
 
 def test_every_dependency_is_imported():
-    package = sources("ddtree_jax", "pallas_kernels")
+    package = sources("ddtree_jax")
     for requirement in PROJECT["dependencies"]:
         module = MODULES.get(name(requirement), name(requirement).replace("-", "_"))
         assert re.search(rf"^\s*(import|from) {re.escape(module)}\b", package, re.M), requirement
@@ -105,8 +105,7 @@ def test_every_import_is_declared():
     }
     own = {p.split(".")[0] for p in source_packages()} | {p.stem for p in (ROOT / "tests").glob("*.py")}
     inverse = {module.split(".")[0]: dist for dist, module in MODULES.items()}
-    for path in [*ROOT.glob("ddtree_jax/**/*.py"), *ROOT.glob("pallas_kernels/**/*.py"),
-                 *ROOT.glob("tests/*.py")]:  # fmt: skip
+    for path in [*ROOT.glob("ddtree_jax/**/*.py"), *ROOT.glob("tests/*.py")]:
         part = path.relative_to(ROOT).parts
         kind = {"tests": "tests", "compare": "compare"}.get(part[0], part[1] if len(part) > 2 else "main")
         kind = "train" if path.stem == "train" else kind if kind in declared else "main"

@@ -1,16 +1,16 @@
 """Qwen3-MoE targets (models/qwen3_moe.py, models/moe.py): HF's routing and experts, the dispatches
-against each other, router ties, lossless ddtree/dflash with a drafter on a MoE target, and the same
-outputs on every mesh with experts split by expert (ep) or by column (tp).
+against each other, router ties, experts really split by expert (ep) or by column (tp), mesh rules.
 
-HF golden logits and greedy outputs of both fixtures are checked with the dense ones (test_target.py,
-test_generate.py: `conftest.TARGETS`), the drafter's logits in test_drafter.py (`conftest.DRAFTERS`).
+HF golden logits and greedy outputs, lossless ddtree/dflash with a drafter on a MoE target and the
+same outputs on every mesh are test_families.py's (every family), the drafter's logits
+test_drafter.py's (`conftest.DRAFTERS`).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, golden, golden_prompts, load_target, run
+from conftest import FIXTURES, golden, golden_prompts, load_target
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.errors import DDTreeError
@@ -128,61 +128,6 @@ def test_bfloat16_close_to_hf():
     ref = g["logits_4"]
     assert np.abs(got - ref).max() / np.abs(ref).max() < 0.1
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) > 0.75
-
-
-def _outcome(results):
-    return [(r.output_ids, r.acceptance_lengths, r.finish_reason) for r in results]
-
-
-SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def ar_outputs():
-    """ar on one device: greedy and sampled."""
-    prompts = golden_prompts(TP)
-    kw = dict(batch_size=5, max_new_tokens=12)
-    return {
-        False: [r.output_ids for r in run(TP, prompts, **kw)],
-        True: [r.output_ids for r in run(TP, prompts, sampling=SAMPLING, **kw)],
-    }
-
-
-@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 6), ("ddtree", 24)])
-@pytest.mark.parametrize("sampled", [False, True])
-def test_speculative_equals_ar(ar_outputs, method, budget, sampled):
-    """A dense DFlash drafter on the MoE target's features: ddtree and dflash emit ar's tokens."""
-    results = run(
-        TP,
-        golden_prompts(TP),
-        method=method,
-        draft_name=DRAFT,
-        budget=budget,
-        batch_size=5,
-        max_new_tokens=12,
-        sampling=SAMPLING if sampled else None,
-    )
-    assert [r.output_ids for r in results] == ar_outputs[sampled]
-
-
-# -- meshes ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def one_device():
-    """ddtree outcomes on one device, the reference of every mesh."""
-    kw = dict(method="ddtree", draft_name=DRAFT, budget=7, batch_size=8, max_new_tokens=10)
-    prompts = golden_prompts(TP) + [[5, 6, 7], [9] * 4, [200, 3]]
-    return prompts, kw, _outcome(run(TP, prompts, **kw))
-
-
-@pytest.mark.parametrize("moe_sharding", ["ep", "tp"])
-@pytest.mark.parametrize("tp,dp", [(2, 1), (8, 1), (4, 2)])
-def test_identical_on_meshes(one_device, moe_sharding, tp, dp):
-    """8 experts over tp devices (ep: 8 / tp each) or their 16 columns (tp); 2 K/V heads < tp 4, 8."""
-    prompts, kw, want = one_device
-    got = _outcome(run(TP, prompts, tp=tp, dp=dp, moe_sharding=moe_sharding, **kw))
-    assert got == want
 
 
 @pytest.mark.parametrize(

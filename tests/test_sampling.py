@@ -76,7 +76,6 @@ def test_tempered_draft_scores_stay_seed_exact(ar_sampled):
         ("ddtree", 7, 5, False),
         ("ddtree", 7, 5, True),
         ("ddtree", 32, 5, False),
-        ("ddtree", 32, 1, False),
     ],
 )
 def test_seed_exact_against_ar(ar_sampled, method, budget, batch_size, host_stepped):

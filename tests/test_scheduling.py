@@ -238,7 +238,7 @@ def test_causal_chunk_equals_the_reference():
     """attention.causal_chunk (XLA) against the jnp tree attention under a causal mask: empty and
     partly filled caches, GQA."""
     from ddtree_jax.attention import causal_chunk
-    from pallas_kernels import tree_attention_reference
+    from ddtree_jax.kernels.tree_attention import tree_attention_reference
 
     rng = np.random.default_rng(0)
     b, t, hq, hkv, d, s = 3, 8, 4, 2, 16, 32

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from conftest import DRAFTERS, FIXTURES, TARGETS, golden, golden_prompts, run  # noqa: E402
+from conftest import DRAFTERS, FIXTURES, TARGETS, fixture_id, golden, golden_prompts, run  # noqa: E402
 
 from ddtree_jax import tree  # noqa: E402
 from ddtree_jax.compare import torch_reference as tr  # noqa: E402
@@ -30,7 +30,7 @@ def test_target_logits_and_greedy_equal_hf_golden(name):
         assert out == g[f"greedy_{i}"].tolist() and acceptance == [1] * 23
 
 
-@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("name", sorted(DRAFTERS), ids=fixture_id)
 def test_drafter_equals_golden_drafter(name):
     """Features from HF hidden states and draft logits equal scripts/make_golden.py's drafter."""
     g, gt, p = golden(name), golden(DRAFTERS[name]), pair(DRAFTERS[name], name)

@@ -219,7 +219,7 @@ def check_against_oracle(bonus, logp, tok, n, variant="paths"):
     sort=st.booleans(),
 )
 @HYP
-def test_build_tree_matches_heap_oracle(seed, cfg, mode, sort):
+def test_lattice_tree_matches_heap_oracle(seed, cfg, mode, sort):
     """Sorted input (lattice_tree's contract, what the engine passes): every variant equals the oracle.
     Unsorted input: the "climb" build still does; the pruned builds sort each depth first, which
     keeps the top-N but not the oracle's column order where two sums tie only by float rounding
@@ -232,7 +232,7 @@ def test_build_tree_matches_heap_oracle(seed, cfg, mode, sort):
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("mode", ["ties", "zeros"])
 @pytest.mark.parametrize("variant", ["paths", "climb"])  # "paths-unrolled": the test above
-def test_build_tree_ties_every_shape(cfg, mode, variant):
+def test_lattice_tree_ties_every_shape(cfg, mode, variant):
     _, bonus, logp, tok = random_case(7, cfg, mode)
     check_against_oracle(bonus, logp, tok, cfg[2], variant)
 
@@ -261,7 +261,7 @@ def test_padding_nodes_when_budget_exceeds_lattice():
     assert not mask[:5, 5:].any()  # nobody valid attends to padding
 
 
-def test_build_tree_batch_rows_are_independent():
+def test_lattice_tree_batch_rows_are_independent():
     cfg = (4, 3, 16)
     _, bonus, logp, tok = random_case(3, cfg, "ties", b=4)
     logp[1] = 0.0
@@ -273,7 +273,7 @@ def test_build_tree_batch_rows_are_independent():
             np.testing.assert_array_equal(got, want)
 
 
-def test_build_tree_largest_shape_compiles():
+def test_lattice_tree_largest_shape_compiles():
     d, k, n, b = 15, 16, 511, 32
     _, bonus, logp, tok = random_case(0, (d, k, n), "float", b=b)
     tree = lattice_tree(bonus, logp, tok, n)

@@ -10,15 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tree_attention import (
-    TREE_TUNING,
-    _combine_splits,
-    default_splits,
-    merge_splits,
-    resolve_tuning,
-    tree_attention,
-    tree_attention_reference,
-)
+from ddtree_jax.kernels.flash import combine_splits
+from ddtree_jax.kernels.tree_attention import merge_splits, tree_attention, tree_attention_reference
+from ddtree_jax.kernels.tuning import TREE_TUNING, default_tree_splits, resolve_tree_tuning
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TREE_RULE = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
@@ -150,28 +144,28 @@ def test_under_jit_and_vmap_free_shapes():
 
 
 def test_default_splits_fill_the_gpu():
-    assert default_splits(1, 8, 1, 32768, 64, **TREE_RULE) == 33  # 8 programs per split -> ~264
-    assert default_splits(16, 8, 1, 32768, 64, **TREE_RULE) == 3
-    assert default_splits(64, 8, 1, 32768, 64, **TREE_RULE) == 1
-    assert default_splits(1, 8, 1, 256, 64, **TREE_RULE) == 1  # short caches: few blocks per split
-    assert default_splits(1, 1, 1, 1 << 20, 16, **TREE_RULE) == 64  # capped
+    assert default_tree_splits(1, 8, 1, 32768, 64, **TREE_RULE) == 33  # 8 programs per split -> ~264
+    assert default_tree_splits(16, 8, 1, 32768, 64, **TREE_RULE) == 3
+    assert default_tree_splits(64, 8, 1, 32768, 64, **TREE_RULE) == 1
+    assert default_tree_splits(1, 8, 1, 256, 64, **TREE_RULE) == 1  # short caches: few blocks per split
+    assert default_tree_splits(1, 1, 1, 1 << 20, 16, **TREE_RULE) == 64  # capped
 
 
 def test_decode_tuning_fills_the_sms():
     """T = 1 (one 16-row tile): splits aim at 4 waves of 132 programs, down to one block per split."""
 
     def splits(b, s, **kw):
-        return resolve_tuning((b, 1, 32, 128), (b, 8, s, 128), **kw)["splits"]
+        return resolve_tree_tuning((b, 1, 32, 128), (b, 8, s, 128), **kw)["splits"]
 
     assert [splits(1, s) for s in (1024, 8192, 32768)] == [8, 64, 64]  # 1k: every split one block
     assert [splits(4, s) for s in (1024, 8192, 32768)] == [8, 17, 17]
     assert [splits(16, s) for s in (1024, 8192, 32768)] == [5, 5, 5]
     assert splits(1, 1024, block_k=64) == 16 and splits(16, 32768, waves=8) == 9
-    assert resolve_tuning((1, 1, 32, 128), (1, 8, 1024, 128))["merge"] == "pallas"
-    tree = resolve_tuning((1, 16, 32, 128), (1, 8, 1024, 128))  # 64 rows: the tree tuning is unchanged
+    assert resolve_tree_tuning((1, 1, 32, 128), (1, 8, 1024, 128))["merge"] == "pallas"
+    tree = resolve_tree_tuning((1, 16, 32, 128), (1, 8, 1024, 128))  # 64 rows: the tree tuning is unchanged
     assert (tree["block_k"], tree["num_stages"], tree["splits"], tree["merge"]) == (64, 3, 4, "xla")
     with pytest.raises(ValueError):
-        resolve_tuning((1, 1, 32, 128), (1, 8, 1024, 128), merge="atomic")
+        resolve_tree_tuning((1, 1, 32, 128), (1, 8, 1024, 128), merge="atomic")
 
 
 @pytest.mark.parametrize("splits,t,g,d", [(1, 1, 4, 64), (3, 1, 4, 128), (17, 2, 3, 64), (64, 1, 8, 32)])
@@ -190,7 +184,7 @@ def test_merge_kernel_matches_xla_combine(splits, t, g, d):
     l = l.at[:, 1, :, 0].set(0.0)
     acc = acc.at[:, 1, :, 0].set(0.0)
     out = merge_splits(acc, m, l, out_dtype=F32, interpret=True)
-    ref = _combine_splits(acc, m, l)
+    ref = combine_splits(acc, m, l)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
     assert not np.asarray(out[1, :, 0]).any()
 

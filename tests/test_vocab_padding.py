@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax import drafter, target
 from ddtree_jax.checkpoint import save_hf
 from ddtree_jax.cli import main
-from ddtree_jax.config import load_draft_config, load_target_config
+from ddtree_jax.config import load_draft_config
 from ddtree_jax.engine import Plan
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.models import dense
+from ddtree_jax.models import dense, load_target_config
 from ddtree_jax.models.common import PADDED_LOGIT
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.sampling import GREEDY
@@ -202,14 +202,14 @@ def test_padded_placement_and_logits(pair, tp):
 
     hidden = jax.random.normal(jax.random.key(0), (2, 3, 64))
     split = jax.shard_map(
-        lambda p, h: dense.logits(p, h, V, "model"),
+        lambda p, h: dense.FAMILY.logits(p, h, V, "model"),
         mesh=params["lm_head"].sharding.mesh,
         in_specs=({"lm_head": P(None, "model")}, P()),
         out_specs=P(None, None, "model"),
         check_vma=False,
     )
     got = np.asarray(split({"lm_head": params["lm_head"]}, hidden))
-    np.testing.assert_array_equal(got[..., :V], np.asarray(dense.logits(one, hidden, V)))
+    np.testing.assert_array_equal(got[..., :V], np.asarray(dense.FAMILY.logits(one, hidden, V)))
     assert (got[..., V:] == PADDED_LOGIT).all()
 
 

@@ -1,6 +1,6 @@
 """Absorbed MLA attention over a latent cache on Mosaic GPU (Hopper: wgmma, TMA, warp specialisation).
 
-The contract of `pallas_kernels.mla_attention` (the Triton kernel) and of its reference
+The contract of `ddtree_jax.kernels.mla_attention` (the Triton kernel) and of its reference
 `mla_attention_reference`: q_latent [B, T, H, C], q_rope [B, T, H, R]; latent_cache [B, S, C],
 rope_cache [B, S, R]; lengths [B]; latent_new [B, T, C], rope_new [B, T, R]; mask [B, T, T]
 -> [B, T, H, C]; score = (q_latent . c + q_rope . k_rope) * softmax_scale, value = the latent c.
@@ -36,6 +36,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, cdiv, combine_splits
+from ddtree_jax.kernels.mla_attention import _check_shapes, mla_attention_reference
 from ddtree_jax.kernels.tree_attention_mgpu import (
     MEMORY_REGISTERS,
     MMA_FORMS,
@@ -46,8 +48,7 @@ from ddtree_jax.kernels.tree_attention_mgpu import (
     compute_registers,
     interpret_params,
 )
-from pallas_kernels.mla_attention import _check_shapes, mla_attention_reference
-from pallas_kernels.tree_attention import LOG2E, M_INIT, MASK_VALUE, NUM_SMS_H200, _cdiv, _combine_splits
+from ddtree_jax.kernels.tuning import NUM_SMS_H200
 
 __all__ = ["mla_attention_mgpu", "mla_attention_reference", "resolve_tuning", "Tuning"]
 
@@ -94,7 +95,7 @@ def default_splits(
     """
     cap = max(1, min(MAX_SPLITS, num_blocks))
     cost = {
-        sp: _cdiv(programs * sp, num_sms) * (_cdiv(num_blocks, sp) + overhead_blocks)
+        sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + overhead_blocks)
         for sp in range(1, cap + 1)
     }
     least = min(cost.values())
@@ -134,10 +135,10 @@ def resolve_tuning(
     if mma_form not in MMA_FORMS:
         raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
     rows = t * h
-    row_tiles = _cdiv(rows, WG_ROWS)
+    row_tiles = cdiv(rows, WG_ROWS)
     out_rows = -(-rows // 8) * 8 if row_tiles == 1 else row_tiles * WG_ROWS
     if splits is None:
-        splits = default_splits(row_tiles * b, _cdiv(cache_len, block_k), num_sms=num_sms)
+        splits = default_splits(row_tiles * b, cdiv(cache_len, block_k), num_sms=num_sms)
     tun = Tuning(
         block_k=block_k,
         stages=stages,
@@ -146,7 +147,7 @@ def resolve_tuning(
         row_tiles=row_tiles,
         rows=rows,
         out_rows=out_rows,
-        new_blocks=_cdiv(t, block_k),
+        new_blocks=cdiv(t, block_k),
     )
     if (need := smem_bytes(tun, c, rope_dim)) > SMEM_LIMIT:
         raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -486,5 +487,5 @@ def mla_attention_mgpu(
         kernel_name="mla_attention_mgpu",
     )(lengths.astype(jnp.int32), ql, qr, latent_cache, rope_cache, cn, krn, bias)
     if tun.splits > 1:
-        out = _combine_splits(*out)
+        out = combine_splits(*out)
     return out[:, : t * h].reshape(b, t, h, c).astype(q_latent.dtype)

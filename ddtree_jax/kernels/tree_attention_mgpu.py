@@ -1,6 +1,6 @@
 """Decode-time tree attention on Mosaic GPU (Hopper: wgmma, TMA, warp specialisation).
 
-The contract of `pallas_kernels.tree_attention` (the Triton kernel) and of its jnp reference
+The contract of `ddtree_jax.kernels.tree_attention` (the Triton kernel) and of its jnp reference
 `tree_attention_reference`: q [B, T, Hq, D] attends to the cache [B, Hkv, S, D] up to lengths [B]
 (the last `window` entries of it with a window) and to the in-flight k_new, v_new [B, T, Hkv, D]
 under mask [B, T, T] -> [B, T, Hq, D] in q's dtype (bf16 or f16: wgmma's 16-bit operands).
@@ -21,7 +21,7 @@ elsewhere). `plgpu.kernel` grid (row tiles, B * Hkv, splits); a program (CUDA bl
   the last block of a cache whose S (a multiple of 8) is not one of block_k is read shifted back so that TMA
   never leaves the cache, its already-seen keys masked. In-flight blocks add the bias.
 With one split the program writes the normalised output (bf16, through shared memory and TMA);
-with several, float32 partials (acc, max, sum in log2 units) that `_combine_splits` (the Triton
+with several, float32 partials (acc, max, sum in log2 units) that `flash.combine_splits` (the Triton
 kernel's XLA merge) combines. Splits divide each sequence's own visible range (dynamic trip counts).
 
 `mma_form` "registers" (the GPU default) feeds P to the second wgmma from registers and
@@ -42,15 +42,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.tree_attention import (
-    LOG2E,
-    M_INIT,
-    MASK_VALUE,
-    NUM_SMS_H200,
-    _cdiv,
-    _combine_splits,
-    tree_attention_reference,
-)
+from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, cdiv, combine_splits
+from ddtree_jax.kernels.tree_attention import tree_attention_reference
+from ddtree_jax.kernels.tuning import NUM_SMS_H200
 
 __all__ = ["tree_attention_mgpu", "tree_attention_reference", "resolve_tuning", "Tuning"]
 
@@ -114,7 +108,7 @@ def default_splits(programs: int, num_blocks: int, *, num_sms: int = NUM_SMS_H20
     partial write) one block's time.
     """
     cap = max(1, min(MAX_SPLITS, num_blocks))
-    cost = {sp: _cdiv(programs * sp, num_sms) * (_cdiv(num_blocks, sp) + 1) for sp in range(1, cap + 1)}
+    cost = {sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + 1) for sp in range(1, cap + 1)}
     least = min(cost.values())
     return min(sp for sp in cost if cost[sp] <= 1.1 * least)
 
@@ -164,10 +158,10 @@ def resolve_tuning(
     if mma_form not in MMA_FORMS:
         raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
     block_q = WG_ROWS * compute_wgs
-    row_tiles = _cdiv(rows, block_q)
+    row_tiles = cdiv(rows, block_q)
     out_rows = -(-rows // 8) * 8 if row_tiles == 1 and compute_wgs == 1 else row_tiles * block_q
     if splits is None:
-        splits = default_splits(row_tiles * b * hkv, _cdiv(s, block_k), num_sms=num_sms)
+        splits = default_splits(row_tiles * b * hkv, cdiv(s, block_k), num_sms=num_sms)
     tun = Tuning(
         block_k=block_k,
         stages=stages,
@@ -178,7 +172,7 @@ def resolve_tuning(
         row_tiles=row_tiles,
         rows=rows,
         out_rows=out_rows,
-        new_blocks=_cdiv(t, block_k),
+        new_blocks=cdiv(t, block_k),
     )
     if (need := smem_bytes(tun, d)) > SMEM_LIMIT - SMEM_RESERVE:
         raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
@@ -505,5 +499,5 @@ def tree_attention_mgpu(
         kernel_name="tree_attention_mgpu",
     )(lengths.astype(jnp.int32), qp, k_cache, v_cache, kn, vn, bias)
     if tun.splits > 1:
-        out = _combine_splits(*out)
+        out = combine_splits(*out)
     return _unpack_rows(out, t, hq // hkv).astype(q.dtype)

@@ -148,6 +148,11 @@ def logits(
     return jnp.where(ids < vocab_size, out, PADDED_LOGIT)
 
 
+def heads_per_device(num_heads: int, tp: int) -> int:
+    """Query heads one device holds on `tp` model devices (all of them where they do not split)."""
+    return num_heads // tp if num_heads % tp == 0 else num_heads
+
+
 def unread_embedding_bytes(params: Params, tied: bool, nbytes: Callable[[jax.Array], int]) -> int:
     """Bytes of the embedding table a pass need not read: all of it when lm_head is separate (a pass
     gathers only its tokens' rows); `nbytes(x)`: the bytes of x this device holds."""

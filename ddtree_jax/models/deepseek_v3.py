@@ -15,17 +15,19 @@ Quantized checkpoints as published (config `quantization_config`, ddtree_jax/qua
 (DeepSeek-V3, Kimi-K2) and compressed-tensors INT4 routed experts (Kimi-K2.5/K2.6). Their weights stay
 quantized on the device (quant.Fp8Weight / quant.Int4Weight, split like their bf16 counterparts); the
 projections and the shared experts compute through `common.matmul`, the routed experts through
-`moe.run_experts`, each dequantising inside the computation. Any other method is refused by name.
+`moe.run_experts`, each dequantising inside the computation (`QUANTIZED_FORMATS` of its record; the
+loader, models.load_target_config, refuses any other method by name).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,51 +35,45 @@ import jax.numpy as jnp
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import (
     LayerDims,
+    RopeConfig,
     TargetConfig,
+    Yarn,
     hf_rope,
     positive_field,
     rope_scaling,
+    token_ids,
     yarn_factor,
     yarn_mscale,
 )
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.models import common, dense, mla, moe
 from ddtree_jax.models.common import ForwardOutput, all_reduce, rms_norm, rope_tables, swiglu
+from ddtree_jax.models.family import Family
 from ddtree_jax.quant import formats
-from ddtree_jax.sharding import check_divisible as check_dims
 from ddtree_jax.weights import Params, WeightSpec, linear
-
-Entry = mla.LatentEntry
-embed, logits = common.embed, common.logits
-MOE_SHARDINGS = ("ep", "tp")
-PAD_ONE_ROW_AR = False  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
-ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
-WRAPPERS = ("KimiK25ForConditionalGeneration",)  # multimodal classes whose text model we load
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepseekV3Config(TargetConfig):
-    """A DeepSeek-V3 / Kimi-K2 target: the shared fields plus MLA's and the routed experts'.
+class DeepseekV3Config(TargetConfig, moe.RoutedExperts):
+    """A DeepSeek-V3 / Kimi-K2 target: the shared fields plus MLA's (`mla`), the dense layers' MLP width
+    and the routed experts' (models/moe.py: grouped sigmoid routing, shared experts)."""
 
-    `dims` keeps hidden size, the dense layers' intermediate size and the head count (num_kv_heads =
-    num_heads, head_dim = v_head_dim) for code that reads them (the drafter's checks, sharding rules).
-    """
-
-    mla: mla.MLADims | None = None
+    mla: mla.MLADims = dataclasses.field(kw_only=True)
+    intermediate_size: int = dataclasses.field(kw_only=True)  # the dense layers' MLP width
+    norm_topk_prob: bool = dataclasses.field(default=True, kw_only=True)  # HF's default here
     first_k_dense_replace: int = 0
-    num_experts: int = 0  # n_routed_experts
-    top_k: int = 1  # num_experts_per_tok
-    moe_intermediate_size: int = 0
     n_shared_experts: int = 0
     n_group: int = 1
     topk_group: int = 1
-    norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    moe_sharding: str = "ep"
-    moe_dispatch: str | None = None  # moe.run_experts' dispatch; None: by token count and backend
     weight_prefix: str = ""  # "language_model." for wrapped (Kimi-K2.5-style) checkpoints
     mtp_layers: int = 0  # num_nextn_predict_layers: layers after the decoder's, not read
-    quantization: formats.Scheme | None = None  # how the checkpoint stores its weights (None: plain)
+    EXPERTS_FIELD: ClassVar[str] = "n_routed_experts"
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the residual stream."""
+        return self.mla.hidden_size
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (else a dense MLP)."""
@@ -126,15 +122,11 @@ def config_from_hf(
     raw: dict[str, Any], path: Path, arch: str, eos: tuple[int, ...], moe_sharding: str = "ep", **_
 ) -> DeepseekV3Config:
     """The DeepSeek-V3 target of an HF config.json (`arch` "deepseek_v3" or the wrapper "kimi_k25")."""
-    if moe_sharding not in MOE_SHARDINGS:
-        raise DDTreeError(f"--moe-sharding must be one of {MOE_SHARDINGS}, got {moe_sharding!r}")
     text, prefix = _text_config(raw, path, arch)
     _check_supported(text, path)
     heads = positive_field(text, "num_attention_heads", path)
     nope = positive_field(text, "qk_nope_head_dim", path)
     rope_dim = positive_field(text, "qk_rope_head_dim", path)
-    v = positive_field(text, "v_head_dim", path)
-    eps = float(text.get("rms_norm_eps", 1e-6))
     dims = mla.MLADims(
         hidden_size=positive_field(text, "hidden_size", path),
         num_heads=heads,
@@ -142,38 +134,32 @@ def config_from_hf(
         kv_lora_rank=positive_field(text, "kv_lora_rank", path),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope_dim,
-        v_head_dim=v,
-        rms_norm_eps=eps,
+        v_head_dim=positive_field(text, "v_head_dim", path),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         rope_interleave=bool(text.get("rope_interleave", True)),
         softmax_scale=_softmax_scale(text, nope + rope_dim),
     )
-    layer_dims = LayerDims(
-        dims.hidden_size, positive_field(text, "intermediate_size", path), heads, heads, v, eps, False
-    )
+    experts = text.get("n_routed_experts") or 0
+    routed = moe.routed_fields(text, path, experts, True, moe_sharding, DeepseekV3Config.EXPERTS_FIELD)
     n_group = int(text.get("n_group") or 1)
     return DeepseekV3Config(
         architecture=arch,
         vocab_size=positive_field(text, "vocab_size", path),
         num_layers=positive_field(text, "num_hidden_layers", path),
-        dims=layer_dims,
         rope=hf_rope(text, rope_dim, path),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         max_position_embeddings=positive_field(text, "max_position_embeddings", path),
-        eos_token_ids=eos or _eos(text),
+        eos_token_ids=eos or token_ids(text.get("eos_token_id")),  # a wrapper's top level may lack them
         mla=dims,
+        intermediate_size=positive_field(text, "intermediate_size", path),
+        **routed,
         first_k_dense_replace=int(text.get("first_k_dense_replace", 0)),
-        num_experts=int(text.get("n_routed_experts") or 0),
-        top_k=int(text.get("num_experts_per_tok") or 1),
-        moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
         n_shared_experts=int(text.get("n_shared_experts") or 0),
         n_group=n_group,
         topk_group=int(text.get("topk_group") or n_group),
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-        moe_sharding=moe_sharding,
         weight_prefix=prefix,
         mtp_layers=int(text.get("num_nextn_predict_layers") or 0),
-        quantization=_quantization(raw, path),
     )
 
 
@@ -187,26 +173,9 @@ def ignored_tensors(cfg: DeepseekV3Config) -> tuple[str, ...]:
     return (*mtp, *outside, *common.IGNORED_TENSORS)
 
 
-def _quantization(raw: dict[str, Any], path: Path) -> formats.Scheme | None:
-    """The checkpoint's quantization scheme (a wrapper's may sit in its text config); unsupported
-    methods are refused by name."""
-    try:
-        return formats.parse_quantization(raw)
-    except DDTreeError as e:
-        raise DDTreeError(f"{path}: {e}") from None
-
-
-def _eos(text: dict[str, Any]) -> tuple[int, ...]:
-    """The text config's own stop ids (a wrapper's top level may not carry them)."""
-    value = text.get("eos_token_id")
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
-
-
 def moe_specs(prefix: str, path: tuple, cfg: DeepseekV3Config) -> list[WeightSpec]:
     """Router (+ its choice bias), stacked routed experts and the shared experts of one sparse layer."""
-    h, mlp = cfg.dims.hidden_size, prefix + "mlp."
+    h, mlp = cfg.hidden_size, prefix + "mlp."
     specs = moe.expert_specs(prefix, path, h, cfg.moe_intermediate_size, cfg.num_experts, cfg.moe_sharding)
     # HF keeps the router and its choice bias in float32 (`_keep_in_fp32_modules_strict`): a bf16 bias
     # (DeepSeek-V3's are of order 1 with small differences) would change which experts are chosen.
@@ -228,15 +197,15 @@ def weight_specs(cfg: DeepseekV3Config) -> list[WeightSpec]:
     pre = cfg.weight_prefix
     specs = [
         dataclasses.replace(s, hf_name=pre + s.hf_name)
-        for s in common.head_specs(cfg.vocab_size, cfg.dims.hidden_size, cfg.tie_word_embeddings)
+        for s in common.head_specs(cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings)
     ]
     for i in range(cfg.num_layers):
         prefix, path = f"{pre}model.layers.{i}.", ("layers", i)
-        specs += dense.norm_specs(prefix, path, cfg.dims) + mla.attention_specs(prefix, path, cfg.mla)
+        specs += dense.norm_specs(prefix, path, cfg.hidden_size) + mla.attention_specs(prefix, path, cfg.mla)
         if cfg.is_sparse(i):
             specs += moe_specs(prefix, path, cfg)
         else:
-            specs += dense.mlp_specs(prefix, path, cfg.dims)
+            specs += dense.mlp_specs(prefix, path, cfg.hidden_size, cfg.intermediate_size)
     return specs
 
 
@@ -285,7 +254,7 @@ def decoder_layer(
 ) -> tuple[jax.Array, mla.LatentEntry]:
     """One pre-norm layer: MLA, then the dense MLP or the experts (`ffn`); the new latent entry."""
     branch = dropout or (lambda y: y)
-    eps = cfg.dims.rms_norm_eps
+    eps = cfg.mla.rms_norm_eps
     with jax.named_scope("attention"):
         out, entry = mla.attention(p, rms_norm(x, p["attn_norm"], eps), cfg.mla, rope, attend, model_axis)
         x = x + branch(out)
@@ -323,11 +292,13 @@ def forward(
         return decoder_layer(p, x, cfg, rope, attend, ffn, model_axis, dropout)
 
     return common.decoder_stack(
-        params, tokens, layer, cfg.dims.rms_norm_eps, feature_layers, model_axis, dropout
+        params, tokens, layer, cfg.mla.rms_norm_eps, feature_layers, model_axis, dropout
     )
 
 
-def cache_shapes(cfg: DeepseekV3Config, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
+def cache_shapes(
+    cfg: DeepseekV3Config, batch: int, capacity: int, tp: int, dtype: jnp.dtype
+) -> list[mla.LatentEntry]:
     """Global shapes of the latent cache (replicated over "model", whatever `tp`)."""
     return mla.cache_shapes(cfg.num_layers, cfg.mla, batch, capacity, dtype)
 
@@ -336,25 +307,105 @@ def unread_weight_bytes(
     params: Params, cfg: DeepseekV3Config, tokens: int, nbytes: Callable[[jax.Array], int]
 ) -> float:
     """The embedding table, plus each sparse layer's experts that `tokens` tokens are expected not to
-    select (`moe.expected_distinct`: uniform choice, which grouped routing only approximates)."""
-    unread = common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes)
-    idle = 1.0 - moe.expected_distinct(cfg.num_experts, cfg.top_k, tokens) / max(cfg.num_experts, 1)
-    for i, p in enumerate(params["layers"]):
-        if cfg.is_sparse(i):  # quantized experts: their stored values and scales
-            unread += idle * sum(nbytes(a) for name in moe.EXPERT_WEIGHTS for a in jax.tree.leaves(p[name]))
-    return unread
+    select (`moe.unread_expert_bytes`: uniform choice, which grouped routing only approximates)."""
+    return common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes) + moe.unread_expert_bytes(
+        params, cfg, tokens, nbytes
+    )
 
 
 def check_divisible(cfg: DeepseekV3Config, tp: int, model: str = "target") -> None:
     """Clear errors when heads, MLP columns, experts (ep) or expert widths (tp) do not split `tp` ways."""
-    check_dims(cfg.dims, tp, model)
-    if tp == 1 or cfg.num_experts == 0:
+    if tp == 1:
         return
-    counts = {"shared experts' width": cfg.moe_intermediate_size * cfg.n_shared_experts}
-    if cfg.moe_sharding == "ep":
-        counts["n_routed_experts"] = cfg.num_experts
-    else:
-        counts["moe_intermediate_size"] = cfg.moe_intermediate_size
-    for field, n in counts.items():
+    for field, n in {
+        "num_attention_heads": cfg.mla.num_heads,
+        "intermediate_size": cfg.intermediate_size,
+    }.items():
         if n % tp:
             raise DDTreeError(f"--tp {tp}: the {model}'s {field} ({n}) is not divisible by {tp}")
+    shared = {"shared experts' width": cfg.moe_intermediate_size * cfg.n_shared_experts}
+    cfg.check_experts_divisible(tp, model, shared)
+
+
+def heads_per_device(cfg: DeepseekV3Config, tp: int) -> int:
+    """Query heads one device holds (the latent cache itself is whole on every device)."""
+    return common.heads_per_device(cfg.mla.num_heads, tp)
+
+
+def draft_dims(cfg: DeepseekV3Config) -> LayerDims:
+    """A DFlash drafter's layer for this target where none is published (benchmarks): the target's
+    width and dense MLP, its query heads of v_head_dim with at most 8 K/V heads (the Kimi-K2.5
+    drafter's head counts are not published: assumed 64 query and 8 K/V heads of 128)."""
+    heads = cfg.mla.num_heads
+    return LayerDims(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        heads,
+        min(heads, 8),
+        cfg.mla.v_head_dim,
+        cfg.mla.rms_norm_eps,
+        True,
+    )
+
+
+def _kimi_k2(num_layers: int) -> DeepseekV3Config:
+    """Kimi-K2-Instruct's shape (MODELS.md) cut to `num_layers` layers: the first dense, the rest MoE."""
+    yarn = Yarn(32.0, 1.0, 1.0, 4096)
+    mscale = 0.1 * math.log(32.0) + 1  # mscale_all_dim 1: the softmax scale's factor (squared)
+    return DeepseekV3Config(
+        "deepseek_v3",
+        163840,
+        num_layers,
+        RopeConfig(50000.0, 64, yarn=yarn),
+        False,
+        131072,
+        mla=mla.MLADims(7168, 64, 1536, 512, 128, 64, 128, 1e-6, True, 192**-0.5 * mscale * mscale),
+        intermediate_size=18432,
+        first_k_dense_replace=1,
+        num_experts=384,
+        top_k=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        routed_scaling_factor=2.827,
+    )
+
+
+FAMILY = Family(
+    name="deepseek_v3",
+    # Kimi-K2.5-style multimodal wrappers: their text model is loaded (`_text_config`)
+    architectures={"DeepseekV3ForCausalLM": "deepseek_v3", "KimiK25ForConditionalGeneration": "kimi_k25"},
+    config_from_hf=config_from_hf,
+    weight_specs=weight_specs,
+    forward=forward,
+    embed=common.embed,
+    logits=common.logits,
+    Entry=mla.LatentEntry,
+    cache_shapes=cache_shapes,
+    unread_weight_bytes=unread_weight_bytes,
+    check_divisible=check_divisible,
+    ignored_tensors=ignored_tensors,
+    heads_per_device=heads_per_device,
+    draft_dims=draft_dims,
+    ATTENTION="mla",
+    PAD_ONE_ROW_AR=False,  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
+    ROUTED_EXPERTS=True,  # the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
+    CUDNN_PREFILL=False,  # MLA: its prefill is the expanded form (models/mla.py)
+    QUANTIZED_FORMATS=(formats.Fp8Block, formats.Int4Group),  # DeepSeek-V3/Kimi-K2 FP8, Kimi-K2.5 INT4
+    SHAPES={
+        # Kimi-K2 at 4 of its 61 layers (1 dense + 3 MoE) is the most that fits one H200 in bf16: 4.7 GB
+        # of embedding and lm_head, 1.0 GB for the dense layer, 34.1 GB per MoE layer (384 experts of
+        # 88 MB), 6.9 GB for a 6-layer drafter: 115 GB, against 139 GiB (149 GB); a fifth layer would
+        # need 149 GB.
+        "kimi-k2": _kimi_k2(4),
+        "tiny-mla": dataclasses.replace(
+            _kimi_k2(3),
+            vocab_size=512,
+            rope=RopeConfig(1e4, 16),
+            mla=mla.MLADims(64, 4, 32, 32, 16, 16, 16, 1e-6, True, 32**-0.5),
+            intermediate_size=128,
+            num_experts=8,
+            top_k=2,
+            moe_intermediate_size=16,
+        ),
+    },
+)

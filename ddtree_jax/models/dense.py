@@ -1,11 +1,13 @@
-"""Dense decoder families: Qwen3ForCausalLM and LlamaForCausalLM (GQA attention, SwiGLU MLP).
+"""The dense family: Qwen3ForCausalLM and LlamaForCausalLM (GQA attention, SwiGLU MLP).
 
-A family module provides what models/__init__.py lists; this one serves as the base of the
-others (its layer takes another feed-forward through `ffn`).
+Its config (`DenseConfig`: the shared target fields plus the GQA layer shape `dims`) and its layer
+serve as the base of Qwen3-MoE (the layer takes another feed-forward through `ffn`); the module ends
+with its `FAMILY` record (models/family.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,25 +16,33 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax.collectives import Axis
-from ddtree_jax.config import LayerDims, TargetConfig, hf_dims, hf_rope, positive_field
+from ddtree_jax.config import LayerDims, RopeConfig, TargetConfig, hf_dims, hf_rope, positive_field
 from ddtree_jax.models import common, gqa
 from ddtree_jax.models.common import ForwardOutput, all_reduce, rms_norm, rope_tables, swiglu
+from ddtree_jax.models.family import Family
 from ddtree_jax.sharding import check_divisible as check_dims
 from ddtree_jax.weights import Params, WeightSpec, linear, norm
 
-Entry = gqa.KVEntry
-embed, logits = common.embed, common.logits  # the target's embedding and head (the drafter's too)
-ignored_tensors = common.ignored_tensors
-PAD_ONE_ROW_AR = True  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster (engine.py)
-ROUTED_EXPERTS = False  # dense layers: the default ddtree budgets of budgets.DEFAULT_BUDGETS
 # ffn(p, h) -> [B, T, H], all-reduced: the feed-forward branch of one layer on its normed input.
 FFN = Callable[[dict, jax.Array], jax.Array]
 
 
-def config_from_hf(raw: dict[str, Any], path: Path, arch: str, eos: tuple[int, ...], **_) -> TargetConfig:
+@dataclasses.dataclass(frozen=True)
+class DenseConfig(TargetConfig):
+    """A target of GQA layers (Qwen3ForCausalLM, LlamaForCausalLM; Qwen3-MoE extends it)."""
+
+    dims: LayerDims = dataclasses.field(kw_only=True)  # every layer's attention and MLP shape
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the residual stream."""
+        return self.dims.hidden_size
+
+
+def config_from_hf(raw: dict[str, Any], path: Path, arch: str, eos: tuple[int, ...], **_) -> DenseConfig:
     """The dense target of an HF config.json (`arch`: "qwen3" or "llama")."""
     dims = hf_dims(raw, path, qk_norm=arch == "qwen3")
-    return TargetConfig(
+    return DenseConfig(
         architecture=arch,
         vocab_size=positive_field(raw, "vocab_size", path),
         num_layers=positive_field(raw, "num_hidden_layers", path),
@@ -44,9 +54,9 @@ def config_from_hf(raw: dict[str, Any], path: Path, arch: str, eos: tuple[int, .
     )
 
 
-def mlp_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
-    """The SwiGLU MLP of one layer; columns split over "ff"."""
-    h, ff, mlp = dims.hidden_size, dims.intermediate_size, prefix + "mlp."
+def mlp_specs(prefix: str, path: tuple, hidden: int, ff: int) -> list[WeightSpec]:
+    """The SwiGLU MLP of one layer (hidden -> ff -> hidden); columns split over "ff"."""
+    h, mlp = hidden, prefix + "mlp."
     return [
         linear((*path, "gate_proj"), mlp + "gate_proj.weight", h, ff, (None, "ff")),
         linear((*path, "up_proj"), mlp + "up_proj.weight", h, ff, (None, "ff")),
@@ -54,9 +64,8 @@ def mlp_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
     ]
 
 
-def norm_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
-    """The two pre-norms of one layer."""
-    h = dims.hidden_size
+def norm_specs(prefix: str, path: tuple, h: int) -> list[WeightSpec]:
+    """The two pre-norms of one layer of width h."""
     return [
         norm((*path, "attn_norm"), prefix + "input_layernorm.weight", h),
         norm((*path, "mlp_norm"), prefix + "post_attention_layernorm.weight", h),
@@ -66,9 +75,9 @@ def norm_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
 def layer_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
     """The weights of one dense decoder layer; HF names under `prefix` (e.g. 'model.layers.3.')."""
     return (
-        norm_specs(prefix, path, dims)
+        norm_specs(prefix, path, dims.hidden_size)
         + gqa.attention_specs(prefix, path, dims)
-        + mlp_specs(prefix, path, dims)
+        + mlp_specs(prefix, path, dims.hidden_size, dims.intermediate_size)
     )
 
 
@@ -104,7 +113,7 @@ def decoder_layer(
     return x, entry
 
 
-def weight_specs(cfg: TargetConfig) -> list[WeightSpec]:
+def weight_specs(cfg: DenseConfig) -> list[WeightSpec]:
     """Every target weight with its HF name; lm_head only when embeddings are untied."""
     specs = common.head_specs(cfg.vocab_size, cfg.dims.hidden_size, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
@@ -114,7 +123,7 @@ def weight_specs(cfg: TargetConfig) -> list[WeightSpec]:
 
 def forward(
     params: Params,
-    cfg: TargetConfig,
+    cfg: DenseConfig,
     tokens: jax.Array,
     positions: jax.Array,
     mask: jax.Array,
@@ -142,18 +151,79 @@ def forward(
     )
 
 
-def cache_shapes(cfg: TargetConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
+def cache_shapes(cfg: DenseConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[gqa.KVEntry]:
     """Global shapes of the target's cache on a mesh of `tp` model devices."""
     return gqa.cache_shapes(cfg.num_layers, cfg.dims, batch, capacity, tp, dtype)
 
 
 def unread_weight_bytes(
-    params: Params, cfg: TargetConfig, tokens: int, nbytes: Callable[[jax.Array], int]
+    params: Params, cfg: DenseConfig, tokens: int, nbytes: Callable[[jax.Array], int]
 ) -> float:
     """Bytes of the weights one device holds that a pass over `tokens` tokens need not read."""
     return common.unread_embedding_bytes(params, cfg.tie_word_embeddings, nbytes)
 
 
-def check_divisible(cfg: TargetConfig, tp: int, model: str = "target") -> None:
+def check_divisible(cfg: DenseConfig, tp: int, model: str = "target") -> None:
     """Clear errors when heads or MLP columns do not split `tp` ways (any vocabulary does: padded)."""
     check_dims(cfg.dims, tp, model)
+
+
+def heads_per_device(cfg: DenseConfig, tp: int) -> int:
+    """Query heads one device holds."""
+    return common.heads_per_device(cfg.dims.num_heads, tp)
+
+
+def draft_dims(cfg: DenseConfig) -> LayerDims:
+    """A DFlash drafter's layer for this target: its own layer shape, with q/k norms and at most 8 K/V
+    heads (the published Qwen3 and Llama drafters')."""
+    return dataclasses.replace(cfg.dims, qk_norm=True, num_kv_heads=min(cfg.dims.num_kv_heads, 8))
+
+
+def _dims(hidden, ff, heads, kv_heads, head_dim, qk_norm) -> LayerDims:
+    return LayerDims(hidden, ff, heads, kv_heads, head_dim, 1e-6, qk_norm)
+
+
+def _shape(
+    arch: str, vocab: int, layers: int, dims: LayerDims, rope: RopeConfig, max_pos: int, tied: bool = False
+) -> DenseConfig:
+    return DenseConfig(arch, vocab, layers, rope, tied, max_pos, dims=dims)
+
+
+FAMILY = Family(
+    name="dense",
+    architectures={"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"},
+    config_from_hf=config_from_hf,
+    weight_specs=weight_specs,
+    forward=forward,
+    embed=common.embed,
+    logits=common.logits,
+    Entry=gqa.KVEntry,
+    cache_shapes=cache_shapes,
+    unread_weight_bytes=unread_weight_bytes,
+    check_divisible=check_divisible,
+    ignored_tensors=common.ignored_tensors,
+    heads_per_device=heads_per_device,
+    draft_dims=draft_dims,
+    ATTENTION="gqa",
+    PAD_ONE_ROW_AR=True,  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster
+    ROUTED_EXPERTS=False,  # dense layers: the default ddtree budgets of budgets.DEFAULT_BUDGETS
+    CUDNN_PREFILL=True,
+    SHAPES={
+        "qwen3-8b": _shape(
+            "qwen3", 151936, 36, _dims(4096, 12288, 32, 8, 128, True), RopeConfig(1e6, 128), 40960
+        ),
+        "llama-3.1-8b": _shape(
+            "llama",
+            128256,
+            32,
+            _dims(4096, 14336, 32, 8, 128, False),
+            RopeConfig(5e5, 128, (8.0, 1.0, 4.0, 8192)),
+            131072,
+        ),
+        "tiny": _shape("qwen3", 512, 4, _dims(64, 128, 4, 2, 16, True), RopeConfig(1e4, 16), 4096),
+        # the bundled pair's target (assets/default_pair/target/config.json; its drafter: --draft-layers 2)
+        "default-pair": _shape(
+            "qwen3", 4096, 6, _dims(256, 1024, 4, 2, 64, True), RopeConfig(1e4, 64), 4096, tied=True
+        ),
+    },
+)

@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.attention import kernel
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import LayerDims
+from ddtree_jax.kernels.tree_attention import tree_attention_reference
 from ddtree_jax.models.common import all_reduce, apply_rope, rms_norm
 from ddtree_jax.sharding import DATA, MODEL
 from ddtree_jax.weights import WeightSpec, linear, norm
-from pallas_kernels import tree_attention_reference
 
 # attend(q, k_new, v_new) -> [B, T, Hq, D]: the caller closes over the cache and the mask.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]

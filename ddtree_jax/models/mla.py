@@ -7,7 +7,7 @@ its first N columns W_uk[h] make the keys' no-RoPE part, the other V columns W_u
 
 Two forms of the same attention (softmax over q_nope . k_nope + q_rope . k_rope, times softmax_scale):
   absorbed  decode, drafter features, tree verify: queries mapped into latent space,
-            q_latent[h] = W_uk[h] q_nope[h]; pallas_kernels.mla_attention attends over [cache ; new]
+            q_latent[h] = W_uk[h] q_nope[h]; ddtree_jax.kernels.mla_attention attends over [cache ; new]
             under the mask; its latent output goes through W_uv[h]
   expanded  prefill (no cache): per-head keys and values built from the new tokens' latents
 Which is cheaper, counted per head: both pay 2 C (N + V) FLOPs per token once (the absorbed form to map
@@ -35,10 +35,10 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.attention import kernel
 from ddtree_jax.collectives import Axis
+from ddtree_jax.kernels.flash import MASK_VALUE
 from ddtree_jax.models.common import all_reduce, apply_rope, dense_weight, matmul, rms_norm
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import WeightSpec, linear, norm
-from pallas_kernels.tree_attention import MASK_VALUE
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin [B, T, R / 2] (yarn's attention factor included)
 

@@ -15,8 +15,8 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
            reads k expert matrices per token, the least work for one or a few tokens
   sorted   sort the N x k (token, expert) pairs by expert, then grouped matmuls through
            `jax.lax.ragged_dot` (`ragged_matmul`); any backend
-  grouped  the same sort, grouped matmuls by the Pallas Triton kernel
-           `pallas_kernels.quant_matmul.grouped_matmul` (CUDA GPUs; reads only the experts that own
+  grouped  the same sort, grouped matmuls by the Pallas Triton kernel of kernels/quant_matmul.py
+           (`quant.arrays.pallas_ragged_matmul`; CUDA GPUs; reads only the experts that own
            rows, K split over programs for few rows); `grouped_split` the same with more K splits
            (block_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
            in interpret mode (tests, any backend)
@@ -33,15 +33,18 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.collectives import Axis
+from ddtree_jax.config import positive_field
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.quant.arrays import (
     Fp8Weight,
@@ -49,12 +52,14 @@ from ddtree_jax.quant.arrays import (
     Weight,
     dequantize,
     num_experts,
+    pallas_ragged_matmul,
     ragged_matmul,
     slot_matmul,
     stored,
 )
-from ddtree_jax.weights import WeightSpec, stacked_linear
+from ddtree_jax.weights import Params, WeightSpec, stacked_linear
 
+MOE_SHARDINGS = ("ep", "tp")  # experts over "model": whole experts per device, or columns of every expert
 DISPATCHES = ("gather", "sorted", "dense")  # any backend
 GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu", "fused")  # CUDA (sorted_mgpu, fused: Hopper)
 # the Pallas ones in interpret mode, tests only
@@ -76,6 +81,75 @@ GPU_GATHER_MAX_TOKENS = 4
 # 0.309 / 0.333 / 0.322 / 0.421 / 0.458 / 0.509 / 0.523. The forced `fused` dispatch still runs it.
 FUSED_MAX_TOKENS = 0
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RoutedExperts:
+    """The routed-experts part a MoE family's config shares (Qwen3MoeConfig, DeepseekV3Config inherit
+    it beside the target fields): the experts, how many a token takes, their width, and how they split
+    over "model"."""
+
+    num_experts: int = 0
+    top_k: int = 1  # experts per token (num_experts_per_tok)
+    moe_intermediate_size: int = 0  # each expert's width
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
+    moe_sharding: str = "ep"  # experts over "model": "ep" whole experts, "tp" columns of every expert
+    moe_dispatch: str | None = None  # run_experts' dispatch; None: by token count and backend
+    EXPERTS_FIELD: ClassVar[str] = "num_experts"  # the config.json field that counts the experts
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` routes to experts (else a dense MLP)."""
+        raise NotImplementedError
+
+    def check_experts_divisible(self, tp: int, model: str, extra: dict[str, int] | None = None) -> None:
+        """Clear errors when the experts (ep) or each expert's width (tp), and `extra` widths (e.g. the
+        shared experts'), do not split `tp` ways."""
+        if tp == 1 or self.num_experts == 0:
+            return
+        counts = dict(extra or {})
+        if self.moe_sharding == "ep":
+            counts[self.EXPERTS_FIELD] = self.num_experts
+        else:
+            counts["moe_intermediate_size"] = self.moe_intermediate_size
+        for field, n in counts.items():
+            if n % tp:
+                raise DDTreeError(
+                    f"--tp {tp}: the {model}'s {field} ({n}) is not divisible by {tp} "
+                    f"(--moe-sharding {self.moe_sharding})"
+                )
+
+
+def routed_fields(
+    raw: dict[str, Any], path: Path, num_experts: Any, norm_topk_prob: bool, moe_sharding: str, field: str
+) -> dict[str, Any]:
+    """The `RoutedExperts` fields of an HF config with `num_experts` experts (read from its `field`;
+    top-k and width required when there are experts); `norm_topk_prob`: the family's default when the
+    config leaves it out."""
+    if moe_sharding not in MOE_SHARDINGS:
+        raise DDTreeError(f"--moe-sharding must be one of {MOE_SHARDINGS}, got {moe_sharding!r}")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 0:
+        raise DDTreeError(f"{path}: missing or bad '{field}' ({num_experts!r})")
+    routed = num_experts > 0
+    return dict(
+        num_experts=num_experts,
+        top_k=positive_field(raw, "num_experts_per_tok", path) if routed else 1,
+        moe_intermediate_size=positive_field(raw, "moe_intermediate_size", path) if routed else 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", norm_topk_prob)),
+        moe_sharding=moe_sharding,
+    )
+
+
+def unread_expert_bytes(
+    params: Params, cfg: RoutedExperts, tokens: int, nbytes: Callable[[jax.Array], int]
+) -> float:
+    """Bytes of each sparse layer's experts that `tokens` tokens are expected not to select
+    (`expected_distinct`: uniform choice); quantized experts count their stored values and scales."""
+    idle = 1.0 - expected_distinct(cfg.num_experts, cfg.top_k, tokens) / max(cfg.num_experts, 1)
+    unread = 0.0
+    for i, p in enumerate(params["layers"]):
+        if cfg.is_sparse(i):
+            unread += idle * sum(nbytes(a) for name in EXPERT_WEIGHTS for a in jax.tree.leaves(p[name]))
+    return unread
 
 
 class RoutingLog:
@@ -224,7 +298,6 @@ def pallas_grouped(dispatch: str) -> Grouped:
     """The grouped matmul (the contract of `quant.arrays.ragged_matmul`) of a Pallas dispatch: the
     Triton kernel, with more K splits for `grouped_split`, interpreted for `grouped_interpret`; weights
     whose shapes the kernel's blocks cannot tile go through `ragged_matmul`."""
-    from pallas_kernels.quant_matmul import grouped_matmul
 
     def grouped(x: jax.Array, w: Weight, sizes: jax.Array) -> jax.Array:
         split = dispatch.startswith("grouped_split")
@@ -236,7 +309,7 @@ def pallas_grouped(dispatch: str) -> Grouped:
         if split:  # up to 8 splits of K: more programs for a few rows
             k_blocks = _stored_rows(w) // block_k
             splits = max(s for s in range(1, 9) if k_blocks % s == 0)
-        return grouped_matmul(
+        return pallas_ragged_matmul(
             x,
             w,
             sizes,

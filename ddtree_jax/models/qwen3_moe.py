@@ -2,7 +2,8 @@
 
 Layer i is sparse iff i is not in `mlp_only_layers`, there are experts, and (i + 1) % decoder_sparse_step
 == 0; the other layers keep a dense SwiGLU MLP of `intermediate_size`. Experts are stacked [E, ...]
-(models/moe.py) and split over "model" by expert (`moe_sharding` "ep") or by column ("tp").
+(models/moe.py) and split over "model" by expert (`moe_sharding` "ep") or by column ("tp"). Built on
+the dense family (models/dense.py): its config, layer and forward with the experts as feed-forward.
 """
 
 from __future__ import annotations
@@ -13,37 +14,22 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from ddtree_jax.collectives import Axis
-from ddtree_jax.config import TargetConfig, positive_field
-from ddtree_jax.errors import DDTreeError
+from ddtree_jax.config import RopeConfig, positive_field
 from ddtree_jax.models import common, dense, gqa, moe
 from ddtree_jax.models.common import ForwardOutput, all_reduce
+from ddtree_jax.models.family import Family
 from ddtree_jax.weights import Params, WeightSpec
-
-Entry = gqa.KVEntry
-embed, logits = common.embed, common.logits
-ignored_tensors = common.ignored_tensors
-MOE_SHARDINGS = ("ep", "tp")
-# No second, inactive row for one-row ar steps: its token would read up to top_k more experts per layer
-# (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row reads of the dense part).
-PAD_ONE_ROW_AR = False
-ROUTED_EXPERTS = True  # tokens routed to experts: the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeConfig(TargetConfig):
-    """A Qwen3-MoE target: the dense fields plus the routed experts'."""
+class Qwen3MoeConfig(dense.DenseConfig, moe.RoutedExperts):
+    """A Qwen3-MoE target: the dense fields (`dims`: attention, the dense layers' MLP) plus the routed
+    experts' (models/moe.py) and which layers route."""
 
-    num_experts: int = 0
-    top_k: int = 1  # num_experts_per_tok
-    moe_intermediate_size: int = 0  # each expert's width
-    norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    moe_sharding: str = "ep"  # experts over "model": "ep" whole experts, "tp" columns of every expert
-    moe_dispatch: str | None = None  # moe.run_experts' dispatch; None: by token count and backend
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` routes to experts (else a dense MLP)."""
@@ -59,25 +45,17 @@ def config_from_hf(
 ) -> Qwen3MoeConfig:
     """The Qwen3-MoE target of an HF config.json (`num_experts`, or `num_local_experts` as written by
     transformers 5)."""
-    if moe_sharding not in MOE_SHARDINGS:
-        raise DDTreeError(f"--moe-sharding must be one of {MOE_SHARDINGS}, got {moe_sharding!r}")
     base = dense.config_from_hf(raw, path, "qwen3", eos)
     experts = raw.get("num_experts", raw.get("num_local_experts"))
-    if not isinstance(experts, int) or experts < 0:
-        raise DDTreeError(f"{path}: missing or bad 'num_experts' ({experts!r})")
-    fields = dataclasses.asdict(base) | {"architecture": arch}
-    fields["dims"], fields["rope"] = base.dims, base.rope
+    routed = moe.routed_fields(raw, path, experts, False, moe_sharding, Qwen3MoeConfig.EXPERTS_FIELD)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)} | {"architecture": arch}
     return Qwen3MoeConfig(
         **fields,
-        num_experts=experts,
-        top_k=positive_field(raw, "num_experts_per_tok", path),
-        moe_intermediate_size=positive_field(raw, "moe_intermediate_size", path),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        **routed,
         decoder_sparse_step=positive_field(raw, "decoder_sparse_step", path)
         if "decoder_sparse_step" in raw
         else 1,
         mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-        moe_sharding=moe_sharding,
     )
 
 
@@ -87,13 +65,13 @@ def weight_specs(cfg: Qwen3MoeConfig) -> list[WeightSpec]:
     specs = common.head_specs(cfg.vocab_size, d.hidden_size, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
         prefix, path = f"model.layers.{i}.", ("layers", i)
-        specs += dense.norm_specs(prefix, path, d) + gqa.attention_specs(prefix, path, d)
+        specs += dense.norm_specs(prefix, path, d.hidden_size) + gqa.attention_specs(prefix, path, d)
         if cfg.is_sparse(i):
             specs += moe.expert_specs(
                 prefix, path, d.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.moe_sharding
             )
         else:
-            specs += dense.mlp_specs(prefix, path, d)
+            specs += dense.mlp_specs(prefix, path, d.hidden_size, d.intermediate_size)
     return specs
 
 
@@ -133,39 +111,71 @@ def forward(
     )
 
 
-def cache_shapes(cfg: Qwen3MoeConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
-    """Global shapes of the target's cache (GQA, as for dense targets)."""
-    return dense.cache_shapes(cfg, batch, capacity, tp, dtype)
-
-
 def unread_weight_bytes(
     params: Params, cfg: Qwen3MoeConfig, tokens: int, nbytes: Callable[[jax.Array], int]
 ) -> float:
     """The dense part (the embedding table), plus each sparse layer's experts that `tokens` tokens
-    are expected not to select (`moe.expected_distinct`)."""
-    unread = dense.unread_weight_bytes(params, cfg, tokens, nbytes)
-    idle = 1.0 - moe.expected_distinct(cfg.num_experts, cfg.top_k, tokens) / cfg.num_experts
-    for i, p in enumerate(params["layers"]):
-        if cfg.is_sparse(i):
-            unread += idle * sum(nbytes(p[name]) for name in moe.EXPERT_WEIGHTS)
-    return unread
+    are expected not to select (`moe.unread_expert_bytes`)."""
+    return dense.unread_weight_bytes(params, cfg, tokens, nbytes) + moe.unread_expert_bytes(
+        params, cfg, tokens, nbytes
+    )
 
 
 def check_divisible(cfg: Qwen3MoeConfig, tp: int, model: str = "target") -> None:
     """The dense rules, plus: experts (ep) or each expert's width (tp) split `tp` ways."""
     dense.check_divisible(cfg, tp, model)
-    if tp == 1 or cfg.num_experts == 0:
-        return
-    field, n = (
-        ("num_experts", cfg.num_experts)
-        if cfg.moe_sharding == "ep"
-        else (
-            "moe_intermediate_size",
-            cfg.moe_intermediate_size,
-        )
-    )
-    if n % tp:
-        raise DDTreeError(
-            f"--tp {tp}: the {model}'s {field} ({n}) is not divisible by {tp} "
-            f"(--moe-sharding {cfg.moe_sharding})"
-        )
+    cfg.check_experts_divisible(tp, model)
+
+
+def _shape(vocab: int, layers: int, dims, rope: RopeConfig, max_pos: int, **experts) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig("qwen3_moe", vocab, layers, rope, False, max_pos, dims=dims, **experts)
+
+
+FAMILY = Family(
+    name="qwen3_moe",
+    architectures={"Qwen3MoeForCausalLM": "qwen3_moe"},
+    config_from_hf=config_from_hf,
+    weight_specs=weight_specs,
+    forward=forward,
+    embed=common.embed,
+    logits=common.logits,
+    Entry=gqa.KVEntry,
+    cache_shapes=dense.cache_shapes,  # GQA, as for dense targets
+    unread_weight_bytes=unread_weight_bytes,
+    check_divisible=check_divisible,
+    ignored_tensors=common.ignored_tensors,
+    heads_per_device=dense.heads_per_device,
+    draft_dims=dense.draft_dims,
+    # No second, inactive row for one-row ar steps: its token would read up to top_k more experts per
+    # layer (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row reads of the
+    # dense part).
+    ATTENTION="gqa",
+    PAD_ONE_ROW_AR=False,
+    ROUTED_EXPERTS=True,  # the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
+    CUDNN_PREFILL=True,
+    SHAPES={
+        "qwen3-30b-a3b": _shape(
+            151936,
+            48,
+            dense._dims(2048, 6144, 32, 4, 128, True),
+            RopeConfig(1e6, 128),
+            40960,
+            num_experts=128,
+            top_k=8,
+            moe_intermediate_size=768,
+            norm_topk_prob=True,
+        ),
+        "tiny-moe": _shape(
+            512,
+            4,
+            dense._dims(64, 128, 4, 2, 16, True),
+            RopeConfig(1e4, 16),
+            4096,
+            num_experts=8,
+            top_k=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=(0,),
+        ),
+    },
+)

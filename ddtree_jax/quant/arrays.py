@@ -168,6 +168,33 @@ def ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(_pad_in(x, full.shape[-2]), full, group_sizes.astype(jnp.int32))[..., :n_out]
 
 
+def kernel_experts(w: Weight):
+    """A stacked expert weight [E, in, out] laid out for the Pallas grouped matmul
+    (`ddtree_jax.kernels.quant_matmul.Experts`: the stored arrays flattened to 2-D)."""
+    from ddtree_jax.kernels.quant_matmul import Experts
+
+    if isinstance(w, Int4Weight):
+        if w.q.dtype != jnp.int32:
+            raise ValueError("the kernel reads int32 words; pass the checkpoint's layout, not as_int4")
+        e, kw, n = w.q.shape
+        return Experts(w.q.reshape(e * kw, n), w.scale.reshape(-1, n), "int4", kw * 8, n, (w.group, 1))
+    if isinstance(w, Fp8Weight):
+        e, kp, n = w.w.shape
+        scale = w.scale.reshape(-1, w.scale.shape[-1])
+        return Experts(w.w.reshape(e * kp, n), scale, "fp8", kp, w.shape[1], w.block)
+    e, k, n = w.shape
+    return Experts(w.reshape(e * k, n), jnp.zeros((1, 1), jnp.float32), "plain", k, n)
+
+
+def pallas_ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array, **tuning) -> jax.Array:
+    """`ragged_matmul` by the Pallas Triton kernel, which reads the stored bytes of the experts that own
+    rows (`ddtree_jax.kernels.quant_matmul.grouped_matmul`; `tuning`: its block, split and interpret
+    options)."""
+    from ddtree_jax.kernels.quant_matmul import grouped_matmul
+
+    return grouped_matmul(x, kernel_experts(w), group_sizes, **tuning)
+
+
 def slot_matmul(x: jax.Array, w: Weight, experts: jax.Array) -> jax.Array:
     """Each token's k chosen experts: x [N, in] (shared by the slots) or [N, k, in] (one row per slot),
     W [E, in, out], experts [N, k] -> [N, k, out]. Gathers the stored bytes of N k experts and contracts
@@ -197,7 +224,7 @@ def reduce_matmul(x: jax.Array, w: Weight, expert: jax.Array | None = None) -> j
 
 def sorted_matmul(x: jax.Array, w: Weight, expert: jax.Array, grouped=ragged_matmul) -> jax.Array:
     """Row p times its own expert via a sort by expert, a grouped matmul (`ragged_matmul` or one of
-    its signature, e.g. pallas_kernels.quant_matmul.grouped_matmul) and the inverse permutation."""
+    its signature, e.g. `pallas_ragged_matmul`) and the inverse permutation."""
     order = jnp.argsort(expert, stable=True)
     sizes = jnp.bincount(expert, length=num_experts(w))
     y = grouped(x[order], w, sizes)

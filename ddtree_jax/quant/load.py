@@ -259,15 +259,13 @@ def load_params(
     return assemble(specs, make)
 
 
-EXPERT_FIELDS = ("experts_gate", "experts_up", "experts_down")  # models.moe.EXPERT_WEIGHTS
-
-
 def published_form(scheme: formats.Scheme | None, spec: WeightSpec) -> Form:
     """The form the published checkpoints store a weight in: FP8 (DeepSeek-V3, Kimi-K2) every linear
-    projection but the router, embedding and head; INT4 (Kimi-K2.5/K2.6) the routed experts only."""
+    projection but the router, embedding and head; INT4 (Kimi-K2.5/K2.6) the routed experts only (the
+    stacked specs: one HF tensor per expert, models/moe.py)."""
     if scheme is None or not spec.transpose or "vocab" in spec.axes or spec.path[-1] == "router":
         return formats.PLAIN
-    if isinstance(scheme, Int4Group) and spec.path[-1] not in EXPERT_FIELDS:
+    if isinstance(scheme, Int4Group) and not spec.stack:
         return formats.PLAIN
     return scheme
 

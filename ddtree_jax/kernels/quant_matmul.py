@@ -1,8 +1,10 @@
 """Grouped matmul over rows sorted by expert that reads the experts' stored bytes (INT4 words, FP8, bf16).
 
-Same contract as its reference `ddtree_jax.quant.arrays.ragged_matmul`: x [P, K] sorted by expert,
-W [E, K, N] (an `Int4Weight` of int32 words, an `Fp8Weight` or a plain array), group_sizes [E]
--> [P, N] in x's dtype (rows past sum(group_sizes) are zeros).
+Contract (`grouped_matmul` and its jnp reference `grouped_matmul_reference`): x [P, K] sorted by
+expert, the stacked experts W [E, K, N] as stored (`Experts`), group_sizes [E] -> [P, N] in x's
+dtype (rows past sum(group_sizes) are zeros). `ddtree_jax.quant.arrays.kernel_experts` lays a
+quantized weight out as `Experts`; `quant.arrays.pallas_ragged_matmul` is this kernel under the
+contract of `quant.arrays.ragged_matmul` (a weight in, the same result out).
 
 Kernel layout: a host-free tile schedule cuts every expert's rows into tiles of `block_m` (a tile
 never spans two experts; at most min(E, P) + P // block_m tiles, the rest empty); the grid is
@@ -16,6 +18,7 @@ Expert weights are flattened to 2-D ([E * rows, N]) and read by gathered row ind
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,10 +27,65 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, ragged_matmul
+from ddtree_jax.kernels.tuning import default_grouped_splits
 
-NUM_SMS_H200 = 132
-grouped_matmul_reference = ragged_matmul
+FORMATS = ("plain", "fp8", "int4")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["fmt", "rows", "cols", "block"]
+)
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """Stacked expert weights [E, K, N] as stored, flattened to 2-D (`rows` = K per expert as stored):
+
+      plain  w [E * K, N] (any float dtype); scale unused ([1, 1])
+      fp8    w [E * K_pad, N_pad] float8_e4m3fn, zero-padded to whole blocks; scale [E * K_pad / bk,
+             N_pad / bn] float32; block (bk, bn)
+      int4   w [E * K / 8, N] int32: nibble j (bits 4j..4j+3) of word r holds row 8r + j, stored + 8;
+             scale [E * K / g, N] (bf16 as published); block (g, 1)
+
+    `cols`: the N of the result (fp8: the logical N, before padding).
+    """
+
+    w: jax.Array
+    scale: jax.Array
+    fmt: str
+    rows: int
+    cols: int
+    block: tuple[int, int] = (1, 1)
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return self.w.shape[0] * (8 if self.fmt == "int4" else 1) // self.rows
+
+
+def _dequantize(experts: Experts, dtype: jnp.dtype) -> jax.Array:
+    """[E, rows, N_stored] in `dtype`: the stored values times their scales in float32 (int4: rounded to
+    the scale's dtype first, as the checkpoint defines it)."""
+    e, n, f32 = experts.num_experts, experts.w.shape[-1], jnp.float32
+    if experts.fmt == "plain":
+        return experts.w.reshape(e, experts.rows, n).astype(dtype)
+    bk, bn = experts.block
+    if experts.fmt == "fp8":
+        blocked = experts.w.astype(f32).reshape(e, experts.rows // bk, bk, n // bn, bn)
+        scale = experts.scale.reshape(e, experts.rows // bk, n // bn)[:, :, None, :, None]
+        return (blocked * scale).reshape(e, experts.rows, n).astype(dtype)
+    shifts = jnp.arange(0, 32, 4, dtype=jnp.int32)[None, :, None]
+    nibbles = ((experts.w[:, None, :] >> shifts) & 0xF) - 8  # [E * K / 8, 8, N]: row 8r + j
+    values = nibbles.reshape(e, experts.rows // bk, bk, n).astype(f32)
+    scale = experts.scale.reshape(e, experts.rows // bk, 1, n).astype(f32)
+    return (values * scale).astype(experts.scale.dtype).reshape(e, experts.rows, n).astype(dtype)
+
+
+def grouped_matmul_reference(x: jax.Array, experts: Experts, group_sizes: jax.Array) -> jax.Array:
+    """Pure-jnp grouped matmul (the weights dequantised whole, then `jax.lax.ragged_dot`); the contract
+    of `grouped_matmul`."""
+    w = _dequantize(experts, x.dtype)
+    pad = experts.rows - x.shape[-1]
+    x = jnp.pad(x, ((0, 0), (0, pad))) if pad else x
+    return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))[:, : experts.cols]
 
 
 def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, ...]:
@@ -101,45 +159,13 @@ def _kernel(
     pltriton.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-def _operands(w: Weight) -> tuple[str, jax.Array, jax.Array, int, int, tuple[int, int], jnp.dtype]:
-    """(format, 2-D weight [E * rows, N], 2-D scales, K rows per expert (padded), N, (group_k, group_n),
-    scale dtype)."""
-    if isinstance(w, Int4Weight):
-        if w.q.dtype != jnp.int32:
-            raise ValueError("the kernel reads int32 words; pass the checkpoint's layout, not as_int4")
-        e, kw, n = w.q.shape
-        return "int4", w.q.reshape(e * kw, n), w.scale.reshape(-1, n), kw * 8, n, (w.group, 1), w.scale.dtype
-    if isinstance(w, Fp8Weight):
-        e, kp, n = w.w.shape
-        return (
-            "fp8",
-            w.w.reshape(e * kp, n),
-            w.scale.reshape(-1, w.scale.shape[-1]),
-            kp,
-            n,
-            w.block,
-            jnp.float32,
-        )
-    e, k, n = w.shape
-    return "plain", w.reshape(e * k, n), jnp.zeros((1, 1), jnp.float32), k, n, (1, 1), jnp.float32
-
-
-def default_splits(programs: int, k_blocks: int, num_sms: int = NUM_SMS_H200, min_steps: int = 4) -> int:
-    """K splits so that about two programs run per SM, each streaming at least `min_steps` K blocks."""
-    want = max(1, -(-2 * num_sms // programs))
-    for s in range(min(want, max(1, k_blocks // min_steps)), 0, -1):
-        if k_blocks % s == 0:
-            return s
-    return 1
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("block_m", "block_n", "block_k", "splits", "num_warps", "num_stages", "interpret"),
 )
 def grouped_matmul(
     x: jax.Array,
-    w: Weight,
+    experts: Experts,
     group_sizes: jax.Array,
     *,
     block_m: int = 16,
@@ -151,7 +177,10 @@ def grouped_matmul(
     interpret: bool = False,
 ) -> jax.Array:
     """Pallas (Triton) grouped matmul; the contract of `grouped_matmul_reference` (module docstring)."""
-    fmt, w2, s2, k_rows, n, group, scale_dtype = _operands(w)
+    if experts.fmt not in FORMATS:
+        raise ValueError(f"expert format {experts.fmt!r} not one of {FORMATS}")
+    fmt, w2, s2, k_rows, group = experts.fmt, experts.w, experts.scale, experts.rows, experts.block
+    n = w2.shape[-1]
     p, k = x.shape
     block_k = block_k or (256 if fmt == "int4" else 128)
     if fmt == "fp8" and (group[0] % block_k and block_k % group[0]):
@@ -161,7 +190,7 @@ def grouped_matmul(
     x = jnp.pad(x, ((0, 0), (0, k_rows - k))) if k_rows > k else x
     e, start, end = tile_schedule(group_sizes, p, block_m)
     k_blocks = k_rows // block_k
-    splits = splits or default_splits(e.shape[0] * (n // block_n), k_blocks)
+    splits = splits or default_grouped_splits(e.shape[0] * (n // block_n), k_blocks)
     if k_blocks % splits:
         raise ValueError(f"splits {splits} must divide the {k_blocks} K blocks")
     kernel = functools.partial(
@@ -173,7 +202,7 @@ def grouped_matmul(
         block_k=block_k,
         steps=k_blocks // splits,
         group=group,
-        scale_dtype=scale_dtype,
+        scale_dtype=s2.dtype,
     )
     tile = pl.BlockSpec((None,), lambda t, j, s: (t,))
     whole = [pl.BlockSpec(a.shape, lambda t, j, s: (0, 0)) for a in (x, w2, s2)]
@@ -190,4 +219,4 @@ def grouped_matmul(
     )(e, start, end, x, w2, s2)
     out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
     covered = jnp.arange(p) < jnp.sum(group_sizes)
-    return jnp.where(covered[:, None], out, 0)[:, : w.shape[1] if isinstance(w, Fp8Weight) else n]
+    return jnp.where(covered[:, None], out, 0)[:, : experts.cols]

@@ -1,0 +1,87 @@
+"""The package's floors: no module imports a module above its own (read from the source, imports inside
+functions included), so the kernels, the quantized arrays, the configs and the model families stand
+on what is below them only."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "ddtree_jax"
+# Floors from the bottom; a module imports modules of its own floor or below. Modules not listed (the
+# loaders, target, drafter, engine, generation, the CLIs, the benchmarks) are the top floor.
+FLOORS = {
+    "ddtree_jax.errors": 0,
+    "ddtree_jax.kernels": 0,  # and every kernel module: jax only, and each other
+    "ddtree_jax.weights": 1,
+    "ddtree_jax.collectives": 1,
+    "ddtree_jax.quant.formats": 1,
+    "ddtree_jax.quant": 2,
+    "ddtree_jax.quant.arrays": 2,
+    "ddtree_jax.sharding": 2,
+    "ddtree_jax.config": 2,
+    "ddtree_jax.kv_cache": 3,
+    "ddtree_jax.attention": 3,
+    # The fused expert kernel takes the stored expert weights as quant.arrays holds them (Fp8Weight,
+    # Int4Weight: their layout decides the kernel's operands) and its reference is quant.arrays'
+    # slot_matmul: it stands on the quantized arrays, below the families that dispatch to it.
+    "ddtree_jax.kernels.fused_experts": 3,
+    "ddtree_jax.models.*": 4,  # the family modules and their shared pieces
+    "ddtree_jax.models": 5,  # the registry and the config loader
+}
+TOP = 10
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def floor(module: str) -> int:
+    if module in FLOORS:
+        return FLOORS[module]
+    if module.startswith("ddtree_jax.kernels."):
+        return FLOORS["ddtree_jax.kernels"]
+    if module.startswith("ddtree_jax.models."):
+        return FLOORS["ddtree_jax.models.*"]
+    return TOP
+
+
+def imports(path: Path) -> set[str]:
+    """The package modules a source file imports (`from a import b` counts a.b when b is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.module in MODULES:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & MODULES.keys()
+            plain = [a for a in node.names if f"{node.module}.{a.name}" not in MODULES]
+            found |= subs | ({node.module} if plain else set())
+    return found
+
+
+def test_no_module_imports_upward():
+    upward = [
+        f"{m} (floor {floor(m)}) imports {d} (floor {floor(d)})"
+        for m, path in sorted(MODULES.items())
+        for d in sorted(imports(path))
+        if d != m and floor(d) > floor(m)
+    ]
+    assert not upward, upward
+
+
+def test_kernels_import_no_other_package_module():
+    """Every kernel on the bottom floor imports kernels only (fused_experts, a floor above, is the one
+    kernel that reads the package's quantized arrays)."""
+    for m, path in MODULES.items():
+        if m.startswith("ddtree_jax.kernels") and floor(m) == FLOORS["ddtree_jax.kernels"]:
+            assert all(d.startswith("ddtree_jax.kernels") for d in imports(path)), (m, imports(path))
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The checker itself: a lower module importing the models registry is reported."""
+    source = tmp_path / "config.py"
+    source.write_text("def f():\n    from ddtree_jax.models import family_of\n")
+    assert imports(source) == {"ddtree_jax.models"}
+    assert floor("ddtree_jax.models") > floor("ddtree_jax.config")
