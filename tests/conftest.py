@@ -54,6 +54,14 @@ DRAFTERS = {
 }
 
 
+TIMINGS = ("e2e_latency",)  # the output fields that are wall times, different in every run
+
+
+def timeless(record: dict) -> dict:
+    """An output line's record without its wall times (TIMINGS), for comparing two runs' outputs."""
+    return {k: v for k, v in record.items() if k not in TIMINGS}
+
+
 @functools.cache
 def golden(name: str) -> dict[str, np.ndarray]:
     """The HF reference outputs recorded by scripts/make_golden.py."""

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FIXTURES, golden_prompts
+from conftest import FIXTURES, golden_prompts, timeless
 
 from ddtree_jax.cli import main
 
@@ -67,6 +67,5 @@ def test_two_processes_match_one(tmp_path):
     assert f"prompts: {len(short)}" in outputs[0][0] and "prompts:" not in outputs[1][0]  # process 0 reports
     one = (tmp_path / "one.jsonl").read_text().splitlines()
     two = (tmp_path / "two.jsonl").read_text().splitlines()
-    timeless = lambda r: {k: v for k, v in r.items() if k != "e2e_latency"}  # noqa: E731 (a wall time)
     by_id = lambda lines: sorted(map(timeless, map(json.loads, lines)), key=lambda r: str(r["id"]))  # noqa: E731
     assert by_id(two) == by_id(one)  # both run continuous batching (lines in finishing order)
