@@ -42,14 +42,15 @@ from ddtree_jax.sampling import check as check_sampling
 from ddtree_jax.settings import SAMPLING, Settings, defaults
 
 if TYPE_CHECKING:  # (jax loads with the weights, not with the module: the CLI's checks come first)
-    from ddtree_jax.scheduler import Generator, Result
+    from ddtree_jax.results import Result
+    from ddtree_jax.scheduler import Generator
 
 __all__ = ["LLM", "PromptInput", "Result", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    if name == "Result":  # one output: scheduler.Result (imported on use: it imports jax)
-        from ddtree_jax.scheduler import Result
+    if name == "Result":  # one output: results.Result (imported on use: it imports jax)
+        from ddtree_jax.results import Result
 
         return Result
     raise AttributeError(name)

@@ -408,7 +408,7 @@ def bench_one(
 
     stage_ms, device_ms = {}, {}
     if stages:
-        from ddtree_jax.scheduler import HostStepper
+        from ddtree_jax.host_stepped import HostStepper
 
         stepper = HostStepper(Programs(params, dparams, plan, 256, plan.attention))
         state = None

@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +29,12 @@ import numpy as np
 
 from ddtree_jax import attention, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
-from ddtree_jax.logprobs import to_lists
+from ddtree_jax.host_stepped import HostStepper
 from ddtree_jax.programs import EVERY_ROUND, Programs, Requests, Shape, prompt_slots, rows_to_run
 from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, LOGPROBS, SAMPLES, STOP, Prompt, sample_key
+from ddtree_jax.results import Result, device_outputs, fetch, row_result
 from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingParams
-from ddtree_jax.stops import Stop, cut_rounds, find_stop
+from ddtree_jax.stops import Stop, find_stop
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
@@ -64,44 +64,6 @@ class Schedule:
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
         if self.batch_size < 1 or self.refill_at < 1:
             raise ValueError("batch_size and refill_at must be >= 1")
-
-
-@dataclasses.dataclass
-class Result:
-    """One output line: one sample of one prompt."""
-
-    id: Any
-    output_ids: list[int]
-    finish_reason: str  # "stop" | "length"
-    rounds: int
-    acceptance_lengths: list[int]
-    text: str | None = None
-    index: int = 0  # which of the prompt's n samples (0 to n - 1)
-    prompt_tokens: int = 0  # the prompt's token count
-    e2e_latency: float = 0.0  # seconds from admission into a row to finish, compilation left out
-    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop"), else None
-    output_token_logprobs: list | None = None  # per token [logprob, token_id] (logprobs K > 0)
-    output_top_logprobs: list | None = None  # per token K [logprob, token_id], descending
-
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object written for this prompt."""
-        out = {"id": self.id, "index": self.index, "output_ids": self.output_ids}
-        if self.text is not None:
-            out["text"] = self.text
-        out |= {
-            "finish_reason": self.finish_reason,
-            **({} if self.stop_reason is None else {"stop_reason": self.stop_reason}),
-            "prompt_tokens": self.prompt_tokens,
-            "num_output_tokens": len(self.output_ids),
-            "rounds": self.rounds,
-            "acceptance_lengths": self.acceptance_lengths,
-            "e2e_latency": round(self.e2e_latency, 6),
-        }
-        if self.output_token_logprobs is not None:
-            out["output_token_logprobs"] = self.output_token_logprobs
-            out["output_top_logprobs"] = self.output_top_logprobs
-        return out
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -148,15 +110,19 @@ class Generator:
         self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
         self.programs = Programs(params, draft_params, self.plan, self.schedule.chunk, self._prefill_impl())
         self.generate_seconds = 0.0
-        self.stage_seconds: dict[str, float] = {}  # host-stepped: seconds per step (and prefill)
         self.occupancy = Occupancy()
-        self.stepper = HostStepper(self.programs)  # host-stepped rounds
+        self.stepper = HostStepper(self.programs, timed=self.schedule.host_stepped)
         self.rows_run = 0  # B of the last run
 
     @property
     def compile_seconds(self) -> float:
         """Seconds spent compiling programs (kept apart from generation; each in `compile_log`)."""
         return self.programs.compile_seconds
+
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        """Host-stepped runs: seconds per step of the round (and prefill), compilation left out."""
+        return self.stepper.stage_seconds
 
     @property
     def compile_log(self) -> list[tuple[str, float]]:
@@ -233,7 +199,7 @@ class Generator:
         while waiting or any(i is not None for i in run.row_of):
             begin, compiled = time.perf_counter(), self.compile_seconds
             ran = step(run, waiting)
-            out = _fetch(_outputs(run.state) | ({} if ran is None else {"ran": ran}))
+            out = fetch(device_outputs(run.state) | ({} if ran is None else {"ran": ran}))
             now = time.perf_counter()
             self.generate_seconds += now - begin - (self.compile_seconds - compiled)
             if "ran" in out:
@@ -277,7 +243,7 @@ class Generator:
         if not self.schedule.host_stepped and not any(run.stopping):
             run.state = self.programs.generate(req, self._stop_array(), shape)
             return None
-        run.state = self._prefill(lambda: self.programs.start(req, self._stop_array(), shape))
+        run.state = self.stepper.prefill(lambda: self.programs.start(req, self._stop_array(), shape))
         run.state = self._rounds(run, run.rows)[0]
         return None
 
@@ -292,7 +258,7 @@ class Generator:
         live = [r for r, i in enumerate(run.row_of) if i is not None]
         most = STOP_CHECK_ROUNDS if any(run.stopping[r] for r in live) else EVERY_ROUND
         if self.schedule.host_stepped:
-            state, ran = self._stepped_rounds(run.state, until, most)
+            state, ran = self.stepper.rounds(run.state, until, most)
             return state, jnp.full((run.rows,), ran)
         return self.programs.rounds(run.state, until, most)
 
@@ -308,11 +274,11 @@ class Generator:
             req = self._requests(run, group, rows, dp, run.shape)
             admitted = (time.perf_counter(), self.compile_seconds)
             if run.state is None:
-                run.state = self._prefill(
+                run.state = self.stepper.prefill(
                     lambda req=req: self.programs.start(req, self._stop_array(), run.shape)
                 )
             else:
-                run.state = self._prefill(lambda req=req: self.programs.refill(run.state, req))
+                run.state = self.stepper.prefill(lambda req=req: self.programs.refill(run.state, req))
             for r, i in zip(rows, group, strict=True):
                 self._admit(run, r, i, admitted)
             self.occupancy.refills += 1
@@ -335,29 +301,6 @@ class Generator:
         for r, i in enumerate(run.row_of):
             if i is not None:
                 run.seen[r] = out["rounds"][r]
-
-    # -- host-stepped rounds -------------------------------------------------------------------------
-
-    def _prefill(self, program) -> DecodeState:
-        """`program()`, timed as the "prefill" step when host-stepped."""
-        if not self.schedule.host_stepped:
-            return program()
-        begin, compiled = time.perf_counter(), self.compile_seconds
-        state = jax.block_until_ready(program())
-        seconds = time.perf_counter() - begin - (self.compile_seconds - compiled)
-        self.stage_seconds["prefill"] = self.stage_seconds.get("prefill", 0.0) + seconds
-        return state
-
-    def _stepped_rounds(self, state: DecodeState, until: int, most: int) -> tuple[DecodeState, int]:
-        """Rounds from the host, step by step, until `until` rows are done or all are, or `most` ran."""
-        ran, rows = 0, state.bonus.shape[0]
-        while ran < most and int(np.sum(_fetch({"done": state.done})["done"])) < min(until, rows):
-            state = self.stepper.round(state)
-            ran += 1
-        for stage, times in self.stepper.times.items():
-            self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + sum(times)
-        self.stepper.times.clear()
-        return state, ran
 
     # -- requests and results ------------------------------------------------------------------------
 
@@ -414,29 +357,8 @@ class Generator:
 
     def _result(self, prompt: Prompt, out: dict, r: int, latency: float, stop: Stop | None) -> Result:
         """Row `r`'s sample as a Result (`stop`: cut at a stop string)."""
-        n, rounds = int(out["num_output"][r]), int(out["rounds"][r])
-        ids, acceptance = out["output"][r, :n].tolist(), out["acceptance"][r, :rounds].tolist()
-        if stop is not None:
-            ids, acceptance = ids[: stop.tokens], cut_rounds(acceptance, stop.tokens)
-        token_lp = top_lp = None
-        k = self._logprobs(prompt)
-        if "logprobs" in out and k:
-            chosen, top, top_ids = (out[name][r] for name in ("logprobs", "top_logprobs", "top_ids"))
-            token_lp, top_lp = to_lists(chosen, top[:, :k], top_ids[:, :k], ids)
-        return Result(
-            id=prompt.id,
-            output_ids=ids,
-            finish_reason="stop" if stop is not None or out["stopped"][r] else "length",
-            rounds=len(acceptance),
-            acceptance_lengths=acceptance,
-            text=stop.text if stop is not None else None if self.codec is None else self.codec.decode(ids),
-            index=prompt.index,
-            prompt_tokens=len(prompt.input_ids),
-            e2e_latency=latency,
-            stop_reason=None if stop is None else stop.matched,
-            output_token_logprobs=token_lp,
-            output_top_logprobs=top_lp,
-        )
+        decode = None if self.codec is None else self.codec.decode
+        return row_result(prompt, out, r, latency, stop, decode, self._logprobs(prompt))
 
 
 @dataclasses.dataclass
@@ -462,58 +384,7 @@ class _Run:
         self.seen = np.zeros((self.rows,), np.int64)
 
 
-class HostStepper:
-    """The round driven from the host, one jitted step (engine.STAGES) at a time, with the wall time
-    of each call; a step's first call on new shapes compiles and counts as compilation."""
-
-    def __init__(self, programs: Programs):
-        self.programs = programs
-        self.times: dict[str, list[float]] = collections.defaultdict(list)
-        self._compiled: set[tuple] = set()
-
-    def _timed(self, stage: str, shapes: tuple, *args):
-        begin = time.perf_counter()
-        out = jax.block_until_ready(self.programs.stages()[stage](*args))
-        seconds = time.perf_counter() - begin
-        if (stage, *shapes) in self._compiled:
-            self.times[stage].append(seconds)
-        else:
-            self._compiled.add((stage, *shapes))
-            self.programs.count_compile(stage, seconds)
-        return out
-
-    def round(self, state: DecodeState) -> DecodeState:
-        """One round (the state donated), step by step, each step's wall time appended to `times`."""
-        p, d, plan = self.programs.params, self.programs.draft_params, self.programs.plan
-        shapes = (state.bonus.shape, state.cache.capacity, state.sampling is not None)
-        logp = tok = None
-        if plan.method != "ar":
-            logp, tok = self._timed("draft", shapes, p, d, state)
-        t = self._timed("build", shapes, state, logp, tok)
-        choice, kv, features = self._timed("verify", shapes, p, state, t)
-        w = self._timed("walk", shapes, t, choice)
-        return self._timed("commit", shapes, d, state, w, kv, features)
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _retire(state: DecodeState, rows: jax.Array) -> DecodeState:
     """The state with rows [B] bool done (cut at a stop string on the host)."""
     return dataclasses.replace(state, done=state.done | rows)
-
-
-def _fetch(tree: dict[str, jax.Array]) -> dict[str, np.ndarray]:
-    """Arrays on the host; with several processes, each gathers every process's rows."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.process_allgather(tree, tiled=True)
-
-
-def _outputs(state: DecodeState) -> dict[str, jax.Array]:
-    keys = ("output", "num_output", "stopped", "rounds", "acceptance", "done")
-    out = {k: getattr(state, k) for k in keys}
-    if state.logprobs is not None:
-        lp = state.logprobs
-        out |= {"logprobs": lp.chosen, "top_logprobs": lp.top, "top_ids": lp.top_ids}
-    return out

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 from conftest import load_drafter, load_target
 
-from ddtree_jax import engine, programs, tree
+from ddtree_jax import engine, prefill, programs, tree
 from ddtree_jax.engine import MAX_STOP_IDS, Plan
 from ddtree_jax.models.gqa import KVEntry
 
@@ -14,7 +14,7 @@ def prefilled(params, dparams, plan, prompts, lengths, rows):
     b = prompts.shape[0]
     req = programs.Requests(prompts, lengths, rows, None, jnp.full((b,), plan.max_new_tokens, jnp.int32))
     stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
-    return programs.prefill(
+    return prefill.prefill(
         params,
         dparams,
         req,

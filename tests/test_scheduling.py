@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import golden, golden_prompts, load_drafter, load_target, run
 
-from ddtree_jax import programs
+from ddtree_jax import prefill, programs
 from ddtree_jax.engine import MAX_STOP_IDS, Plan
 from ddtree_jax.prompts import Prompt
 from ddtree_jax.scheduler import Generator, Schedule
@@ -136,12 +136,12 @@ def test_one_bucket_rule_and_chunk_steps():
         4096,
     ]
     # full chunks of 256 while more than 192 tokens are left, then tail chunks of 64
-    got = [programs.chunk_steps(n, 256) for n in (3, 64, 65, 192, 193, 256, 300, 3000)]
+    got = [prefill.chunk_steps(n, 256) for n in (3, 64, 65, 192, 193, 256, 300, 3000)]
     assert got == [(0, 1), (0, 1), (0, 2), (0, 3), (1, 0), (1, 0), (1, 1), (11, 3)]
     for n in range(1, 2000, 7):  # every prompt is covered, with fewer than 64 padding tokens
-        full, tails = programs.chunk_steps(n, 256)
+        full, tails = prefill.chunk_steps(n, 256)
         assert n <= full * 256 + tails * 64 < n + 64 and tails <= 3
-    assert programs.chunk_steps(40, 16) == (3, 0)
+    assert prefill.chunk_steps(40, 16) == (3, 0)
 
 
 def one_pass_prefill(params, dparams, cfg, dcfg, prompts, lengths):
@@ -176,7 +176,7 @@ def test_chunked_prefill_equals_one_pass():
     kv, ctx, first = one_pass_prefill(params, dparams, cfg, dcfg, jnp.asarray(prompts), jnp.asarray(lengths))
     stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
     for chunk, impl in ((128, "reference"), (1024, "reference"), (256, "causal-xla")):
-        got = programs.prefill(
+        got = prefill.prefill(
             params, dparams, req, stop, plan=plan, rows=2, capacity=1088, chunk=chunk, attention=impl
         )
         np.testing.assert_array_equal(got.bonus, first)

@@ -12,7 +12,7 @@ from pathlib import Path
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.pair import Pair, load_pair
 from ddtree_jax.prompts import Prompt
-from ddtree_jax.scheduler import Result
+from ddtree_jax.results import Result
 from ddtree_jax.settings import Settings
 
 

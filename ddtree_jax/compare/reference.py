@@ -40,8 +40,8 @@ from ddtree_jax.config import DraftConfig
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.kv_cache import from_prefill
 from ddtree_jax.pair import Pair, generator, plan_from_args
+from ddtree_jax.results import Result
 from ddtree_jax.sampling import GREEDY
-from ddtree_jax.scheduler import Result
 from ddtree_jax.weights import Params
 
 HELP = "our target and pair against an independent PyTorch reference: logits, greedy tokens, acceptance"
