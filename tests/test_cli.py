@@ -525,3 +525,11 @@ def test_stdout_closed_early_ends_quietly(tmp_path):
     assert proc.wait(timeout=300) == 141, err
     assert first["id"] in range(40)
     assert "rror" not in err and "Traceback" not in err and "Broken pipe" not in err
+
+
+def test_summary_lists_the_programs_compiled():
+    """The summary's programs line: the count, and seconds per program summed over its shapes."""
+    from ddtree_jax.cli import compiled_programs
+
+    log = [("start", 1.5), ("rounds", 2.25), ("refill", 0.5), ("rounds", 0.75)]
+    assert compiled_programs(log) == "programs compiled: 4 (start 1.50 s, rounds x2 3.00 s, refill 0.50 s)"
