@@ -1,22 +1,27 @@
-"""Shared test set-up: 8 fake CPU devices, XLA at its fastest-compiling level, no persistent compilation
+"""Shared test set-up: 8 fake CPU devices, XLA at its fastest-compiling level, a shared compilation
 cache, exact float32 matmuls, fixture loading helpers."""
 
 import os
+import tempfile
 
 # XLA's CPU backend at its lowest optimisation level: compiling is most of the suite's time (the
-# programs are small) and level 0 compiles them ~20% faster (test_sampling's seed-exact cases: 172 s
-# against 214 s, one worker, 2026-12-02); the suite passes at both levels.
+# programs are small) and level 0 compiles them ~20% faster (test_sampling's seed-exact cases without the
+# cache below: 172 s against 214 s, one worker, 2026-12-02); the suite passes at both levels.
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_llvm_disable_expensive_passes=true",
 )
-# JAX's persistent compilation cache OFF for the suite (the CLI subprocesses the tests start inherit
-# it): writing an entry serialises the executable, and XLA's CPU executable.serialize() crashed a
-# pytest-xdist worker with SIGSEGV in three runs (jax 0.11.2, at both optimisation levels, never
-# reproduced alone). tests/test_compile_cache.py turns it on for its own programs in a directory of its
-# own.
-os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+# JAX's persistent compilation cache, shared by the pytest-xdist workers and the CLI subprocesses the
+# tests start: many tests build the same programs afresh (new jitted closures over the same fixtures).
+# Writing an entry serialises the executable, and XLA's CPU executable.serialize() (jax 0.11.2) has
+# crashed a worker with SIGSEGV a few times per thousand test runs (docs/job-cost.md); pyproject's
+# pytest settings run a test whose worker crashed once more in a fresh worker (pytest-rerunfailures),
+# and never rerun a test that fails.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"ddtree-jax-tests-{os.getuid()}")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import functools  # noqa: E402
 from pathlib import Path  # noqa: E402

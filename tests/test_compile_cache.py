@@ -19,10 +19,8 @@ SETTINGS = (
 
 
 @pytest.fixture(autouse=True)
-def restore_jax_cache(monkeypatch):
-    """Each test starts without the suite's switch that turns the cache off (conftest) and leaves
-    JAX's cache as the suite set it."""
-    monkeypatch.delenv(compile_cache.ENV_ENABLE, raising=False)
+def restore_jax_cache():
+    """Each test leaves JAX's cache as the suite set it (conftest's directory)."""
     before = {name: getattr(jax.config, name) for name in SETTINGS}
     yield
     for name, value in before.items():
@@ -163,7 +161,7 @@ def test_write_failure_is_dropped(tmp_path, events, capsys):
 
 
 def test_environment_directory_wins_over_default_not_flag(tmp_path, monkeypatch):
-    """JAX_COMPILATION_CACHE_DIR is used as is when no flag is given; the
+    """JAX_COMPILATION_CACHE_DIR (the suite's own, here) is used as is when no flag is given; the
     flag's directory wins over it; the environment's minimum compile time is kept."""
     monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "env"))
     monkeypatch.setenv(compile_cache.ENV_MIN_SECONDS, "0.7")
