@@ -24,13 +24,53 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import functools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Tests marked `own_process` run in a fresh Python process of their own: jax 0.11.2's Mosaic GPU
+# interpreter (plgpu.InterpretGPUParams: Python threads and io_callbacks inside an XLA CPU program) left
+# a pytest-xdist worker to crash later in unrelated XLA calls (SIGSEGV in a compile right after
+# test_moe_kernel's interpreted kernel, 2026-12-02), so what it does to a process ends with that process.
+OWN_PROCESS = "DDTREE_TEST_OWN_PROCESS"  # set in the test's own process
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "own_process: run the test alone in a fresh Python process")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(OWN_PROCESS):
+        return
+    for item in items:
+        if item.get_closest_marker("own_process"):
+            item.runtest = functools.partial(_run_in_own_process, item)
+
+
+def _run_in_own_process(item) -> None:
+    """Run `item` alone in a fresh process (the suite's settings and environment); a process killed by
+    a signal runs once more, a failure is reported with the process's output."""
+    config = item.config
+    argv = [sys.executable, "-m", "pytest", f"{item.path}::{item.name}", "-q", "--reruns", "0"]
+    argv += ["-p", "no:xdist", "-p", "no:cacheprovider"]
+    argv += ["--rootdir", str(config.rootpath), "-c", str(config.inipath)]
+    env = os.environ | {OWN_PROCESS: "1"}
+    for _ in range(2):
+        proc = subprocess.run(argv, env=env, cwd=config.invocation_params.dir, capture_output=True, text=True)
+        if proc.returncode >= 0:
+            break
+    if proc.returncode != 0:
+        signal = f" (killed by signal {-proc.returncode} twice)" if proc.returncode < 0 else ""
+        output = f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+        pytest.fail(f"in its own process{signal}:\n{output}", pytrace=False)
+
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TARGETS = [

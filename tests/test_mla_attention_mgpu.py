@@ -36,6 +36,7 @@ CASES = [
 ]
 
 
+@pytest.mark.own_process  # jax's GPU interpreter (conftest)
 @pytest.mark.parametrize("t,h,c,s,lengths,mask_kind,window,tuning", CASES)
 def test_matches_reference(t, h, c, s, lengths, mask_kind, window, tuning):
     seed = zlib.crc32(repr((t, h, c, s, lengths, mask_kind, window)).encode())

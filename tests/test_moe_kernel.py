@@ -127,6 +127,7 @@ def test_int4_step_order_against_numpy():
 
 # bf16 at 1, 3, 8 and 64 tokens (8-row tiles of one pair; tiles of 32, several per expert); FP8 and
 # INT4 at 3 (an expert chosen twice by token 0, a slot held elsewhere) and INT4 at 64 (~10 s a case)
+@pytest.mark.own_process  # jax's GPU interpreter (conftest)
 @pytest.mark.parametrize(
     "fmt,tokens",
     [("plain", 1), ("plain", 3), ("plain", 8), ("plain", 64), ("fp8", 3), ("int4", 3), ("int4", 64)],
@@ -189,6 +190,7 @@ def _eight_way(sharding: str) -> tuple[dict, dict]:
     return p, {name: row if name == "experts_down" else col for name in p}
 
 
+@pytest.mark.own_process  # jax's GPU interpreter (conftest)
 @pytest.mark.parametrize("sharding", ["ep", "tp"])
 def test_fused_dispatch_per_device(sharding):
     """moe.run_experts' `fused_interpret` on each of 8 devices' shards (ep: one expert each, the other

@@ -45,6 +45,7 @@ CASES = [
 ]
 
 
+@pytest.mark.own_process  # jax's GPU interpreter (conftest)
 @pytest.mark.parametrize("t,g,hkv,s,lengths,mask_kind,dtype,window,tuning", CASES)
 def test_matches_reference(t, g, hkv, s, lengths, mask_kind, dtype, window, tuning):
     seed = zlib.crc32(repr((t, g, hkv, s, lengths, mask_kind, window)).encode())
