@@ -115,8 +115,8 @@ def test_long_acceptance_identical_on_meshes(reference, oracle):
         one = generate(method, budget)
         assert [o[0] for o in one] == ar
         assert max(a for o in one for a in o[1]) == longest, method
-        for tp, dp in [(8, 1), (2, 2)]:
-            assert generate(method, budget, tp, dp) == one, (method, tp, dp)
+        # heads and rows split at once (tp 8 alone ran the same commit of long paths on one axis)
+        assert generate(method, budget, 2, 2) == one, method
 
 
 # -- placement ---------------------------------------------------------------------------------------
