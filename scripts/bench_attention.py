@@ -72,7 +72,7 @@ def device_profile(fn, args, runs: int, calls: int) -> dict:
     """
     import tempfile
 
-    from ddtree_jax.kernel_profile import trace_calls
+    from ddtree_jax.bench.profile import trace_calls
 
     with tempfile.TemporaryDirectory(prefix="bench_attention_trace_") as tmp:
         data, _ = trace_calls(lambda: fn(*args), runs, tmp)

@@ -173,14 +173,14 @@ class Phase:
     """A phase's JSON (meta + cases), rewritten after every case, and its deadline."""
 
     def __init__(self, args, name: str) -> None:
-        from ddtree_jax import bench
+        from ddtree_jax.bench.report import run_header
         from ddtree_jax.models import moe
 
         self.path = args.out_dir / f"{name}.json"
         self.deadline = time.monotonic() + args.deadline_s
         self.done = done_cases(args.skip_done / f"{name}.json" if args.skip_done else None)
         self.cases: list[dict] = []
-        self.meta = bench.run_meta(sys.argv) | {"phase": name, "tiny": args.tiny, "no_fused": args.no_fused}
+        self.meta = run_header(sys.argv) | {"phase": name, "tiny": args.tiny, "no_fused": args.no_fused}
         self.meta |= {"hopper": moe.hopper(), "fused_max_tokens": moe.FUSED_MAX_TOKENS}
         self.write()
 
@@ -285,7 +285,7 @@ def dispatch_phase(args, name: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from ddtree_jax.bench import median_seconds, read_ceiling_gbs
+    from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs
     from ddtree_jax.models import moe
     from ddtree_jax.quant import arrays
 
@@ -355,10 +355,14 @@ def dispatch_phase(args, name: str) -> None:
 
 
 def rounds_phase(args, name: str) -> None:
-    """(c): ddtree-bench rows (bench.bench_one, with the floor of the experts chosen), in process."""
+    """(c): ddtree-bench rows (bench.rounds.bench_one, with the floor of the experts chosen), in process."""
     import jax.numpy as jnp
 
-    from ddtree_jax import bench, drafter, target
+    from ddtree_jax import drafter, target
+    from ddtree_jax.bench.floor import weight_bytes
+    from ddtree_jax.bench.rounds import bench_one
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
+    from ddtree_jax.bench.timing import read_ceiling_gbs
     from ddtree_jax.models import moe
     from ddtree_jax.pair import batch_shape, make_plan
     from ddtree_jax.weights import random_params
@@ -376,16 +380,16 @@ def rounds_phase(args, name: str) -> None:
         return
     if args.no_fused:
         moe.FUSED_MAX_TOKENS = 0
-    cfg = bench.SHAPES[shape]
+    cfg = SHAPES[shape]
     cfg = dataclasses.replace(cfg, num_layers=num_layers) if num_layers else cfg
-    dcfg = bench.draft_shape(cfg, draft_layers, block_size)
+    dcfg = draft_shape(cfg, draft_layers, block_size)
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
-    ceiling = bench.read_ceiling_gbs(1 << 20 if args.tiny else 4 << 30)
+    ceiling = read_ceiling_gbs(1 << 20 if args.tiny else 4 << 30)
     phase.meta |= {"shape": shape, "num_layers": cfg.num_layers, "read_ceiling_gbs": ceiling}
     phase.meta |= {
-        "target_weight_bytes": bench.weight_bytes(params),
-        "draft_weight_bytes": bench.weight_bytes(dparams),
+        "target_weight_bytes": weight_bytes(params),
+        "draft_weight_bytes": weight_bytes(dparams),
     }
 
     def run(method: str, budget: int, batch: int, dispatch: str | None):
@@ -401,7 +405,7 @@ def rounds_phase(args, name: str) -> None:
                 attention=attention,
             )
             shape = batch_shape(plan, batch, context)
-            row = bench.bench_one(params, dparams, plan, shape, context, rounds, ceiling, False, None, batch)
+            row = bench_one(params, dparams, plan, shape, context, rounds, ceiling, False, None, batch)
             tokens = plan.tree_size * shape.rows
             return row | {"verify_tokens": tokens, "dispatch": dispatch or moe.choose_dispatch(tokens)}
 

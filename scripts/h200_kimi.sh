@@ -30,7 +30,7 @@ MLA_ARGS=${MLA_ARGS:---heads 64,8 --batches 1 --contexts 4096,32768 --nodes 1,64
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
-B="$PY scripts/bench.py --shape $SHAPE --num-layers $LAYERS --draft-layers 6 --block-size 8 --rounds $ROUNDS"
+B="$PY -m ddtree_jax.bench rounds --shape $SHAPE --num-layers $LAYERS --draft-layers 6 --block-size 8 --rounds $ROUNDS"
 # step NAME MIN_S LIMIT_S CMD...: run CMD under timeout min(LIMIT_S, time left), if MIN_S seconds are left.
 
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
