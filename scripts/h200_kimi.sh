@@ -36,7 +36,7 @@ B="$PY -m ddtree_jax.bench rounds --shape $SHAPE --num-layers $LAYERS --draft-la
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 # shellcheck disable=SC2086  # MLA_ARGS and B are word lists
 step mla_kernel 60 "$KERNEL_S" $PY scripts/bench_mla_attention.py $MLA_ARGS \
-  --budget-s $((KERNEL_S - 20)) --out "$OUT/bench_mla_attention.json"
+  --deadline-s $((KERNEL_S - 20)) --out "$OUT/bench_mla_attention.json"
 # shellcheck disable=SC2086
 step kimi_ctx1k 60 110 $B --attention "$ATTN" --methods ar,ddtree --budgets 15 --batches 1,16 \
   --contexts "$CTX" --out "$OUT/kimi_ctx1k.json"
