@@ -7,7 +7,8 @@ Each phase runs in a process of its own under its share of --deadline-s (a kerne
 that does not fit costs that phase only; device memory is freed between phases) and writes its JSON
 ($OUT/<phase>.json) after every case; a phase starts no case past its share, and is killed --grace-s
 after it. When `check` finds the fused kernel wrong on bf16 or fails to run it, the later phases run
-without it (moe.FUSED_MAX_TOKENS = 0, dispatch `fused` left out). $OUT/summary.json lists the phases.
+without it (--no-fused: the rule's dispatch without `fused`, forced; dispatch `fused` left out).
+$OUT/summary.json lists the phases.
 A second call with --skip-done <the first call's out dir> measures only what the first one left.
 
 Phases, in order (--phases picks some; share of the deadline in brackets):
@@ -378,8 +379,6 @@ def rounds_phase(args, name: str) -> None:
     if all(any(all(c.get(k) == v for k, v in label.items()) for c in phase.done) for label in labels):
         run_cases(phase, [(label, dict) for label in labels])  # all measured before: no weights to make
         return
-    if args.no_fused:
-        moe.FUSED_MAX_TOKENS = 0
     cfg = SHAPES[shape]
     cfg = dataclasses.replace(cfg, num_layers=num_layers) if num_layers else cfg
     dcfg = draft_shape(cfg, draft_layers, block_size)
@@ -393,10 +392,9 @@ def rounds_phase(args, name: str) -> None:
     }
 
     def run(method: str, budget: int, batch: int, dispatch: str | None):
-        def case() -> dict:
-            row_cfg = dataclasses.replace(cfg, moe_dispatch=dispatch)
-            plan = make_plan(
-                row_cfg,
+        def plan_of(target_cfg):
+            return make_plan(
+                target_cfg,
                 dcfg,
                 method,
                 batch_size=batch,
@@ -404,10 +402,15 @@ def rounds_phase(args, name: str) -> None:
                 budget=budget or None,
                 attention=attention,
             )
-            shape = batch_shape(plan, batch, context)
+
+        def case() -> dict:
+            shape = batch_shape(plan_of(cfg), batch, context)
+            tokens = plan_of(cfg).tree_size * shape.rows
+            # --no-fused: the rule's dispatch for the verify's tokens without the fused kernel, forced
+            forced = dispatch or (moe.choose_dispatch(tokens, fused=False) if args.no_fused else None)
+            plan = plan_of(dataclasses.replace(cfg, moe_dispatch=forced))
             row = bench_one(params, dparams, plan, shape, context, rounds, ceiling, False, None, batch)
-            tokens = plan.tree_size * shape.rows
-            return row | {"verify_tokens": tokens, "dispatch": dispatch or moe.choose_dispatch(tokens)}
+            return row | {"verify_tokens": tokens, "dispatch": forced or moe.choose_dispatch(tokens)}
 
         return case
 
@@ -450,7 +453,9 @@ def main() -> int:
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     ap.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)  # a child's one phase
     ap.add_argument(
-        "--no-fused", action="store_true", help="leave the fused kernel out (moe.FUSED_MAX_TOKENS = 0)"
+        "--no-fused",
+        action="store_true",
+        help="leave the fused kernel out (the rule's dispatch without it, forced)",
     )
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU, kernels interpreted")
     ap.add_argument(
