@@ -20,7 +20,7 @@ of the cache (with one shared cache XLA fuses the reference's k calls into one p
 small caches stay in L2), each run closed by `block_until_ready`; time per call = median run / k,
 so host dispatch is amortised over k calls. k is cut so that the copies fit COPY_BUDGET bytes.
 Every configuration is guarded: a failure is
-recorded as an error string and the run goes on. `--budget-s` bounds the wall time: what does not
+recorded as an error string and the run goes on. `--deadline-s` bounds the wall time: what does not
 fit is recorded as skipped.
 """
 
@@ -72,7 +72,7 @@ def device_profile(fn, args, runs: int, calls: int) -> dict:
     """
     import tempfile
 
-    from ddtree_jax.kernel_profile import trace_calls
+    from ddtree_jax.bench.profile import trace_calls
 
     with tempfile.TemporaryDirectory(prefix="bench_attention_trace_") as tmp:
         data, _ = trace_calls(lambda: fn(*args), runs, tmp)
@@ -224,7 +224,9 @@ def bundled_decode_calls(interpret: bool, k_splits: int):
     return make, one
 
 
-class Budget:
+class Deadline:
+    """Seconds left of --deadline-s (negative: passed)."""
+
     def __init__(self, seconds: float):
         self.seconds = seconds
 
@@ -272,7 +274,7 @@ def bench_shape(
     ceiling,
     interpret,
     k,
-    budget,
+    deadline,
     ref_max_bytes,
     decode_splits,
     tuning=None,
@@ -295,8 +297,8 @@ def bench_shape(
     scores_bytes = b * hkv * g * t * s * 4
     do_ref = scores_bytes <= ref_max_bytes and with_reference
 
-    if budget.left() < 0:
-        row["skipped"] = "time budget"
+    if deadline.left() < 0:
+        row["skipped"] = "deadline"
         return row
     out = ref = None
     try:
@@ -306,7 +308,7 @@ def bench_shape(
     except Exception as e:  # noqa: BLE001
         row["kernel_error"] = short_error(e)
 
-    if do_ref and budget.left() > 0:
+    if do_ref and deadline.left() > 0:
         try:
             kr = k if scores_bytes * 4 * k <= ref_max_bytes else 1
             r, ref = time_per_call(reference_calls, args, k=kr)
@@ -316,7 +318,7 @@ def bench_shape(
             row["reference_error"] = short_error(e)
     else:
         row["reference_skipped"] = (
-            "not asked" if not with_reference else "scores too large" if not do_ref else "time budget"
+            "not asked" if not with_reference else "scores too large" if not do_ref else "deadline"
         )
 
     # Correctness on the device: the kernel against the reference (first sequence if huge).
@@ -329,7 +331,7 @@ def bench_shape(
             row["check_error"] = short_error(e)
     del out, ref
 
-    if t == 1 and budget.left() > 0:
+    if t == 1 and deadline.left() > 0:
         try:
             make, one = bundled_decode_calls(interpret, decode_splits)
             r, out = time_per_call(make, args, k=k, profile=profile)
@@ -478,7 +480,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/bench_attention.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
-    parser.add_argument("--budget-s", type=float, default=None, help="wall-time budget (s)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no row after this (s)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     parser.add_argument("--batches", help="comma-separated batch sizes (replaces the built-in grid's)")
     parser.add_argument("--contexts", help="comma-separated cache lengths S")
@@ -509,7 +511,7 @@ def main(argv=None):
         decode_splits = 4
         sweep_shapes = [(1, 256, 16)]
         sweep = [dict(block_k=bk, num_warps=w, num_stages=st) for bk in (16, 32) for w in (4,) for st in (2,)]
-        budget = Budget(opts.budget_s or 600)
+        deadline = Deadline(opts.deadline_s or 600)
     else:
         batches, lengths_s, nodes = [1, 4, 16], [1024, 8192, 32768], [1, 16, 64, 128]
         hkv, g, d = 8, 4, 128
@@ -524,7 +526,7 @@ def main(argv=None):
             for st in (2, 3, 4)
         ]
         sweep += [dict(block_q=bq, num_warps=w) for bq in (32, 128) for w in (4, 8)]
-        budget = Budget(opts.budget_s or 240)
+        deadline = Deadline(opts.deadline_s or 240)
     ref_max_bytes = 16 << 30
 
     def ints(text):
@@ -563,7 +565,7 @@ def main(argv=None):
 
     key = jax.random.key(0)
     rng = np.random.default_rng(0)
-    common = dict(hkv=hkv, g=g, d=d, ceiling=ceiling, interpret=interpret, budget=budget)
+    common = dict(hkv=hkv, g=g, d=d, ceiling=ceiling, interpret=interpret, deadline=deadline)
     common.update(ref_max_bytes=ref_max_bytes, decode_splits=decode_splits)
     extras = dict(with_reference=not opts.no_reference, profile=opts.profile)
 
@@ -572,10 +574,10 @@ def main(argv=None):
         for b, s, t in shapes:
             by_cache.setdefault((b, s), []).append(t)
         for (b, s), ts in by_cache.items():
-            if budget.left() < 0:
+            if deadline.left() < 0:
                 for t in ts:
                     for tun in tunings:
-                        sink.append(dict(B=b, S=s, T=t, tuning=tun, skipped="time budget"))
+                        sink.append(dict(B=b, S=s, T=t, tuning=tun, skipped="deadline"))
                 continue
             try:
                 kc, vc = make_cache(jax.random.fold_in(key, b * 100003 + s), b, hkv, s, d, dtype)
@@ -628,11 +630,11 @@ def main(argv=None):
     print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
 
 
-def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, budget, tuning, **_):
+def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, deadline, tuning, **_):
     row = dict(B=b, S=s, T=t, Hkv=hkv, G=g, D=d)
-    if budget.left() < 0:
+    if deadline.left() < 0:
         row["tuning"] = tuning
-        row["skipped"] = "time budget"
+        row["skipped"] = "deadline"
         return row
     try:
         row["spec"] = dict(tuning)

@@ -9,10 +9,10 @@ masks), S = 1k, 4k, 8k, 32k (all visible), B = 1 and 16. Per row: the kernel and
 jit, the kernel's error against the reference on the device, and two floors: bytes (latent cache +
 queries + output) over the read ceiling measured in the same run (a large `jnp.sum`), and FLOPs
 (2 x rows x keys x (512 + 64 + 512)) over 790 TFLOP/s (bf16 matmul on the H200, docs/design.md). Then,
-while the time budget lasts, a tuning sweep of the kernel alone on the shapes that decide the
+while --deadline-s allows, a tuning sweep of the kernel alone on the shapes that decide the
 defaults. Timing as in bench_attention.py: k independent calls per jitted program, each on its own
 copy of the cache, median over runs / k. Every configuration is guarded: failures are recorded as
-error strings and the run goes on; what does not fit `--budget-s` is recorded as skipped.
+error strings and the run goes on; what does not fit `--deadline-s` is recorded as skipped.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/h200/bench_mla_attention.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test, interpret mode)")
-    parser.add_argument("--budget-s", type=float, default=None, help="no row starts after this (s; 210)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="no row starts after this (s; 210)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     parser.add_argument(
         "--sweep", choices=["none", "first", "full"], default="full",
@@ -276,7 +276,7 @@ def main(argv=None) -> None:
     else:
         heads, batches, lengths_s, nodes = [64, 8], [1, 16], [1024, 4096, 8192, 32768], [1, 64]
         c, r, k, ceiling_bytes = 512, 64, 8, 4 << 30
-    budget_s = opts.budget_s or (600 if opts.quick else 210)
+    deadline_s = opts.deadline_s or (600 if opts.quick else 210)
     heads, batches, lengths_s, nodes = (
         ints(text) if text else default
         for text, default in (
@@ -297,7 +297,9 @@ def main(argv=None) -> None:
         plan += [("sweep", shape, tun) for shape, tunings in sweep_runs for tun in tunings]
         for kind, shape, tun in plan:
             print(kind, shape, resolve_mla_tuning((shape["B"], shape["T"], shape["H"], c), shape["S"], **tun))
-        print(f"{len(main_shapes)} rows, {len(plan) - len(main_shapes)} sweep points, budget {budget_s} s")
+        print(
+            f"{len(main_shapes)} rows, {len(plan) - len(main_shapes)} sweep points, deadline {deadline_s} s"
+        )
         return
 
     results = dict(
@@ -333,8 +335,8 @@ def main(argv=None) -> None:
 
     def run(shape: dict, tunings: list[dict], sink: list, with_reference: bool) -> None:
         """Rows of one shape (inputs made once), guarded, saved after each."""
-        if elapsed() > budget_s:
-            sink.extend(dict(shape, tuning=tun, skipped="time budget") for tun in tunings)
+        if elapsed() > deadline_s:
+            sink.extend(dict(shape, tuning=tun, skipped="deadline") for tun in tunings)
             return
         try:
             dims = dict(b=shape["B"], s=shape["S"], t=shape["T"], h=shape["H"], c=c, r=r, dtype=dtype)
@@ -343,8 +345,8 @@ def main(argv=None) -> None:
             sink.append(dict(shape, error="inputs: " + short_error(e)))
             return
         for tun in tunings:
-            if elapsed() > budget_s:
-                sink.append(dict(shape, tuning=tun, skipped="time budget"))
+            if elapsed() > deadline_s:
+                sink.append(dict(shape, tuning=tun, skipped="deadline"))
                 continue
             row = bench_row(
                 args, shape=shape, ceiling=ceiling, interpret=interpret, k=k, tuning=tun,

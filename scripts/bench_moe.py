@@ -24,7 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
+from ddtree_jax.bench.report import run_header  # noqa: E402
+from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.models import moe  # noqa: E402
 from ddtree_jax.models.common import rms_norm  # noqa: E402
 
@@ -74,7 +75,7 @@ def main() -> None:
     ceiling = read_ceiling_gbs(args.ceiling_bytes)
     layers = make_layers(jax.random.key(0), args.layers, args.experts, args.hidden, args.width, dtype)
     expert_bytes = 3 * args.hidden * args.width * jnp.dtype(dtype).itemsize
-    meta = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv}
+    meta = run_header(sys.argv)
     meta |= {"read_ceiling_gbs": ceiling, "expert_bytes": expert_bytes}
     rows = []
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -7,7 +7,8 @@ Each phase runs in a process of its own under its share of --deadline-s (a kerne
 that does not fit costs that phase only; device memory is freed between phases) and writes its JSON
 ($OUT/<phase>.json) after every case; a phase starts no case past its share, and is killed --grace-s
 after it. When `check` finds the fused kernel wrong on bf16 or fails to run it, the later phases run
-without it (moe.FUSED_MAX_TOKENS = 0, dispatch `fused` left out). $OUT/summary.json lists the phases.
+without it (--no-fused: the rule's dispatch without `fused`, forced; dispatch `fused` left out).
+$OUT/summary.json lists the phases.
 A second call with --skip-done <the first call's out dir> measures only what the first one left.
 
 Phases, in order (--phases picks some; share of the deadline in brackets):
@@ -173,14 +174,14 @@ class Phase:
     """A phase's JSON (meta + cases), rewritten after every case, and its deadline."""
 
     def __init__(self, args, name: str) -> None:
-        from ddtree_jax import bench
+        from ddtree_jax.bench.report import run_header
         from ddtree_jax.models import moe
 
         self.path = args.out_dir / f"{name}.json"
         self.deadline = time.monotonic() + args.deadline_s
         self.done = done_cases(args.skip_done / f"{name}.json" if args.skip_done else None)
         self.cases: list[dict] = []
-        self.meta = bench.run_meta(sys.argv) | {"phase": name, "tiny": args.tiny, "no_fused": args.no_fused}
+        self.meta = run_header(sys.argv) | {"phase": name, "tiny": args.tiny, "no_fused": args.no_fused}
         self.meta |= {"hopper": moe.hopper(), "fused_max_tokens": moe.FUSED_MAX_TOKENS}
         self.write()
 
@@ -285,7 +286,7 @@ def dispatch_phase(args, name: str) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from ddtree_jax.bench import median_seconds, read_ceiling_gbs
+    from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs
     from ddtree_jax.models import moe
     from ddtree_jax.quant import arrays
 
@@ -355,10 +356,14 @@ def dispatch_phase(args, name: str) -> None:
 
 
 def rounds_phase(args, name: str) -> None:
-    """(c): ddtree-bench rows (bench.bench_one, with the floor of the experts chosen), in process."""
+    """(c): ddtree-bench rows (bench.rounds.bench_one, with the floor of the experts chosen), in process."""
     import jax.numpy as jnp
 
-    from ddtree_jax import bench, drafter, target
+    from ddtree_jax import drafter, target
+    from ddtree_jax.bench.floor import weight_bytes
+    from ddtree_jax.bench.rounds import bench_one
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
+    from ddtree_jax.bench.timing import read_ceiling_gbs
     from ddtree_jax.models import moe
     from ddtree_jax.pair import batch_shape, make_plan
     from ddtree_jax.weights import random_params
@@ -374,25 +379,22 @@ def rounds_phase(args, name: str) -> None:
     if all(any(all(c.get(k) == v for k, v in label.items()) for c in phase.done) for label in labels):
         run_cases(phase, [(label, dict) for label in labels])  # all measured before: no weights to make
         return
-    if args.no_fused:
-        moe.FUSED_MAX_TOKENS = 0
-    cfg = bench.SHAPES[shape]
+    cfg = SHAPES[shape]
     cfg = dataclasses.replace(cfg, num_layers=num_layers) if num_layers else cfg
-    dcfg = bench.draft_shape(cfg, draft_layers, block_size)
+    dcfg = draft_shape(cfg, draft_layers, block_size)
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
-    ceiling = bench.read_ceiling_gbs(1 << 20 if args.tiny else 4 << 30)
+    ceiling = read_ceiling_gbs(1 << 20 if args.tiny else 4 << 30)
     phase.meta |= {"shape": shape, "num_layers": cfg.num_layers, "read_ceiling_gbs": ceiling}
     phase.meta |= {
-        "target_weight_bytes": bench.weight_bytes(params),
-        "draft_weight_bytes": bench.weight_bytes(dparams),
+        "target_weight_bytes": weight_bytes(params),
+        "draft_weight_bytes": weight_bytes(dparams),
     }
 
     def run(method: str, budget: int, batch: int, dispatch: str | None):
-        def case() -> dict:
-            row_cfg = dataclasses.replace(cfg, moe_dispatch=dispatch)
-            plan = make_plan(
-                row_cfg,
+        def plan_of(target_cfg):
+            return make_plan(
+                target_cfg,
                 dcfg,
                 method,
                 batch_size=batch,
@@ -400,10 +402,15 @@ def rounds_phase(args, name: str) -> None:
                 budget=budget or None,
                 attention=attention,
             )
-            shape = batch_shape(plan, batch, context)
-            row = bench.bench_one(params, dparams, plan, shape, context, rounds, ceiling, False, None, batch)
-            tokens = plan.tree_size * shape.rows
-            return row | {"verify_tokens": tokens, "dispatch": dispatch or moe.choose_dispatch(tokens)}
+
+        def case() -> dict:
+            shape = batch_shape(plan_of(cfg), batch, context)
+            tokens = plan_of(cfg).tree_size * shape.rows
+            # --no-fused: the rule's dispatch for the verify's tokens without the fused kernel, forced
+            forced = dispatch or (moe.choose_dispatch(tokens, fused=False) if args.no_fused else None)
+            plan = plan_of(dataclasses.replace(cfg, moe_dispatch=forced))
+            row = bench_one(params, dparams, plan, shape, context, rounds, ceiling, False, None, batch)
+            return row | {"verify_tokens": tokens, "dispatch": forced or moe.choose_dispatch(tokens)}
 
         return case
 
@@ -446,7 +453,9 @@ def main() -> int:
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     ap.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)  # a child's one phase
     ap.add_argument(
-        "--no-fused", action="store_true", help="leave the fused kernel out (moe.FUSED_MAX_TOKENS = 0)"
+        "--no-fused",
+        action="store_true",
+        help="leave the fused kernel out (the rule's dispatch without it, forced)",
     )
     ap.add_argument("--tiny", action="store_true", help="toy sizes on the CPU, kernels interpreted")
     ap.add_argument(

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import random_tree_mask, read_ceiling, short_error  # noqa: E402
 from bench_prefix_attention import tree_attention_merged  # noqa: E402
 
-from ddtree_jax.bench import run_meta  # noqa: E402
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.kernels import tree_attention as triton_gqa  # noqa: E402
 from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
 from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu  # noqa: E402
@@ -270,7 +270,7 @@ class Run:
 
     def __init__(self, opts):
         self.opts = opts
-        self.results = run_meta(sys.argv) | dict(
+        self.results = run_header(sys.argv) | dict(
             platform=jax.devices()[0].platform,
             quick=opts.quick,
             deadline_s=opts.deadline_s,

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
+from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.kernels.flash import merge_by_lse  # noqa: E402
 from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 

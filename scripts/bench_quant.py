@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench import median_seconds, read_ceiling_gbs  # noqa: E402
+from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.quant import arrays  # noqa: E402
 
 FORMATS = ("bf16", "int4", "int4-s4", "fp8")

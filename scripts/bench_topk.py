@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench import median_seconds  # noqa: E402
+from ddtree_jax.bench.report import run_header  # noqa: E402
+from ddtree_jax.bench.timing import median_seconds  # noqa: E402
 from ddtree_jax.collectives import chunked_top_k  # noqa: E402
 
 
@@ -42,7 +43,7 @@ def main() -> None:
         row |= {"chunked_top_k_us": median_us(chunk_fn, x), "identical": same}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = {"device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv}
+    meta = run_header(sys.argv)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 

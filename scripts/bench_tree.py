@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench import median_seconds  # noqa: E402
+from ddtree_jax.bench.timing import median_seconds  # noqa: E402
 from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree  # noqa: E402
 
 

@@ -18,11 +18,11 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 git log -1 --format='%H %s' > "$OUT/commit.txt" 2>&1
-# --budget-s stops starting new configurations 10 s before the step's cap (each is written as it ends).
+# --deadline-s stops starting new configurations 10 s before the step's cap (each is written as it ends).
 cap=$(( $(left) - 5 )); [ "$cap" -gt 165 ] && cap=165
 step decode 15 "$cap" python3 scripts/bench_attention.py --nodes 1 --batches 1,4,16 --contexts 1024,8192,32768 \
   --tunings "waves=2,mb=4,merge=xla;merge=xla;k=64;waves=8" --no-reference --profile --target-s 0.1 \
-  --budget-s $((cap - 10)) --out "$OUT/decode.json"
+  --deadline-s $((cap - 10)) --out "$OUT/decode.json"
 # If the step was cut before its tables, print them from the JSON written so far.
 grep -q "^T = 1, us per call" "$OUT/decode.log" 2>/dev/null || \
   timeout 20 python3 scripts/bench_attention.py --print "$OUT/decode.json" 2>&1 | tail -n 30

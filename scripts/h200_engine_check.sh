@@ -24,8 +24,8 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 new=$PWD
-rounds() {  # rounds DIR NAME
-  (cd "$1" && python3 scripts/bench.py --shape "$SHAPE" --attention "$ATTENTION" --rounds 32 --methods ar,ddtree \
+rounds() {  # rounds DIR NAME (no sub-command: ddtree-bench's rounds, in a tree from before them too)
+  (cd "$1" && python3 -m ddtree_jax.bench --shape "$SHAPE" --attention "$ATTENTION" --rounds 32 --methods ar,ddtree \
     --budgets 15,63 --contexts 1024 --batches 1 --out "$OUT/$2.json")
 }
 pair() {  # pair DIR NAME [FLAGS...]: the bundled pair's main job

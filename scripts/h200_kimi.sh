@@ -30,13 +30,13 @@ MLA_ARGS=${MLA_ARGS:---heads 64,8 --batches 1 --contexts 4096,32768 --nodes 1,64
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
-B="$PY scripts/bench.py --shape $SHAPE --num-layers $LAYERS --draft-layers 6 --block-size 8 --rounds $ROUNDS"
+B="$PY -m ddtree_jax.bench rounds --shape $SHAPE --num-layers $LAYERS --draft-layers 6 --block-size 8 --rounds $ROUNDS"
 # step NAME MIN_S LIMIT_S CMD...: run CMD under timeout min(LIMIT_S, time left), if MIN_S seconds are left.
 
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 # shellcheck disable=SC2086  # MLA_ARGS and B are word lists
 step mla_kernel 60 "$KERNEL_S" $PY scripts/bench_mla_attention.py $MLA_ARGS \
-  --budget-s $((KERNEL_S - 20)) --out "$OUT/bench_mla_attention.json"
+  --deadline-s $((KERNEL_S - 20)) --out "$OUT/bench_mla_attention.json"
 # shellcheck disable=SC2086
 step kimi_ctx1k 60 110 $B --attention "$ATTN" --methods ar,ddtree --budgets 15 --batches 1,16 \
   --contexts "$CTX" --out "$OUT/kimi_ctx1k.json"

@@ -16,7 +16,7 @@ TP=${TP:-1}
 DEADLINE=${DEADLINE:-470}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
-B="python3 scripts/bench.py --shape qwen3-30b-a3b --attention pallas --rounds 4 --contexts 1024"
+B="python3 -m ddtree_jax.bench rounds --shape qwen3-30b-a3b --attention pallas --rounds 4 --contexts 1024"
 
 step batch 30 230 $B --methods ar,ddtree --budgets 7,15 --batches 1,16 --out "$OUT/batch.json"
 step ar_grouped 30 75 $B --methods ar --batches 1 --moe-dispatch grouped --out "$OUT/ar_grouped.json"

@@ -19,6 +19,6 @@ source "$(dirname "$0")/h200_lib.sh"
 [ "${DRY_RUN:-0}" = 1 ] || nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 step kernels 60 $((KERNEL_S + 50)) python3 scripts/bench_mosaic_attention.py --out "$OUT/mosaic_attention.json" \
   --deadline-s "$KERNEL_S" --skip "${SKIP:-}"
-step rounds 100 160 python3 scripts/bench.py --shape qwen3-8b --attention pallas,mosaic --rounds 8 \
+step rounds 100 160 python3 -m ddtree_jax.bench rounds --shape qwen3-8b --attention pallas,mosaic --rounds 8 \
   --methods ddtree --budgets 15,63 --batches 16 --contexts 32768 --out "$OUT/rounds.json"
 date -u

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 22 items 4 and 5 on one H200, one device call (~3 min): a per-kernel profile
-# (scripts/profile_round.py: jax.profiler trace read with ProfileData, kernel time by category and
+# (ddtree-bench profile: jax.profiler trace read with ProfileData, kernel time by category and
 # by the engine's scopes, top 25 kernels, busy against wall) of the Qwen3-8B shape, bf16, Pallas
 # attention:
 # 1. batch 1, 1k context: the ar step (two rows, one inactive) and the budget-63 round, each also as
@@ -19,7 +19,7 @@ PY=${PY:-python3}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
-P="$PY scripts/profile_round.py --shape qwen3-8b --attention pallas --programs verify,round --rounds 4 --iters 3"
+P="$PY -m ddtree_jax.bench profile --shape qwen3-8b --attention pallas --programs verify,round --rounds 4 --iters 3"
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 # ~70 s: init ~10 s, compiles ar verify ~8 + round ~9, ddtree draft/build ~6 + verify ~10 + round ~17
 # shellcheck disable=SC2086  # P is a word list

@@ -13,7 +13,7 @@ OUT=${OUT:-results/h200/quant}
 DEADLINE=${DEADLINE:-420}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
-B="python3 scripts/bench.py --shape kimi-k2 --attention pallas --draft-layers 6 --block-size 8 --rounds 4"
+B="python3 -m ddtree_jax.bench rounds --shape kimi-k2 --attention pallas --draft-layers 6 --block-size 8 --rounds 4"
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 step int4 60 $DEADLINE $B --quantize int4-experts --methods ar,ddtree --budgets 15,63 --batches 1,16 --contexts 1024 \

@@ -17,7 +17,7 @@ PY=${PY:-python3}
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
-K="$PY scripts/bench.py --shape kimi-k2 --draft-layers 6 --block-size 8 --rounds 4 --attention pallas"
+K="$PY -m ddtree_jax.bench rounds --shape kimi-k2 --draft-layers 6 --block-size 8 --rounds 4 --attention pallas"
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 # shellcheck disable=SC2086  # K is a word list
 step kimi2_ctx32k_b16 40 70 $K --num-layers 2 --methods ar,ddtree --budgets 15 --batches 16 \
@@ -28,7 +28,7 @@ step kimi2_ctx1k_b16 40 70 $K --num-layers 2 --methods dflash,ddtree --budgets 6
 # shellcheck disable=SC2086
 step kimi4_ctx1k 60 150 $K --num-layers 4 --methods ar,ddtree,dflash --budgets 15,63 --batches 1,16 \
   --contexts 1024 --out "$OUT/kimi4_ctx1k.json"
-step qwen8b_ctx32k_b16 60 200 $PY scripts/bench.py --shape qwen3-8b --attention pallas --rounds 8 \
+step qwen8b_ctx32k_b16 60 200 $PY -m ddtree_jax.bench rounds --shape qwen3-8b --attention pallas --rounds 8 \
   --methods ar,ddtree --budgets 7,15,63,3 --batches 16 --contexts 32768 --stages \
   --out "$OUT/qwen8b_ctx32k_b16.json"
 date -u

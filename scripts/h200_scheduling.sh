@@ -7,9 +7,9 @@
 #                     tokens, 64 new tokens, batch 16, ddtree budget 7, up to 8 stop ids calibrated to
 #                     stop 30% of rows), prefill chunks through cuDNN ("auto"), then the batch-invariant
 #                     schedule's tokens/s against the default's (rewritten after each phase)
-#   prefill.jsonl     chunked prefill of a 1k and a 32k prompt (Qwen3-8B shape, random bf16 weights),
-#                     chunks of 1k: cuDNN first, then the Pallas tree kernel (one process each, so each
-#                     peak memory is its own): seconds, peak memory, x the FLOP floor at 790 TFLOP/s
+#   prefill-{cudnn,pallas}.json  chunked prefill of a 1k and a 32k prompt (Qwen3-8B shape, random bf16
+#                     weights), chunks of 1k: cuDNN first, then the Pallas tree kernel (one process each,
+#                     so each peak memory is its own): seconds, peak memory, x the FLOP floor at 790 TFLOP/s
 # Expected: about 6 minutes, most of it compilation. Run from the repository root:
 #   OUT=/some/dir DEADLINE=470 bash scripts/h200_scheduling.sh
 set -u
@@ -38,11 +38,11 @@ out = {"max_abs_error": err, "bf16_ok": err < 0.05, "seconds": round(sec, 5), "s
        "device": jax.devices()[0].device_kind}
 print(json.dumps(out)); open(sys.argv[1], "w").write(json.dumps(out) + "\n")
 PY
-step mixed 20 250 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
+step mixed 20 250 python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas \
     --prompts 64 --min-len 64 --max-len 1024 --max-new-tokens 64 --batch-size 16 --budget 7 \
     --prefill-chunk 512 --stop-tokens 8 --batch-invariant --out "$OUT/mixed-8b.json"
-step prefill-cudnn 20 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
-    --prefill-attention causal-cudnn --out "$OUT/prefill.jsonl"
-step prefill-pallas 20 85 python3 scripts/bench_prefill.py --runs 1024:1024,32768:1024 --attention pallas \
-    --out "$OUT/prefill.jsonl"
+step prefill-cudnn 20 85 python3 -m ddtree_jax.bench prefill --runs 1024:1024,32768:1024 --attention pallas \
+    --prefill-attention causal-cudnn --out "$OUT/prefill-cudnn.json"
+step prefill-pallas 20 85 python3 -m ddtree_jax.bench prefill --runs 1024:1024,32768:1024 --attention pallas \
+    --out "$OUT/prefill-pallas.json"
 echo "total $SECONDS s" | tee -a "$OUT/steps.log"

@@ -18,7 +18,7 @@ DEADLINE=${DEADLINE:-400}
 mkdir -p "$OUT"
 source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-step lengths-8b 20 395 python3 scripts/bench_scheduling.py --shape qwen3-8b --dtype bfloat16 --attention pallas \
+step lengths-8b 20 395 python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas \
     --prompts 64 --min-len 64 --max-len 1024 --max-new-tokens 128 --min-new-tokens 8 --stop-fraction 0 \
     --batch-size 16 --budget 7 --prefill-chunk 512 --prefill-attention same --batch-invariant \
     --out "$OUT/lengths-8b.json"

@@ -9,7 +9,7 @@ DEADLINE=${DEADLINE:-570}
 LOGS=$W
 mkdir -p $W
 source "$(dirname "$0")/h200_lib.sh"
-B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16"
+B="python3 -m ddtree_jax.bench rounds --shape qwen3-8b --attention pallas --rounds 16"
 ALL="topk sampling budgets batches stages tp1 contexts llama arbatch"
 
 step topk 20 $DEADLINE python3 scripts/bench_topk.py --out "$W/topk.json"
@@ -21,7 +21,7 @@ step batches 20 $DEADLINE $B --methods ar,ddtree --budgets 15,63 --contexts 1024
 step stages 20 $DEADLINE $B --methods ar,ddtree --budgets 63 --contexts 1024 --batches 1,16 --stages --out "$W/stages.json"
 step tp1 20 $DEADLINE $B --methods dflash,ddtree --budgets 15 --contexts 1024 --batches 1,16 --out "$W/tp1.json"
 step contexts 20 $DEADLINE $B --methods ar,ddtree --budgets 63 --contexts 8192,32768 --batches 16 --out "$W/contexts.json"
-step llama 20 $DEADLINE python3 scripts/bench.py --shape llama-3.1-8b --attention pallas --rounds 16 --methods ar,ddtree \
+step llama 20 $DEADLINE python3 -m ddtree_jax.bench rounds --shape llama-3.1-8b --attention pallas --rounds 16 --methods ar,ddtree \
   --budgets 15,63 --contexts 1024 --batches 1,16 --out "$W/llama.json"
 step arbatch 20 $DEADLINE $B --methods ar,ddtree --budgets 7 --contexts 1024 --batches 2,8,32 --out "$W/arbatch.json"
 date -u

@@ -10,7 +10,7 @@ DEADLINE=${DEADLINE:-570}
 LOGS=$W
 mkdir -p $W
 source "$(dirname "$0")/h200_lib.sh"
-B="python3 scripts/bench.py --shape qwen3-8b --attention pallas --rounds 16 --contexts 1024 --tp $TP"
+B="python3 -m ddtree_jax.bench rounds --shape qwen3-8b --attention pallas --rounds 16 --contexts 1024 --tp $TP"
 
 nvidia-smi topo -m > $W/topo.txt 2>&1
 step rounds 20 $DEADLINE $B --methods ar,dflash,ddtree --budgets 15,63 --batches 1,16 --out "$W/tp$TP.json"

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddtree_jax.bench import SHAPES  # noqa: E402  (jax-free at import: shapes only)
+from ddtree_jax.bench.shapes import SHAPES  # noqa: E402
 
 
 class Step:

@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
 from ddtree_jax import drafter, models, target  # noqa: E402
-from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
+from ddtree_jax.bench.shapes import SHAPES, draft_shape  # noqa: E402
 from ddtree_jax.pair import Pair, generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import Prompt, read_prompts  # noqa: E402
 from ddtree_jax.sampling import GREEDY  # noqa: E402

@@ -1,10 +1,11 @@
-"""ddtree-bench runs end to end at tiny sizes (a smoke test: no timing is asserted)."""
+"""ddtree-bench rounds runs end to end at tiny sizes (a smoke test: no timing is asserted), called as
+`ddtree-bench --shape ...` (no sub-command: rounds, as the recorded commands run it)."""
 
 import json
 
 import pytest
 
-from ddtree_jax.bench import main
+from ddtree_jax.bench.cli import main
 
 TINY = ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32", "--rounds", "2"]
 TINY += ["--ceiling-bytes", "1048576"]
@@ -70,33 +71,66 @@ def test_padding_rows_are_inactive_as_generation_pads():
     import jax.numpy as jnp
     import numpy as np
 
-    from ddtree_jax import bench
+    from ddtree_jax.bench.programs import synthetic_state
+    from ddtree_jax.bench.shapes import SHAPES
     from ddtree_jax.engine import Plan
     from ddtree_jax.pair import batch_shape
 
-    cfg = bench.SHAPES["tiny"]
+    cfg = SHAPES["tiny"]
     plan = Plan(cfg, None, "ar", 64)
     shape = batch_shape(plan, 1, 32)
     assert shape.rows == 2
-    state = bench.synthetic_state(plan, shape, 32, 0, jnp.float32, active=1)
+    state = synthetic_state(plan, shape, 32, 0, jnp.float32, active=1)
     np.testing.assert_array_equal(state.cache.lengths, [32, 1])
     np.testing.assert_array_equal(state.done, [False, True])
-    full = bench.synthetic_state(plan, shape, 32, 0, jnp.float32)
+    full = synthetic_state(plan, shape, 32, 0, jnp.float32)
     np.testing.assert_array_equal(full.cache.lengths, [32, 32])
     assert not full.done.any()
 
 
-def test_dropped_all_reduce_is_restored(tmp_path):
-    """--drop-layer-all-reduce (timing only) patches the layers' all-reduce for its run alone, and is
-    refused without a mesh."""
-    from ddtree_jax import collectives
+def _all_reduces(lowered) -> int:
+    """The all-reduce ops of a lowered program (StableHLO text)."""
+    return lowered.as_text().count("all_reduce")
+
+
+def test_dropped_all_reduce_is_the_layers_and_for_its_run_alone(tmp_path):
+    """--drop-layer-all-reduce (timing only): the round traced inside `without_layer_all_reduce()` has
+    exactly two all-reduces a target layer fewer (o_proj, down_proj) than the same round traced outside,
+    the switch is off again after the run, and the flag is refused without a mesh."""
+    import jax.numpy as jnp
+
+    from ddtree_jax import target
+    from ddtree_jax.bench.programs import round_program, synthetic_state
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
     from ddtree_jax.models import common
+    from ddtree_jax.pair import batch_shape, make_plan
+    from ddtree_jax.sharding import make_mesh, param_sharding
+    from ddtree_jax.weights import random_params
+
+    cfg = SHAPES["tiny"]
+    dcfg = draft_shape(cfg, 1, 4)
+    place = param_sharding(make_mesh(2)).place
+    params = random_params(target.weight_specs(cfg), 0, jnp.float32, place=place)
+    plan = make_plan(cfg, dcfg, "ar", batch_size=2, max_new_tokens=8, tp=2)
+    state = synthetic_state(plan, batch_shape(plan, 2, 32), 32, 0, jnp.float32)
+
+    def lowered():  # a fresh jit each time: traced under the switch as it is now
+        return round_program(plan, 2).lower(params, None, state)
+
+    kept = _all_reduces(lowered())
+    with common.without_layer_all_reduce():
+        dropped = _all_reduces(lowered())
+    with common.without_layer_all_reduce(False):
+        assert _all_reduces(lowered()) == kept
+    assert kept - dropped == 2 * cfg.num_layers and dropped > 0  # the embedding's and the head's stay
 
     out = tmp_path / "bench.json"
     argv = [*TINY, "--methods", "ar", "--batches", "2", "--out", str(out)]
     assert main([*argv, "--tp", "2", "--drop-layer-all-reduce"]) == 0
-    assert common.psum is collectives.psum
-    row = json.loads(out.read_text())["rows"][0]
+    assert _all_reduces(lowered()) == kept  # the switch held for the run alone
+    data = json.loads(out.read_text())
+    assert data["meta"]["layer_all_reduce"] is False
+    row = data["rows"][0]
     assert "error" not in row and row["tp"] == 2
     assert main([*argv, "--drop-layer-all-reduce"]) == 1
 
@@ -108,22 +142,24 @@ def test_stage_loops_keep_every_pass_inside_the_loop():
 
     import jax.numpy as jnp
 
-    from ddtree_jax import bench, drafter, engine, target
+    from ddtree_jax import drafter, engine, target
+    from ddtree_jax.bench.programs import stage_programs, synthetic_state
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
     from ddtree_jax.engine import Plan
     from ddtree_jax.programs import Shape
     from ddtree_jax.weights import random_params
 
-    cfg = bench.SHAPES["tiny"]
-    dcfg = bench.draft_shape(cfg, 1, 4)
+    cfg = SHAPES["tiny"]
+    dcfg = draft_shape(cfg, 1, 4)
     params = random_params(target.weight_specs(cfg), 0, jnp.float32)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.float32)
     plan = Plan(cfg, dcfg, "ddtree", 64, 7, 7, "reference")
     sampled = {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 0}
-    state = bench.synthetic_state(plan, Shape.of(plan, 2, 32), 32, 0, jnp.float32, sampled)
+    state = synthetic_state(plan, Shape.of(plan, 2, 32), 32, 0, jnp.float32, sampled)
     logp, tok = engine.draft(params, dparams, state, plan)
     tree = engine.build(state, logp, tok, plan)
     choice = engine.verify(params, state, tree, plan)[0]
-    programs = bench.stage_programs(plan, 4)
+    programs = stage_programs(plan, 4)
     loops = {
         "draft": programs["draft"].lower(params, dparams, state),
         "build": programs["build"].lower(state, logp, tok),
@@ -142,7 +178,7 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
     """A MoE shape runs on one device and on an expert-parallel mesh; its floor counts the experts its
     tokens are expected to select, so a larger tree's floor reads more expert bytes; the floor of the
     experts the router chose sits beside it (tests/test_chosen_floor.py checks its count)."""
-    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.bench.shapes import SHAPES
     from ddtree_jax.models import moe
 
     moe_tiny = [a if a != "tiny" else "tiny-moe" for a in TINY]
@@ -204,9 +240,9 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
 )
 def test_flags_refused_before_any_work(tmp_path, capsys, monkeypatch, flags, needle):
     """A bad flag or --out: one line naming it, exit 1, before any weight is made or file written."""
-    from ddtree_jax import bench
+    from ddtree_jax.bench import rounds
 
-    monkeypatch.setattr(bench, "random_params", lambda *a, **k: pytest.fail("weights made"))
+    monkeypatch.setattr(rounds, "random_params", lambda *a, **k: pytest.fail("weights made"))
     flags = [
         str(tmp_path / f[4:]) if f.startswith("MISSING") else str(tmp_path) if f == "DIR" else f
         for f in flags
@@ -214,30 +250,30 @@ def test_flags_refused_before_any_work(tmp_path, capsys, monkeypatch, flags, nee
     argv = [*TINY, "--out", str(tmp_path / "b.json"), *flags]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("ddtree-bench: error: ") and needle in err[0], err
+    assert len(err) == 1 and err[0].startswith("ddtree-bench rounds: error: ") and needle in err[0], err
     assert not (tmp_path / "b.json").exists()
 
 
 def test_shape_required_and_help_shows_defaults(capsys):
     assert main(["--out", "x.json"]) == 1
     assert "the following arguments are required: --shape" in capsys.readouterr().err
-    assert main(["--help"]) == 0
+    assert main(["rounds", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 15,63)" in text and "(default: reference)" in text and "exit status" in text
 
 
 def test_a_failed_configuration_exits_1(tmp_path, capsys, monkeypatch):
     """A configuration that fails keeps its error in its row, the others run, and the exit status says so."""
-    from ddtree_jax import bench
+    from ddtree_jax.bench import rounds
 
-    real = bench.bench_one
+    real = rounds.bench_one
 
     def failing(params, dparams, plan, *args):
         if plan.method == "ar":
             raise RuntimeError("out of memory")
         return real(params, dparams, plan, *args)
 
-    monkeypatch.setattr(bench, "bench_one", failing)
+    monkeypatch.setattr(rounds, "bench_one", failing)
     out = tmp_path / "b.json"
     assert main([*TINY, "--methods", "ar,dflash", "--out", str(out)]) == 1
     rows = json.loads(out.read_text())["rows"]
@@ -249,7 +285,7 @@ def test_default_pair_shape_is_the_bundled_target():
     """ddtree-bench's `default-pair` shape is the bundled target's config (its stop ids aside)."""
     import dataclasses
 
-    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.bench.shapes import SHAPES
     from ddtree_jax.cli import BUNDLED
     from ddtree_jax.models import load_target_config
 

@@ -1,7 +1,7 @@
-"""The MoE floor of the experts the router chose (ddtree_jax.bench.chosen_expert_floor): the routing log
-records what the router chose, the count of distinct experts per device and the bytes floor agree with
-NumPy sets over the logged choices, and a dense row keeps its one floor (tests/test_bench.py checks that
-MoE rows carry both)."""
+"""The MoE floor of the experts the router chose (ddtree_jax.bench.floor.chosen_expert_floor): the
+routing log records what the router chose, the count of distinct experts per device and the bytes floor
+agree with NumPy sets over the logged choices, and a dense row keeps its one floor (tests/test_bench.py
+checks that MoE rows carry both)."""
 
 import json
 
@@ -10,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax import bench, drafter, models, target
+from ddtree_jax import drafter, models, target
+from ddtree_jax.bench import rounds
+from ddtree_jax.bench.floor import chosen_expert_floor, distinct_per_device, record_routing
+from ddtree_jax.bench.programs import synthetic_state
+from ddtree_jax.bench.shapes import SHAPES, draft_shape
 from ddtree_jax.models import moe
 from ddtree_jax.pair import make_plan
 from ddtree_jax.programs import Shape
@@ -61,7 +65,7 @@ def test_distinct_per_device_against_sets(tp, sharding):
         for d in range(tp)
     ]
     want = max(len(set(experts.ravel()) & h) for h in held)
-    assert bench.distinct_per_device(experts, 16, tp, sharding) == want
+    assert distinct_per_device(experts, 16, tp, sharding) == want
 
 
 @pytest.mark.parametrize("method,batch,rows", [("ar", 1, 1), ("ddtree", 2, 3)])
@@ -69,16 +73,16 @@ def test_chosen_floor_against_numpy_sets(method, batch, rows):
     """Tiny MoE target (3 sparse layers of 8 experts, top-2): the floor from the logged routing of two
     rounds equals the bytes of the non-expert weights (less the embedding table) plus, per layer, the
     experts the live rows chose, counted with Python sets; a padding row's choices do not count."""
-    cfg = bench.SHAPES["tiny-moe"]
-    dcfg = bench.draft_shape(cfg, 1, 4)
+    cfg = SHAPES["tiny-moe"]
+    dcfg = draft_shape(cfg, 1, 4)
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
     budget = 3 if method == "ddtree" else None
     plan = make_plan(cfg, dcfg, method, batch_size=rows, max_new_tokens=8, budget=budget)
     shape = Shape.of(plan, rows, 32)
-    state = bench.synthetic_state(plan, shape, 32, 0, jnp.bfloat16, active=batch)
-    log = bench.record_routing(params, dparams, state, plan, 2)
-    got = bench.chosen_expert_floor(log, params, cfg, plan, shape, batch)
+    state = synthetic_state(plan, shape, 32, 0, jnp.bfloat16, active=batch)
+    log = record_routing(params, dparams, state, plan, 2)
+    got = chosen_expert_floor(log, params, cfg, plan, shape, batch)
 
     sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)]
     assert sorted(log) == list(range(len(sparse))) and all(len(v) == 2 for v in log.values())
@@ -105,7 +109,7 @@ def test_chosen_floor_against_numpy_sets(method, batch, rows):
 def test_dense_rows_have_one_floor(tmp_path):
     out = tmp_path / "bench.json"
     argv = [a if a != "tiny-moe" else "tiny" for a in TINY_MOE]
-    assert bench.main([*argv, "--methods", "ar", "--batches", "1", "--out", str(out)]) == 0
+    assert rounds.main([*argv, "--methods", "ar", "--batches", "1", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert "chosen_floor_ms" not in row and row["round_over_floor"] == pytest.approx(
         row["round_ms"] / row["target_floor_ms"]

@@ -69,7 +69,8 @@ def enable(directory) -> object:
 
 def test_flag_on_every_command(capsys):
     """ddtree-generate, ddtree-bench and each ddtree-compare sub-command take --compile-cache."""
-    from ddtree_jax import bench, cli
+    from ddtree_jax import cli
+    from ddtree_jax.bench import rounds as bench
     from ddtree_jax.compare import cli as compare_cli
 
     assert cli.build_parser().parse_args(["--out", "x", "--compile-cache", "off"]).compile_cache == "off"

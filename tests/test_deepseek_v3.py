@@ -191,7 +191,8 @@ def test_bench_tiny_mla(tmp_path):
     device and over a tp 4 mesh: every method runs; the floor counts the replicated latent cache."""
     import json
 
-    from ddtree_jax.bench import SHAPES, main
+    from ddtree_jax.bench.rounds import main
+    from ddtree_jax.bench.shapes import SHAPES
 
     assert SHAPES["kimi-k2"].num_layers == 4 and SHAPES["kimi-k2"].mla.kv_lora_rank == 512
     base = ["--shape", "tiny-mla", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
@@ -253,7 +254,8 @@ def test_kimi_k2_round_lowers_for_cuda(impl):
     drafter's GQA kernel) lowers for CUDA under an abstract H200, without a GPU; --batch-invariant's
     implementation too (it once ran the MLA layers through the jnp reference)."""
     from ddtree_jax import drafter, engine
-    from ddtree_jax.bench import SHAPES, draft_shape, synthetic_state
+    from ddtree_jax.bench.programs import synthetic_state
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
     from ddtree_jax.engine import Plan
     from ddtree_jax.programs import Shape
     from ddtree_jax.weights import assemble

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ddtree_jax import kernel_profile as kp
+from ddtree_jax.bench import profile as kp
 
 
 @pytest.mark.parametrize(

@@ -120,7 +120,8 @@ def test_kimi_k2_round_with_mosaic_attention_lowers_for_cuda():
     import dataclasses
 
     from ddtree_jax import drafter, engine, target
-    from ddtree_jax.bench import SHAPES, draft_shape, synthetic_state
+    from ddtree_jax.bench.programs import synthetic_state
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
     from ddtree_jax.programs import Shape
     from ddtree_jax.weights import assemble
 

@@ -6,7 +6,9 @@ Shapes: x [B, T, H]; positions [B, T] int32; per-head tensors [B, T, heads, D].
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -39,12 +41,27 @@ def ignored_tensors(cfg) -> tuple[str, ...]:
     return IGNORED_TENSORS
 
 
-def all_reduce(x: jax.Array, model_axis: Axis) -> jax.Array:
-    """The all-reduce after a layer's row-split projection (o_proj, down_proj, the experts).
+# Whether programs traced now keep the all-reduce after each layer's row-split projection (read by
+# `all_reduce` at trace time; switched off only by `without_layer_all_reduce`).
+_LAYER_ALL_REDUCE = contextvars.ContextVar("layer_all_reduce", default=True)
 
-    Every family calls it through this module's `psum`, so the benchmark can drop it for timing alone.
-    """
-    return psum(x, model_axis)
+
+@contextlib.contextmanager
+def without_layer_all_reduce(drop: bool = True) -> Iterator[None]:
+    """Programs traced inside `with without_layer_all_reduce():` skip every layer's all-reduce: timing
+    only, their outputs are wrong (`ddtree-bench rounds --drop-layer-all-reduce`: the all-reduce's cost
+    is the difference to a run with it). `drop=False` changes nothing."""
+    token = _LAYER_ALL_REDUCE.set(not drop and _LAYER_ALL_REDUCE.get())
+    try:
+        yield
+    finally:
+        _LAYER_ALL_REDUCE.reset(token)
+
+
+def all_reduce(x: jax.Array, model_axis: Axis) -> jax.Array:
+    """The all-reduce after a layer's row-split projection (o_proj, down_proj, the experts); every
+    family calls it here. Skipped in programs traced inside `without_layer_all_reduce()`."""
+    return psum(x, model_axis) if _LAYER_ALL_REDUCE.get() else x
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

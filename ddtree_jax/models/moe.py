@@ -157,7 +157,7 @@ class RoutingLog:
     log:` around tracing a program; read after running it): per call site in trace order (one per MoE
     layer of a traced forward) the chosen experts [N, k] (global ids) of each execution, as device 0 of
     the model axis sees them (its tokens are every device's). A host callback per call: for a program
-    run once to count experts (`ddtree_jax.bench.chosen_expert_floor`), never for one that is timed."""
+    run once to count experts (`ddtree_jax.bench.floor.chosen_expert_floor`), never for one that is timed."""
 
     active: RoutingLog | None = None  # the log that `run_experts` feeds at trace time
 

@@ -1,36 +1,34 @@
-"""Chunked prefill of one long prompt: time, peak device memory and the FLOP floor; one JSON line each.
+"""`ddtree-bench prefill`: chunked prefill of one long prompt: time, peak device memory, the FLOP floor.
 
-Random weights of a bench.SHAPES shape (bf16), one row, the prompt run chunk by chunk through the cache
+Random weights of a ddtree-bench shape (bf16), one row, the prompt run chunk by chunk through the cache
 path (programs.start: each chunk attends to the cache written so far and to itself, causal), the
 drafter's context K/V with it. `--runs LENGTH:CHUNK,...` in order; the device's peak memory is the
 process's so far, so order the runs by growing footprint (a smaller run after a larger one shows the
-larger one's peak):
+larger one's peak). One row a run in --out's "rows", the JSON rewritten after each; none starts past
+--deadline-s:
 
-    python scripts/bench_prefill.py --runs 1024:1024,32768:1024,32768:4096 --out $OUT/prefill.jsonl
-    python scripts/bench_prefill.py --runs 1024:1024,32768:1024 --prefill-attention causal-cudnn --out ...
+    ddtree-bench prefill --runs 1024:1024,32768:1024,32768:4096 --out $OUT/prefill.json
+    ddtree-bench prefill --runs 1024:1024,32768:1024 --prefill-attention causal-cudnn --out ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ddtree_jax import drafter, target  # noqa: E402
-from ddtree_jax.bench import SHAPES, draft_shape  # noqa: E402
-from ddtree_jax.engine import MAX_STOP_IDS, Plan  # noqa: E402
-from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots  # noqa: E402
-from ddtree_jax.weights import random_params  # noqa: E402
+from ddtree_jax import drafter, target
+from ddtree_jax.bench import report
+from ddtree_jax.bench.shapes import SHAPES, draft_shape
+from ddtree_jax.engine import MAX_STOP_IDS, Plan
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.programs import Programs, Requests, Shape, prompt_slots
+from ddtree_jax.weights import random_params
 
 PEAK_TFLOPS = 790.0  # bf16 matmul on the H200 (docs/design.md)
 
@@ -106,16 +104,14 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
         "x_floor": round(seconds / (flops / (PEAK_TFLOPS * 1e12)), 2),
         "peak_gb_so_far": round(stats.get("peak_bytes_in_use", 0) / 1e9, 2),
         "weights_gb": round(weights / 1e9, 2),
-        "machine": f"{platform.node()} {jax.devices()[0].device_kind}",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     return row
 
 
-def main(argv=None) -> int:
-    """Time one prefill and append its figures to --out."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen3-8b")
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-bench prefill's flags (their defaults shown by --help)."""
+    p = report.parser("prefill", __doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--runs", default="1024:1024,32768:1024", help="LENGTH:CHUNK pairs, in order")
     p.add_argument("--attention", default="pallas")
     p.add_argument("--method", default="ddtree", help="ar: no drafter context")
@@ -125,22 +121,52 @@ def main(argv=None) -> int:
         help="the chunks' attention: same (as --attention), causal-cudnn, causal-xla, pallas, reference",
     )
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    p.add_argument("--out", required=True, help="the JSON written (rewritten after every run)")
+    report.add_deadline(p)
+    return p
 
+
+def parse_runs(text: str) -> list[tuple[int, int]]:
+    """--runs: LENGTH:CHUNK pairs (length >= 1, chunk a power of two >= 16), or a one-line error."""
+    runs = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+            raise DDTreeError(f"--runs {text}: {item!r} is not LENGTH:CHUNK (integers >= 1)")
+        length, chunk = int(parts[0]), int(parts[1])
+        if chunk < 16 or chunk & (chunk - 1):  # as programs.Programs takes it
+            raise DDTreeError(f"--runs {text}: chunk {chunk} is not a power of two >= 16")
+        runs.append((length, chunk))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench prefill ARGS`: time each prefill run and write the JSON; the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
+    deadline = report.Deadline(args.deadline_s)
+    try:
+        runs = parse_runs(args.runs)
+        report.check_deadline(args.deadline_s)
+        report.check_out_path(args.out)
+    except DDTreeError as e:
+        print(f"ddtree-bench prefill: error: {e}", file=sys.stderr)
+        return report.EXIT_ERROR
     cfg = SHAPES[args.shape]
     dcfg = draft_shape(cfg, 5, 16)
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16) if args.method != "ar" else None
-    for run in args.runs.split(","):
-        length, chunk = map(int, run.split(":"))
-        row = one_run(args, cfg, dcfg, params, dparams, length, chunk)
-        row["command"] = " ".join(["python", "scripts/bench_prefill.py", *(argv or sys.argv[1:])])
-        print(json.dumps(row), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    out = {
+        "meta": report.run_header(report.command_line("prefill", argv)),
+        "rows": [],
+        "skipped": deadline.skipped,
+    }
+    for length, chunk in runs:
+        if deadline.allows(f"{length}:{chunk}"):
+            row = one_run(args, cfg, dcfg, params, dparams, length, chunk)
+            print(json.dumps(row), flush=True)
+            out["rows"].append(row)
+        report.write_json(args.out, out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

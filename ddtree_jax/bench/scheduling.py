@@ -1,4 +1,4 @@
-"""Continuous batching against static batches on a mixed workload; one JSON file of the figures.
+"""`ddtree-bench scheduling`: continuous batching against static batches on a mixed workload; one JSON.
 
 The workload: `--prompts` prompts whose lengths are log-uniform in [--min-len, --max-len] (cut from the
 held-out code prompts for a real pair, random ids for random weights), `--max-new-tokens` each, and
@@ -12,9 +12,11 @@ outputs depend on the schedule; pass --stop-fraction 0 for lengths alone). Stati
 `ddtree-generate --static-batches` does); continuous batching is ddtree-generate's default. Both report
 generation seconds without compilation; outputs are compared token for token.
 
-    python scripts/bench_scheduling.py --out results/scheduling/cpu.json --prompts 48 --max-len 512
-    python scripts/bench_scheduling.py --shape qwen3-8b --attention pallas --stop-tokens 8 --out $OUT/8b.json
-    python scripts/bench_scheduling.py --max-new-tokens 128 --min-new-tokens 8 --stop-fraction 0 --out ...
+    ddtree-bench scheduling --out results/scheduling/cpu.json --prompts 48 --max-len 512
+    ddtree-bench scheduling --shape qwen3-8b --attention pallas --stop-tokens 8 --out $OUT/8b.json
+    ddtree-bench scheduling --max-new-tokens 128 --min-new-tokens 8 --stop-fraction 0 --out ...
+
+It runs continuous, then static, then batch-invariant batching; none starts past --deadline-s.
 """
 
 from __future__ import annotations
@@ -22,35 +24,33 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from ddtree_jax import drafter, target
+from ddtree_jax.bench import report
+from ddtree_jax.budgets import default_branching
+from ddtree_jax.engine import Plan
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.prompts import Prompt
+from ddtree_jax.scheduler import Generator, Schedule
+from ddtree_jax.settings import BUNDLED as PAIR
+from ddtree_jax.sharding import make_mesh, param_sharding
 
-from ddtree_jax import drafter, target  # noqa: E402
-from ddtree_jax.budgets import default_branching  # noqa: E402
-from ddtree_jax.engine import Plan  # noqa: E402
-from ddtree_jax.prompts import Prompt  # noqa: E402
-from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
-from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
-
-PAIR = ROOT / "ddtree_jax" / "assets" / "default_pair"
-HELDOUT = ROOT / "results" / "heldout-prompts-96.jsonl"
+# the held-out code prompts of the repository (results/): a real pair's workload
+HELDOUT = Path(__file__).resolve().parents[2] / "results" / "heldout-prompts-96.jsonl"
 
 
 def load_models(args):
     """(target cfg, params, draft cfg, draft params, token stream for prompts or None)."""
     dtype = jnp.dtype(args.dtype)
     if args.shape:
-        from ddtree_jax.bench import SHAPES, draft_shape
+        from ddtree_jax.bench.shapes import SHAPES, draft_shape
         from ddtree_jax.weights import random_params
 
         cfg = SHAPES[args.shape]
@@ -174,16 +174,17 @@ def summary(results, gen: Generator, wall: float) -> dict:
 
 
 def timed(fn):
+    """(fn(), its wall seconds)."""
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
 
 
-def main(argv=None) -> int:
-    """Run the workload both ways and write the figures."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-bench scheduling's flags (their defaults shown by --help)."""
+    p = report.parser("scheduling", __doc__)
     p.add_argument(
-        "--shape", help="random weights of a bench.SHAPES shape (e.g. qwen3-8b); default: the pair"
+        "--shape", help="random weights of a ddtree-bench shape (e.g. qwen3-8b); default: the bundled pair"
     )
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--min-len", type=int, default=16)
@@ -212,10 +213,41 @@ def main(argv=None) -> int:
     p.add_argument("--batch-invariant", action="store_true", help="also time the batch-invariant schedule")
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    p.add_argument("--out", required=True, help="the JSON written (rewritten after every run)")
+    report.add_deadline(p)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The checks that need no device work, before any (one line naming the first bad flag)."""
+    if args.shape is not None:
+        from ddtree_jax.bench.shapes import SHAPES
+
+        if args.shape not in SHAPES:
+            raise DDTreeError(f"--shape {args.shape}: not one of {', '.join(sorted(SHAPES))}")
     if args.min_new_tokens is not None and not 1 <= args.min_new_tokens <= args.max_new_tokens:
-        p.error(f"--min-new-tokens must be in [1, --max-new-tokens], got {args.min_new_tokens}")
+        raise DDTreeError(f"--min-new-tokens {args.min_new_tokens}: must be in [1, --max-new-tokens]")
+    report.check_deadline(args.deadline_s)
+    report.check_out_path(args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench scheduling ARGS`: run the workload both ways and write the figures; the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
+    deadline = report.Deadline(args.deadline_s)
+    try:
+        check_args(args)
+        return run(args, report.command_line("scheduling", argv), deadline)
+    except DDTreeError as e:
+        print(f"ddtree-bench scheduling: error: {e}", file=sys.stderr)
+        return report.EXIT_ERROR
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """The workload continuous, static and batch-invariant (as asked, none past the deadline)."""
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -224,10 +256,8 @@ def main(argv=None) -> int:
     base_gen = make_generator(args, cfg, params, dcfg, dparams, (), policy="static")
     stop = choose_stop(args, base_gen, prompts)
     base_gen.stop_ids, base_gen.generate_seconds = stop, 0.0  # compile_seconds: calibration's included
-    report = {
-        "command": " ".join(["python", "scripts/bench_scheduling.py", *(argv or sys.argv[1:])]),
-        "machine": f"{platform.node()} {jax.devices()[0].device_kind} x{jax.device_count()}",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    out = {
+        "meta": report.run_header(command),
         "settings": vars(args)
         | {"stop_ids": list(stop), "prompt_lengths": [len(q.input_ids) for q in prompts]}
         | {
@@ -235,38 +265,34 @@ def main(argv=None) -> int:
                 q.options.get("max_new_tokens", args.max_new_tokens) for q in prompts
             ]
         },
+        "skipped": deadline.skipped,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
-        path.write_text(json.dumps(report, indent=1) + "\n")
+        report.write_json(args.out, out)
 
-    gen = make_generator(args, cfg, params, dcfg, dparams, stop)
-    cont, wall = timed(lambda: sorted(gen.run(prompts), key=lambda r: r.id))
-    report["continuous"] = summary(cont, gen, wall)
+    if deadline.allows("continuous"):
+        gen = make_generator(args, cfg, params, dcfg, dparams, stop)
+        cont, wall = timed(lambda: sorted(gen.run(prompts), key=lambda r: r.id))
+        out["continuous"] = summary(cont, gen, wall)
     save()
-    if not args.skip_static:
+    if not args.skip_static and deadline.allows("static"):
         base, wall = timed(lambda: static(base_gen, prompts))
-        report["static"] = summary(base, base_gen, wall)
+        out["static"] = summary(base, base_gen, wall)
         batches = range(0, len(base), args.batch_size)
-        report["static"]["rounds"] = sum(
-            max(r.rounds for r in base[i : i + args.batch_size]) for i in batches
-        )
-        report["speedup"] = round(report["continuous"]["tokens_per_s"] / report["static"]["tokens_per_s"], 3)
-        report["identical_outputs"] = [r.output_ids for r in base] == [r.output_ids for r in cont]
+        out["static"]["rounds"] = sum(max(r.rounds for r in base[i : i + args.batch_size]) for i in batches)
+        if "continuous" in out:
+            out["speedup"] = round(out["continuous"]["tokens_per_s"] / out["static"]["tokens_per_s"], 3)
+            out["identical_outputs"] = [r.output_ids for r in base] == [r.output_ids for r in cont]
         save()
-    if args.batch_invariant:
+    if args.batch_invariant and deadline.allows("batch_invariant"):
         gen = make_generator(args, cfg, params, dcfg, dparams, stop, batch_invariant=True)
         inv, wall = timed(lambda: sorted(gen.run(prompts), key=lambda r: r.id))
-        report["batch_invariant"] = summary(inv, gen, wall)
-        report["batch_invariant"]["speed_vs_continuous"] = round(
-            report["batch_invariant"]["tokens_per_s"] / report["continuous"]["tokens_per_s"], 3
-        )
-        save()
-    print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
+        out["batch_invariant"] = summary(inv, gen, wall)
+        if "continuous" in out:
+            out["batch_invariant"]["speed_vs_continuous"] = round(
+                out["batch_invariant"]["tokens_per_s"] / out["continuous"]["tokens_per_s"], 3
+            )
+    save()
+    print(json.dumps({k: v for k, v in out.items() if k != "settings"}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

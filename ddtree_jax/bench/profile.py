@@ -1,6 +1,6 @@
-"""Where a round's device time goes, kernel by kernel (the library of `scripts/profile_round.py`).
+"""`ddtree-bench profile`: where a round's device time goes, kernel by kernel.
 
-Builds the bench's random-weight model (`ddtree_jax.bench`), runs the ar step, the ddtree round and
+Builds the bench's random-weight model (`ddtree_jax.bench.shapes`), runs the ar step, the ddtree round and
 their stages alone (the bench's device loops) under `jax.profiler.trace`, and reads the captured
 XSpace with `jax.profiler.ProfileData` (no TensorFlow or TensorBoard). On a GPU the kernels are the
 events of the device plane's stream lines; where no device plane holds any (the CPU backend, or a
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import json
 import re
 import sys
 import tempfile
@@ -31,8 +30,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import bench, drafter, target
+from ddtree_jax import drafter, target
+from ddtree_jax.bench import report
+from ddtree_jax.bench.floor import weight_bytes
+from ddtree_jax.bench.programs import round_program, stage_args, stage_programs, synthetic_state
+from ddtree_jax.bench.shapes import SHAPES, draft_shape
+from ddtree_jax.bench.timing import device_memory
 from ddtree_jax.engine import STAGES
+from ddtree_jax.errors import DDTreeError
 from ddtree_jax.pair import batch_shape, make_plan
 from ddtree_jax.weights import random_params
 
@@ -320,32 +325,37 @@ def profile(
     return out | summarize(events, hlo_op_names(hlo_text), wall, calls * rounds)
 
 
-def profile_plan(params, dparams, plan, shape, context: int, args) -> list[dict]:
+def profile_plan(
+    params, dparams, plan, shape, context: int, args, deadline: report.Deadline | None = None
+) -> list[dict]:
     """Profile the stage programs of one plan (`args.programs`), then its round (the state donated,
-    each call's output state the next one's input)."""
+    each call's output state the next one's input); none starts past the deadline."""
+    deadline = deadline or report.Deadline(None)
     rows = []
-    state = bench.synthetic_state(plan, shape, context, 0, params["embed"].dtype, None, args.batch)
+    state = synthetic_state(plan, shape, context, 0, params["embed"].dtype, None, args.batch)
     label = plan.method if plan.method == "ar" else f"{plan.method}{plan.budget}"
     wanted = args.programs.split(",")
-    stage_names = [n for n in wanted if n != "round"]
-    if stage_names:
-        programs = bench.stage_programs(plan, args.rounds)
-        stage_inputs = bench.stage_args(params, dparams, state, plan)
-        for name in stage_names:
-            if name not in programs:
-                continue  # ar has no draft or build
-            start = time.perf_counter()
-            compiled = programs[name].lower(*stage_inputs[name]).compile()
-            compile_s = time.perf_counter() - start
-            a = stage_inputs[name]
-            keep = args.keep_trace and f"{args.keep_trace}/{label}_{name}"
-            result = profile(lambda c=compiled, a=a: c(*a), compiled.as_text(), args.rounds, args.iters, keep)
-            rows.append(_row(label, name, plan, shape, context, args, compile_s) | result)
-            print(_line(rows[-1]), flush=True)
-        stage_inputs = None
-    if "round" in wanted:
+    # the stages alone (ar has no draft or build), their programs and inputs made for the first one run
+    stage_names = [n for n in wanted if n != "round" and (plan.method != "ar" or n not in ("draft", "build"))]
+    programs = stage_inputs = None
+    for name in stage_names:
+        if not deadline.allows(f"{label}_{name}"):
+            continue
+        if programs is None:
+            programs = stage_programs(plan, args.rounds)
+            stage_inputs = stage_args(params, dparams, state, plan)
         start = time.perf_counter()
-        compiled = bench.round_program(plan, args.rounds).lower(params, dparams, state).compile()
+        compiled = programs[name].lower(*stage_inputs[name]).compile()
+        compile_s = time.perf_counter() - start
+        a = stage_inputs[name]
+        keep = args.keep_trace and f"{args.keep_trace}/{label}_{name}"
+        result = profile(lambda c=compiled, a=a: c(*a), compiled.as_text(), args.rounds, args.iters, keep)
+        rows.append(_row(label, name, plan, shape, context, args, compile_s) | result)
+        print(_line(rows[-1]), flush=True)
+    stage_inputs = None
+    if "round" in wanted and deadline.allows(f"{label}_round"):
+        start = time.perf_counter()
+        compiled = round_program(plan, args.rounds).lower(params, dparams, state).compile()
         compile_s = time.perf_counter() - start
         box = [state]
         state = None
@@ -387,10 +397,10 @@ def _line(r: dict) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: profile ar and ddtree programs of one shape, batch and context; write one JSON."""
-    p = argparse.ArgumentParser(prog="profile_round", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(bench.SHAPES), default="qwen3-8b")
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-bench profile's flags (their defaults shown by --help)."""
+    p = report.parser("profile", __doc__)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
@@ -410,23 +420,44 @@ def main(argv: list[str] | None = None) -> int:
         "--max-new-tokens", type=int, default=256, help="the plan's (the round program's calls chain)"
     )
     p.add_argument("--keep-trace", help="a directory to keep the XSpace traces in (default: a temporary one)")
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    p.add_argument("--out", required=True, help="the JSON written (rewritten after every plan)")
+    report.add_deadline(p)
+    return p
 
-    cfg = bench.SHAPES[args.shape]
+
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench profile ARGS`: profile ar and ddtree programs of one shape, batch and context;
+    write one JSON; the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
+    deadline = report.Deadline(args.deadline_s)
+    try:
+        report.check_deadline(args.deadline_s)
+        report.check_out_path(args.out)
+        return run(args, report.command_line("profile", argv), deadline)
+    except DDTreeError as e:
+        print(f"ddtree-bench profile: error: {e}", file=sys.stderr)
+        return report.EXIT_ERROR
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Make the random-weight models and profile every plan, writing the JSON after each."""
+    cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
-    dcfg = bench.draft_shape(cfg, args.draft_layers, args.block_size)
+    dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
     start = time.perf_counter()
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
     jax.block_until_ready((params, dparams))
-    meta = bench.run_meta(sys.argv if argv is None else ["profile_round", *argv]) | {
+    meta = report.run_header(command) | {
         "shape": args.shape,
         "num_layers": cfg.num_layers,
         "init_s": time.perf_counter() - start,
-        "target_weight_bytes": bench.weight_bytes(params),
-        "draft_weight_bytes": bench.weight_bytes(dparams),
+        "target_weight_bytes": weight_bytes(params),
+        "draft_weight_bytes": weight_bytes(dparams),
     }
     rows: list[dict] = []
     budgets = [int(b) for b in args.budget.split(",")]
@@ -443,11 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             shape = batch_shape(plan, args.batch, args.context)
-            rows += profile_plan(params, None if method == "ar" else dparams, plan, shape, args.context, args)
+            dp = None if method == "ar" else dparams
+            rows += profile_plan(params, dp, plan, shape, args.context, args, deadline)
         except Exception as e:  # keep the other plans' rows
             rows.append({"method": method, "budget": budget, "error": f"{type(e).__name__}: {e}"[:500]})
             print(rows[-1], flush=True)
-        meta["device_memory"] = bench.device_memory()
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        meta["device_memory"] = device_memory()
+        report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     return 0

@@ -1,4 +1,4 @@
-"""Load times of a random-weight model of a real shape: HF safetensors against the orbax params cache.
+"""`ddtree-bench load`: load times of a random-weight target, HF safetensors against the params cache.
 
 Writes random bfloat16 weights once as a sharded HF directory (~4 GB files and their index, as published
 checkpoints come; kept with --keep and reused while its config matches), then times `target.load` from
@@ -9,11 +9,13 @@ array is on its devices. "cold" runs first drop the files from the page cache: a
 (no root needed; a file system may ignore it); "warm" runs read them again at once. One JSON file out,
 rewritten after every timing, with GB/s of safetensors bytes; and, warm, the two checks every load makes
 (checkpoint_checks: the headers against the config, the weights' finiteness, the first time with its
-compilation where it compiles), which the load times include.
+compilation where it compiles), which the load times include. No timing starts past --deadline-s.
 
-    python3 scripts/bench_load.py --shape qwen3-8b --dir /tmp/load --out $OUT/load_times.json
-    python3 scripts/bench_load.py --shape qwen3-8b --num-layers 2 --vocab-size 32768 --out /tmp/l.json
+    ddtree-bench load --shape qwen3-8b --dir /tmp/load --out $OUT/load_times.json
+    ddtree-bench load --shape qwen3-8b --num-layers 2 --vocab-size 32768 --out /tmp/l.json
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -24,19 +26,20 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ddtree_jax import checkpoint_checks, models, target, train  # noqa: E402
-from ddtree_jax.bench import SHAPES, run_meta  # noqa: E402
-from ddtree_jax.checkpoint import params_cache, write_safetensors  # noqa: E402
-from ddtree_jax.sharding import make_mesh, param_sharding  # noqa: E402
+from ddtree_jax import checkpoint_checks, models, target, train
+from ddtree_jax.bench import report
+from ddtree_jax.bench.shapes import SHAPES
+from ddtree_jax.checkpoint import params_cache, write_safetensors
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.sharding import make_mesh, param_sharding
 
 
 def drop_caches() -> bool:
@@ -142,9 +145,9 @@ def timed_checks(checkpoint: Path, tp: int) -> dict[str, float]:
     return seconds
 
 
-def main() -> int:
-    """Write the checkpoint, time each way of loading it, write the JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """ddtree-bench load's flags (their defaults shown by --help)."""
+    p = report.parser("load", __doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--num-layers", type=int, help="the shape cut to this many layers (default: all)")
     p.add_argument("--vocab-size", type=int, help="the shape's vocabulary replaced (default: its own)")
@@ -159,9 +162,32 @@ def main() -> int:
         help="cold runs: auto = drop_caches when root may, else fadvise; fadvise = these files only",
     )
     p.add_argument("--no-orbax", action="store_true", help="time the safetensors loads only")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    p.add_argument("--out", required=True, help="the JSON written (rewritten after every timing)")
+    report.add_deadline(p)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench load ARGS`: write the checkpoint, time each way of loading it, write the JSON; the
+    exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
+    deadline = report.Deadline(args.deadline_s)
+    try:
+        if not 1 <= args.tp <= jax.device_count():
+            raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
+        report.check_deadline(args.deadline_s)
+        report.check_out_path(args.out)
+    except DDTreeError as e:
+        print(f"ddtree-bench load: error: {e}", file=sys.stderr)
+        return report.EXIT_ERROR
+    return run(args, report.command_line("load", argv), deadline)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Write the checkpoint, then each timing in order (none past the deadline), the JSON after each."""
     work = Path(args.dir)
     checkpoint, cache = work / "hf", work / "cache"
     cfg = SHAPES[args.shape]
@@ -176,7 +202,8 @@ def main() -> int:
     print(f"{size / 1e9:.2f} GB of safetensors ({how})", flush=True)
 
     times: dict[str, list[float]] = {}
-    result = run_meta(sys.argv) | {
+    result = {
+        "meta": report.run_header(command),
         "shape": args.shape,
         "num_layers": cfg.num_layers,
         "vocab_size": cfg.vocab_size,
@@ -186,36 +213,40 @@ def main() -> int:
         "write_seconds": round(write_s, 3),
         "seconds": times,
         "gb_per_s": {},
+        "skipped": deadline.skipped,
     }
 
-    def record(name: str, seconds: float) -> None:
-        """Keep one timing and rewrite the JSON (a run cut short keeps what it measured)."""
+    def record(name: str, timing: Callable[[], float]) -> None:
+        """Run one timing unless the deadline has passed, keep it, rewrite the JSON (a run cut short
+        keeps what it measured)."""
+        if not deadline.allows(name):
+            report.write_json(args.out, result)
+            return
+        seconds = timing()
         times.setdefault(name, []).append(round(seconds, 3))
         result["gb_per_s"][name] = round(size / 1e9 / min(times[name]), 3)
         result["orbax_bytes"] = du(cache) if cache.exists() else 0
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        report.write_json(args.out, result)
         print(f"{name}: {seconds:.2f} s ({size / 1e9 / seconds:.2f} GB/s)", flush=True)
 
+    def cold(directory: Path, cached: Path | None) -> float:
+        result["evicted_by"] = evict(directory, args.evict)
+        return timed_load(checkpoint, cached, args.tp)
+
     # the first load also compiles the loader's on-device transposes (once per process and shape)
-    record("safetensors_first", timed_load(checkpoint, None, args.tp))
+    record("safetensors_first", lambda: timed_load(checkpoint, None, args.tp))
     for _ in range(args.repeats):
-        result["evicted_by"] = evict(checkpoint, args.evict)
-        record("safetensors_cold", timed_load(checkpoint, None, args.tp))
-        record("safetensors_warm", timed_load(checkpoint, None, args.tp))
-    for name, seconds in timed_checks(checkpoint, args.tp).items():
-        record(name, seconds)
+        record("safetensors_cold", lambda: cold(checkpoint, None))
+        record("safetensors_warm", lambda: timed_load(checkpoint, None, args.tp))
+    if deadline.allows("checks"):
+        for name, seconds in timed_checks(checkpoint, args.tp).items():
+            record(name, lambda s=seconds: s)
     if not args.no_orbax:
-        evict(checkpoint, args.evict)
-        record("convert_cold", timed_load(checkpoint, cache, args.tp))  # read + orbax save
+        record("convert_cold", lambda: cold(checkpoint, cache))  # read + orbax save
         for _ in range(args.repeats):
-            evict(cache, args.evict)
-            record("orbax_cold", timed_load(checkpoint, cache, args.tp))
-            record("orbax_warm", timed_load(checkpoint, cache, args.tp))
+            record("orbax_cold", lambda: cold(cache, cache))
+            record("orbax_warm", lambda: timed_load(checkpoint, cache, args.tp))
     shutil.rmtree(cache, ignore_errors=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

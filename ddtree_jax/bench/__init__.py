@@ -1,0 +1,13 @@
+"""`ddtree-bench`: benchmarks on random-weight models of real shapes, one sub-command each (`cli`).
+
+shapes     the targets measured (every family's `Family.SHAPES`), their quantized forms, the drafter
+timing     the median of synced calls, the HBM read ceiling, the device's memory
+programs   a batch's synthetic mid-generation state; the round and each stage in a device loop
+floor      the weight bytes a round must read (and for MoE targets the experts the router chose)
+report     the shared flag parser, run header, --deadline-s and --out writes
+rounds     `ddtree-bench rounds`: round and stage times against the HBM floor
+profile    `ddtree-bench profile`: a round's device time kernel by kernel
+scheduling `ddtree-bench scheduling`: continuous against static batching on a mixed workload
+prefill    `ddtree-bench prefill`: chunked prefill of one long prompt
+load       `ddtree-bench load`: load times, HF safetensors against the params cache
+"""

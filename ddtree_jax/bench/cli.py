@@ -1,0 +1,52 @@
+"""`ddtree-bench SUB-COMMAND [FLAGS]`: one entry point for the benchmarks; each sub-command is a module
+of this package with its own flags (`ddtree-bench SUB-COMMAND --help`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from ddtree_jax.bench.report import EXIT_ERROR
+
+# sub-command -> (module, what it measures); a module is imported only when its sub-command runs
+SUBCOMMANDS = {
+    "rounds": ("ddtree_jax.bench.rounds", "round and stage times against the HBM floor"),
+    "profile": ("ddtree_jax.bench.profile", "a round's device time, kernel by kernel"),
+    "scheduling": ("ddtree_jax.bench.scheduling", "continuous against static batching, a mixed workload"),
+    "prefill": ("ddtree_jax.bench.prefill", "chunked prefill of one long prompt: time, memory, floor"),
+    "load": ("ddtree_jax.bench.load", "load times: HF safetensors against the params cache"),
+}
+DEFAULT = "rounds"  # `ddtree-bench --shape ...` (flags first, no sub-command): the rounds benchmark
+
+
+def usage() -> str:
+    """The top-level help: the sub-commands, one line each."""
+    lines = [
+        "usage: ddtree-bench SUB-COMMAND [FLAGS]   (ddtree-bench SUB-COMMAND --help lists its flags)",
+        "",
+        "Benchmarks on random-weight models of real shapes; each writes one JSON (--out) that starts",
+        "with the run header (meta: date, machine, device, jax, command), and every one takes --deadline-s.",
+        "",
+        "sub-commands:",
+        *(f"  {name:<11} {what}" for name, (_, what) in SUBCOMMANDS.items()),
+        "",
+        f"Flags without a sub-command run `{DEFAULT}`: `ddtree-bench --shape tiny ...` is",
+        f"`ddtree-bench {DEFAULT} --shape tiny ...`.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: dispatch to the sub-command's `main`; its exit status (EXIT_ERROR: an unknown one)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else EXIT_ERROR
+    name, rest = (argv[0], argv[1:]) if not argv[0].startswith("-") else (DEFAULT, argv)
+    if name not in SUBCOMMANDS:
+        print(
+            f"ddtree-bench: error: unknown sub-command {name!r} (one of {', '.join(SUBCOMMANDS)})",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return importlib.import_module(SUBCOMMANDS[name][0]).main(rest)

@@ -1,0 +1,118 @@
+"""What every `ddtree-bench` sub-command shares: its flag parser (one-line errors), the run header
+written into its JSON, `--deadline-s`, and the checks and writes of `--out`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ddtree_jax.errors import DDTreeError
+
+EXIT_ERROR = 1  # a bad flag or --out (one line, before any work), or a measurement that failed
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def parser(name: str, doc: str, epilog: str | None = None) -> Parser:
+    """The parser of sub-command `name` (prog "ddtree-bench NAME"), described by the first line of `doc`."""
+    return Parser(
+        prog=f"ddtree-bench {name}",
+        description=doc.strip().splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=epilog,
+    )
+
+
+def add_deadline(p: argparse.ArgumentParser) -> None:
+    """`--deadline-s`: the one time limit of every sub-command that takes one."""
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no new measurement this many seconds after the command started; what is left out is "
+        "listed under 'skipped' in --out, and the exit status stays 0 (default: no limit)",
+    )
+
+
+def run_header(command: list[str]) -> dict[str, Any]:
+    """What every benchmark JSON records of its run (its "meta"): date, machine, device, jax and Python
+    versions, and the command line (`argv`, a list; `command`, the same as one shell line)."""
+    device = jax.devices()[0]
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "device": str(device),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "argv": command,
+        "command": shlex.join(command),
+    }
+
+
+def command_line(name: str, argv: list[str] | None) -> list[str]:
+    """The command line of sub-command `name` as run: `ddtree-bench NAME ARGS...` (argv None: sys.argv's)."""
+    return ["ddtree-bench", name, *(sys.argv[1:] if argv is None else argv)]
+
+
+@dataclasses.dataclass
+class Deadline:
+    """`--deadline-s` of one run: whether a new measurement may start, and what was left out."""
+
+    seconds: float | None
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    skipped: list[Any] = dataclasses.field(default_factory=list)
+
+    def allows(self, what: Any) -> bool:
+        """True while the deadline has not passed; else records `what` as skipped and says so on stderr."""
+        if self.seconds is None or time.monotonic() - self.start < self.seconds:
+            return True
+        self.skipped.append(what)
+        print(
+            f"ddtree-bench: --deadline-s {self.seconds:g} passed: skipped {what}", file=sys.stderr, flush=True
+        )
+        return False
+
+
+def check_deadline(seconds: float | None) -> None:
+    """--deadline-s, when given, is positive."""
+    if seconds is not None and not seconds > 0:
+        raise DDTreeError(f"--deadline-s {seconds:g}: must be > 0")
+
+
+def check_out_path(out: str) -> None:
+    """--out can be written: not a directory, in a directory that exists and is writable."""
+    path = Path(out)
+    if path.is_dir():
+        raise DDTreeError(f"--out {out}: is a directory")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise DDTreeError(f"--out {out}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise DDTreeError(f"--out {out}: not writable")
+
+
+def write_json(out: str | Path, data: dict) -> None:
+    """Write `data` to `out` whole (a temporary file renamed over it: a run cut short leaves the last
+    complete version)."""
+    path = Path(out)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,156 @@
+"""`ddtree-bench SUB-COMMAND`: the dispatch, the one --deadline-s and the one run header of every
+sub-command, and the moved benchmarks (scheduling, prefill, load) end to end at tiny sizes on the CPU."""
+
+import json
+import shlex
+
+import pytest
+
+from ddtree_jax.bench.cli import SUBCOMMANDS, main
+
+HEADER = {"date", "machine", "device", "device_kind", "device_count", "jax", "python", "argv", "command"}
+
+# the least flags each sub-command needs at a tiny size (before --out)
+TINY = {
+    "rounds": ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
+    + ["--rounds", "2", "--ceiling-bytes", "1048576", "--methods", "ar,ddtree", "--budgets", "3"],
+    "profile": ["--shape", "tiny", "--num-layers", "1", "--draft-layers", "1", "--block-size", "4"]
+    + ["--context", "32", "--budget", "3", "--attention", "reference", "--rounds", "2", "--iters", "1"],
+    "scheduling": ["--shape", "tiny", "--prompts", "4", "--min-len", "4", "--max-len", "16"]
+    + ["--max-new-tokens", "4", "--batch-size", "2", "--budget", "3", "--prefill-chunk", "16"]
+    + ["--stop-fraction", "0"],
+    "prefill": ["--shape", "tiny", "--runs", "40:16,40:64", "--attention", "reference", "--reps", "1"],
+    "load": ["--shape", "tiny", "--repeats", "1", "--evict", "fadvise"],
+}
+
+
+def test_every_subcommand_is_exercised_here():
+    assert set(TINY) == set(SUBCOMMANDS)
+
+
+def test_help_lists_the_subcommands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in SUBCOMMANDS), out
+    assert main([]) == 1  # nothing to run: the same text on stderr
+    assert "sub-commands:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_each_subcommand_help_lists_deadline_and_out(capsys, name):
+    assert main([name, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith(f"usage: ddtree-bench {name} ")
+    assert "--deadline-s DEADLINE_S" in text and "--out OUT" in text
+
+
+def test_unknown_subcommand_is_one_line(capsys):
+    assert main(["roundz", "--shape", "tiny"]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert captured.out == "" and len(err) == 1, err
+    names = "rounds, profile, scheduling, prefill, load"
+    assert err[0] == f"ddtree-bench: error: unknown sub-command 'roundz' (one of {names})"
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+@pytest.mark.parametrize("seconds", ["0", "-5"])
+def test_deadline_must_be_positive(tmp_path, capsys, name, seconds):
+    """A bad --deadline-s: one line naming it, exit 1, nothing written."""
+    out = tmp_path / "b.json"
+    assert main([name, *TINY[name], "--deadline-s", seconds, "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ddtree-bench {name}: error: --deadline-s {seconds}: must be > 0"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_past_deadline_skips_every_measurement_and_writes_the_header(tmp_path, capsys, name):
+    """With a deadline that has passed by the first measurement, every sub-command exits 0 and writes
+    one JSON: the run header (the command as run) and what it skipped, in order, measuring nothing."""
+    out = tmp_path / "b.json"
+    argv = [name, *TINY[name], "--deadline-s", "1e-9", "--out", str(out)]
+    if name == "load":
+        argv += ["--dir", str(tmp_path / "load")]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    meta = data["meta"]
+    assert set(meta) >= HEADER
+    assert meta["argv"] == ["ddtree-bench", *argv] and meta["command"] == shlex.join(meta["argv"])
+    assert meta["device_count"] == 8 and meta["device_kind"] == "cpu"  # conftest's 8 fake CPU devices
+    skipped = {
+        "rounds": ["ar batch 1 context 32 reference greedy", "ddtree 3 batch 1 context 32 reference greedy"],
+        "profile": ["ar_verify", "ar_round", "ddtree3_verify", "ddtree3_round"],
+        "scheduling": ["continuous", "static"],
+        "prefill": ["40:16", "40:64"],
+        "load": ["safetensors_first", "safetensors_cold", "safetensors_warm", "checks"]
+        + ["convert_cold", "orbax_cold", "orbax_warm"],
+    }[name]
+    assert data["skipped"] == skipped
+    assert not data.get("rows") and not data.get("continuous") and not data.get("seconds")
+    assert "--deadline-s 1e-09 passed: skipped" in capsys.readouterr().err
+
+
+def test_flags_without_a_subcommand_run_rounds(tmp_path):
+    """`ddtree-bench --shape ...` (the recorded commands) is `ddtree-bench rounds --shape ...`."""
+    out = tmp_path / "b.json"
+    argv = [*TINY["rounds"], "--deadline-s", "1e-9", "--out", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["meta"]["argv"] == ["ddtree-bench", "rounds", *argv]
+
+
+def test_scheduling_tiny(tmp_path):
+    """Continuous against static batches at a tiny size: every prompt's tokens counted, the same outputs
+    (float32, greedy), the speed-up their tokens/s ratio."""
+    out = tmp_path / "s.json"
+    assert main(["scheduling", *TINY["scheduling"], "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cont, static = data["continuous"], data["static"]
+    assert data["identical_outputs"] is True
+    assert cont["tokens"] == static["tokens"] == 4 * 4  # no stop id: every prompt its 4 new tokens
+    assert data["speedup"] == pytest.approx(cont["tokens_per_s"] / static["tokens_per_s"], rel=1e-2)
+    assert len(data["settings"]["prompt_lengths"]) == 4 and data["skipped"] == []
+
+
+def test_prefill_tiny(tmp_path):
+    """One row a run, in order, with the run's length and chunk and its FLOP floor."""
+    out = tmp_path / "p.json"
+    assert main(["prefill", *TINY["prefill"], "--out", str(out)]) == 0
+    from ddtree_jax.bench.shapes import SHAPES
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["length"], r["chunk"]) for r in rows] == [(40, 16), (40, 64)]
+    for r in rows:
+        assert r["seconds"] > 0 and r["capacity"] >= 40 and r["floor_s"] >= 0
+        assert 0 <= r["first_token"] < SHAPES["tiny"].vocab_size
+
+
+@pytest.mark.parametrize("bad", ["24", "24:0", "a:16", "24:8", "24:48"])
+def test_prefill_bad_runs_refused(tmp_path, capsys, bad):
+    out = tmp_path / "p.json"
+    assert main(["prefill", "--shape", "tiny", "--runs", bad, "--out", str(out)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"ddtree-bench prefill: error: --runs {bad}: ") and not out.exists()
+
+
+def test_load_tiny(tmp_path):
+    """The tiny target written as a sharded HF directory and loaded back from it and from the params
+    cache: every timing once (--repeats 1), the checks apart, the scratch directory removed."""
+    out = tmp_path / "l.json"
+    work = tmp_path / "load"
+    assert main(["load", *TINY["load"], "--dir", str(work), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["seconds"]) == {
+        "safetensors_first",
+        "safetensors_cold",
+        "safetensors_warm",
+        "check_headers",
+        "check_finite_compiling",
+        "check_finite",
+        "convert_cold",
+        "orbax_cold",
+        "orbax_warm",
+    }
+    assert all(len(v) == 1 and v[0] >= 0 for v in data["seconds"].values())
+    assert data["safetensors_bytes"] > 0 and data["orbax_bytes"] > 0
+    assert data["evicted_by"] == "fadvise" and not work.exists()
