@@ -66,7 +66,7 @@ def timeless(record: dict) -> dict:
 
 @functools.cache
 def golden(name: str) -> dict[str, np.ndarray]:
-    """The HF reference outputs recorded by scripts/make_golden.py."""
+    """The HF reference outputs recorded by tests/make_fixtures.py."""
     return dict(np.load(FIXTURES / name / "golden.npz"))
 
 

@@ -32,8 +32,9 @@ def test_target_logits_and_greedy_equal_hf_golden(name):
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS), ids=fixture_id)
 def test_drafter_equals_golden_drafter(name):
-    """Features from HF hidden states equal the golden ones; its draft logits are the golden ones (the fixture
-    maker writes them with this drafter: tests/make_fixtures.py)."""
+    """Features from HF hidden states equal the golden ones and draft logits the golden drafter's
+    (tests/make_fixtures.py records them with this drafter; the shipped ones came from an earlier
+    plain-torch forward of the same layers, written apart from this one)."""
     g, gt, p = golden(name), golden(DRAFTERS[name]), pair(DRAFTERS[name], name)
     for i in range(5):
         feats = p.features(gt[f"prompt_{i}"].tolist())

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Write the quantized fixtures under tests/fixtures/quant/ (CI only reads them).
 
-Run with an interpreter that has torch, transformers and compressed-tensors:
+Run from the repository root with an interpreter that has torch, transformers and compressed-tensors:
 
-    python scripts/make_quant_fixtures.py [--out tests/fixtures/quant]
+    PYTHONPATH=$PWD python tests/make_quant_fixtures.py [--out tests/fixtures/quant]
 
-One tiny random DeepseekV3ForCausalLM (2 layers, the first dense, 4 routed experts + 1 shared, hidden
-256), saved by transformers, then written in the two published formats:
+One tiny random DeepseekV3ForCausalLM (QUANT, from make_fixtures.py's factory: 2 layers, the first dense,
+4 routed experts + 1 shared, hidden 256), saved by transformers, then written in the two published
+formats:
   * deepseek_fp8/: every Linear weight of attention and MLPs (experts included) as float8 e4m3 with a
     float32 `weight_scale_inv` per 128 x 128 block (partial blocks at the edges: q_lora 192,
     kv_a 160, experts 64 wide), config `quant_method: fp8` as DeepSeek-V3 publishes it; embeddings,
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from make_fixtures import FIXTURES, small
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -67,7 +69,7 @@ REFERENCE_TENSORS = {
         "model.layers.2.mlp.experts.7.down_proj.weight",
     ],
 }
-TP_SOURCE = Path(__file__).parents[1] / "tests/fixtures/deepseek_v3_tp"  # the golden DeepseekV3 fixture
+TP_SOURCE = FIXTURES / "deepseek_v3_tp"  # the golden DeepseekV3 fixture
 TP_BLOCK, TP_GROUP = 4, 16
 INT4_IGNORE = [
     "lm_head",
@@ -77,43 +79,42 @@ INT4_IGNORE = [
 ]
 
 
-def tiny_config() -> DeepseekV3Config:
-    """A tiny DeepseekV3 whose dims make full and partial 128-blocks and whole 32-groups."""
-    return DeepseekV3Config(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=192,
-        kv_lora_rank=128,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        max_position_embeddings=256,
-        rope_scaling=None,
-        num_nextn_predict_layers=0,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
+# Dims that make full and partial 128-blocks and whole 32-groups; bf16 weights ~ N(0, 0.06^2) (seed 19).
+QUANT = small(
+    "deepseek_v3",
+    19,
+    std=0.06,
+    vocab_size=128,
+    hidden=256,
+    layers=2,
+    heads=2,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=192,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    max_position_embeddings=256,
+    rope_scaling=None,
+    num_nextn_predict_layers=0,
+    torch_dtype="bfloat16",
+)
 
 
 def checkpoint_tensors(seed: int) -> tuple[dict[str, torch.Tensor], dict]:
     """The random model's tensors under their checkpoint names (bf16) and its config.json."""
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(tiny_config()).to(torch.bfloat16)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**QUANT.config)).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim >= 2:
-                p.normal_(0.0, 0.06)
+                p.normal_(0.0, QUANT.std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.05, 0.05)
@@ -287,8 +288,8 @@ def write_fixture(name: str, write, tensors: dict, config: dict, out: Path) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).parents[1] / "tests/fixtures/quant"))
-    parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--out", default=str(FIXTURES / "quant"))
+    parser.add_argument("--seed", type=int, default=QUANT.seed)
     args = parser.parse_args()
     tensors, config = checkpoint_tensors(args.seed)
     config.pop("quantization_config", None)
