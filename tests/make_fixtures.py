@@ -575,9 +575,8 @@ def goldens(model, spec: Spec) -> dict[str, np.ndarray]:
         arrays[f"margin_{i}"] = np.float32(min(float(margins.min()), float(top2_gap(logits).min())))
         arrays[f"hidden_{i}"] = hidden.float().numpy()
         if spec.family in GQA_FAMILIES:
-            assert torch.allclose(
-                hidden[-1], model.model.norm(last_prenorm), atol=1e-6
-            )  # HF's last: post-norm
+            post_norm = model.model.norm(last_prenorm)  # HF's last hidden state: after the final norm
+            assert torch.allclose(hidden[-1], post_norm, atol=1e-6)
             arrays[f"hidden_last_prenorm_{i}"] = last_prenorm.float().numpy()
         distinct = len(set(new.tolist()))
         print(f"   prompt {i}: margin {float(margins.min()):.4f} (attempt {attempt}), {distinct} distinct")
