@@ -30,12 +30,16 @@ def test_target_logits_and_greedy_equal_hf_golden(name):
         assert out == g[f"greedy_{i}"].tolist() and acceptance == [1] * 23
 
 
-@pytest.mark.parametrize("name", sorted(DRAFTERS), ids=fixture_id)
+# The drafters and their targets, the yarn drafter (its legacy cos/sin factor) included.
+ALL_DRAFTERS = DRAFTERS | {"dflash_deepseek_v3_tp": "deepseek_v3_tp"}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_DRAFTERS), ids=fixture_id)
 def test_drafter_equals_golden_drafter(name):
     """Features from HF hidden states equal the golden ones and draft logits the golden drafter's
     (tests/make_fixtures.py records them with this drafter; the shipped ones came from an earlier
     plain-torch forward of the same layers, written apart from this one)."""
-    g, gt, p = golden(name), golden(DRAFTERS[name]), pair(DRAFTERS[name], name)
+    g, gt, p = golden(name), golden(ALL_DRAFTERS[name]), pair(ALL_DRAFTERS[name], name)
     for i in range(5):
         feats = p.features(gt[f"prompt_{i}"].tolist())
         np.testing.assert_allclose(feats.numpy(), g[f"feat_{i}"], rtol=0, atol=1e-3)
