@@ -19,7 +19,7 @@ it writes, all float32:
   * router_ties.npz: torch.topk's choices on tied router probabilities (what HF's Qwen3-MoE router picks).
 
 `--only NAME,...` writes only the named fixtures (a drafter needs its target named too). The quantized
-fixtures are tests/make_quant_fixtures.py's; tests/test_fixtures.py rebuilds every checkpoint's weights
+fixtures are tests/fixtures/make_quant.py's; tests/test_fixtures.py rebuilds every checkpoint's weights
 from these specs and compares them with the shipped files.
 """
 
