@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,9 @@ class Plan:
     dp: int = 1  # devices along "data": the rows split
     logprobs: int = 0  # K: top log-probabilities kept per generated token (0: none computed)
     logprobs_mode: str = "raw"  # "raw" | "processed" (logprobs.py)
+    # The draft stage in place of `draft` (same signature: -> logp, tok [B, D, k]); None: the drafter.
+    # Part of the plan, so a round compiled with one stage is never reused for another (tests' oracle).
+    draft_stage: Callable | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -268,7 +272,7 @@ def decode_round(params: Params, draft_params: Params | None, state: DecodeState
     logp = tok = None
     if plan.method != "ar":
         with jax.named_scope("draft"):
-            logp, tok = draft(params, draft_params, state, plan)
+            logp, tok = (plan.draft_stage or draft)(params, draft_params, state, plan)
     with jax.named_scope("build"):
         t = build(state, logp, tok, plan)
     with jax.named_scope("verify"):

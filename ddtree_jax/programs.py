@@ -195,7 +195,7 @@ def stage_programs(plan: Plan) -> dict[str, Any]:
         return jax.jit(on_mesh(fn, plan, in_specs, out_specs), donate_argnums=donate)
 
     return {
-        "draft": program(engine.draft, (tspec, dspec, sspec), (ROW, ROW)),
+        "draft": program(plan.draft_stage or engine.draft, (tspec, dspec, sspec), (ROW, ROW)),
         "build": program(engine.build, (sspec, ROW, ROW), ROW),
         "verify": program(engine.verify, (tspec, sspec, ROW), (ROW, kv, ROW)),
         "walk": program(engine.walk, (ROW, ROW), wspec),

@@ -31,7 +31,7 @@ rounds() {  # rounds DIR NAME (no sub-command: ddtree-bench's rounds, in a tree 
 pair() {  # pair DIR NAME [FLAGS...]: the bundled pair's main job
   local dir=$1 name=$2
   shift 2
-  (cd "$dir" && python3 scripts/generate.py --max-new-tokens "$MAX_NEW" --out "$OUT/$name.jsonl" "$@")
+  (cd "$dir" && python3 -m ddtree_jax.cli --max-new-tokens "$MAX_NEW" --out "$OUT/$name.jsonl" "$@")
 }
 export -f rounds pair
 export OUT SHAPE ATTENTION MAX_NEW

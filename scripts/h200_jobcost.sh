@@ -33,7 +33,7 @@ source "$(dirname "$0")/h200_lib.sh"
 [ "$DRY_RUN" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 [ "$DRY_RUN" = 1 ] || { nproc; free -g; } > "$OUT/host.txt" 2>&1
 
-G="$PY scripts/generate.py --prompts results/heldout-prompts-96.jsonl --max-new-tokens 128 --batch-size 16"
+G="$PY -m ddtree_jax.cli --prompts results/heldout-prompts-96.jsonl --max-new-tokens 128 --batch-size 16"
 # shellcheck disable=SC2086  # G is a word list
 step compile_cache 60 200 bash -c "set -e; rm -rf $OUT/xla
   for method in ddtree ar; do for run in first second; do echo \"== \$method \$run\"

@@ -24,7 +24,7 @@ pair() {  # pair NAME [FLAGS...]: the bundled pair's main job
   local name=$1
   shift
   # shellcheck disable=SC2086
-  python3 scripts/generate.py $PAIR --max-new-tokens "$MAX_NEW" --overwrite --out "$OUT/$name.jsonl" "$@"
+  python3 -m ddtree_jax.cli $PAIR --max-new-tokens "$MAX_NEW" --overwrite --out "$OUT/$name.jsonl" "$@"
 }
 export -f pair
 export OUT MAX_NEW PAIR

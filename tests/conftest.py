@@ -111,7 +111,7 @@ def timeless(record: dict) -> dict:
 
 @functools.cache
 def golden(name: str) -> dict[str, np.ndarray]:
-    """The HF reference outputs recorded by scripts/make_golden.py."""
+    """The HF reference outputs recorded by tests/make_fixtures.py."""
     return dict(np.load(FIXTURES / name / "golden.npz"))
 
 
@@ -163,13 +163,17 @@ def run(
     moe_sharding="ep",
     logprobs=0,
     logprobs_mode="raw",
+    draft_stage=None,
 ):
     """Generate with the engine in float32, static batches of `batch_size` (default: every prompt in
     one) as `ddtree-generate --static-batches` runs them; returns the Result list in prompt order.
 
     sampling: default settings {temperature, top_k, top_p, seed} (unset: greedy); options: one dict
     per prompt overriding them, like the JSONL fields. tp, dp: the mesh (batch_size a multiple of dp).
+    draft_stage: the round's draft stage in place of the drafter (Plan.draft_stage, e.g. oracle_draft).
     """
+    import dataclasses
+
     from ddtree_jax.pair import make_plan
     from ddtree_jax.prompts import Prompt
     from ddtree_jax.scheduler import Generator, Schedule
@@ -195,9 +199,40 @@ def run(
         logprobs=logprobs,
         logprobs_mode=logprobs_mode,
     )
+    plan = dataclasses.replace(plan, draft_stage=draft_stage)
     dparams = dparams if method != "ar" else None
     schedule = Schedule(batch_size, policy="static", host_stepped=host_stepped)
     gen = Generator(params, dparams, plan, tuple(stop_ids), sampling=sampling, schedule=schedule)
     options = options or [{}] * len(prompts)
     items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
     return list(gen.run(items))
+
+
+def oracle_draft(reference: list[list[int]], corrupt: int | None = None):
+    """A draft stage (Plan.draft_stage) that proposes each row's reference continuation, so that the
+    target accepts long paths: at every depth rank 0 is the reference's next token and ranks 1..k-1 the
+    ids after it; `corrupt`: the depth whose rank 0 is wrong and rank 1 right. reference[i] is row i's
+    prompt followed by the tokens it should emit (on a mesh each device reads its own rows)."""
+    from ddtree_jax.sharding import DATA
+
+    width = max(len(r) for r in reference) + 16
+    table = np.zeros((len(reference), width), np.int32)
+    for i, r in enumerate(reference):
+        table[i, : len(r)] = r
+
+    def stage(params, draft_params, state, plan):
+        """-> logp, tok [B, D, k] (the engine's draft signature)."""
+        b = state.bonus.shape[0]  # this device's rows
+        first = jax.lax.axis_index(DATA) * b if plan.tp * plan.dp > 1 else 0
+        rows = jax.lax.dynamic_slice_in_dim(jnp.asarray(np.pad(table, ((0, b), (0, 0)))), first, b)
+        d, k, v = plan.depth, plan.branching, plan.target.vocab_size
+        pos = state.cache.lengths[:, None] + 1 + jnp.arange(d)[None, :]
+        right = jnp.take_along_axis(rows, jnp.minimum(pos, width - 1), axis=1)  # [B, D]
+        tok = (right[:, :, None] + jnp.arange(k)[None, None, :]) % v
+        if corrupt is not None:
+            tok = tok.at[:, corrupt, 0].set((right[:, corrupt] + 1) % v)
+            tok = tok.at[:, corrupt, 1].set(right[:, corrupt])
+        logp = -jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), tok.shape)
+        return logp, tok.astype(jnp.int32)
+
+    return stage

@@ -1,5 +1,5 @@
 """DeepseekV3ForCausalLM (MLA on a latent cache, grouped sigmoid routing, shared experts) and Kimi-K2.5
-wrappers (fixtures from scripts/make_golden_deepseek.py): bfloat16 against HF, the absorbed cache path,
+wrappers (fixtures from tests/make_fixtures.py): bfloat16 against HF, the absorbed cache path,
 config fields, routing, expert tensor parallelism; the yarn drafter against an independent torch
 computation. Float32 logits and greedy outputs against HF, speculative methods against ar, meshes and
 host-stepped rounds are test_families.py's (every family)."""

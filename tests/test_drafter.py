@@ -1,4 +1,5 @@
-"""The DFlash drafter against an independent PyTorch implementation (scripts/make_golden.py)."""
+"""The DFlash drafter against an independent PyTorch implementation (the golden draft logits of
+tests/make_fixtures.py, from compare/torch_reference.py's drafter)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 from conftest import DRAFTERS, golden, load_drafter, load_target
 
 from ddtree_jax import drafter
+from ddtree_jax.compare import oracles
 from ddtree_jax.config import default_target_layer_ids
 from ddtree_jax.kv_cache import write
 from ddtree_jax.models.gqa import empty_cache
@@ -71,6 +73,10 @@ def test_draft_window_sees_only_the_last_tokens():
 def test_default_target_layer_ids():
     assert default_target_layer_ids(4, 1) == (2,)
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    for layers, draft_layers in [(n, m) for n in range(4, 64) for m in range(1, 9)]:
+        assert list(default_target_layer_ids(layers, draft_layers)) == oracles.default_target_layer_ids(
+            layers, draft_layers
+        ), (layers, draft_layers)
     assert load_drafter("dflash_qwen3_gqa1")[0].target_layer_ids == (2,)  # config gives none
 
 

@@ -1,7 +1,7 @@
 """Every registered model family against one contract (models/family.py): float32 logits and greedy
-outputs against HF transformers (the golden fixtures of scripts/make_golden.py and
-make_golden_deepseek.py), speculative decoding emitting ar's tokens (greedy and sampled), the same
-outcomes on every mesh, and host-stepped rounds on a mesh equal to the device loop.
+outputs against HF transformers (the golden fixtures of tests/make_fixtures.py), speculative decoding
+emitting ar's tokens (greedy and sampled), the same outcomes on every mesh, and host-stepped rounds on a
+mesh equal to the device loop.
 
 `CONFORMANCE` holds each family's fixtures and cases; a family registered from the tests
 (family_fused_mlp.py: one new file plus the one `models.register` line below) runs through the same

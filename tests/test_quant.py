@@ -1,4 +1,4 @@
-"""Quantized formats (ddtree_jax.quant) against the fixtures of scripts/make_quant_fixtures.py."""
+"""Quantized formats (ddtree_jax.quant) against the fixtures of tests/fixtures/make_quant.py."""
 
 import functools
 import json

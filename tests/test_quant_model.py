@@ -1,5 +1,5 @@
 """Quantized DeepseekV3 targets (FP8 block-scaled, INT4 experts) loaded as published, against the same
-model with dequantised weights, HF's logits (scripts/make_quant_fixtures.py), ar, and other meshes."""
+model with dequantised weights, HF's logits (tests/fixtures/make_quant.py), ar, and other meshes."""
 
 import functools
 import json

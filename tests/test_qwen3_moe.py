@@ -88,7 +88,7 @@ def test_dispatch_threshold():
 
 def test_router_ties():
     """Where HF's choice cannot be reproduced: on exact ties at the top-k boundary torch.topk (CPU)
-    returns an implementation-defined order (recorded by make_golden.py: [1, 3] of three tied 0.3s,
+    returns an implementation-defined order (recorded by make_fixtures.py: [1, 3] of three tied 0.3s,
     [4, 6] of eight equal probabilities), while `jax.lax.top_k` takes the lower expert ids. Without a
     tie at the boundary both choose the same experts with the same weights; random router weights
     never tie exactly, so the golden outputs are unaffected."""

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FIXTURES, golden, golden_prompts, load_target, run
+from conftest import FIXTURES, golden, golden_prompts, load_target, oracle_draft, run
 from scipy import stats
 
 from ddtree_jax import sampling, target
@@ -429,30 +429,14 @@ def test_cli_sampling_defaults_and_per_prompt_overrides(tmp_path):
 # -- deep acceptance under sampling: an oracle drafter proposing ar's sampled continuation ----------
 
 
-def test_oracle_sampled_continuation_accepted_at_full_depth(monkeypatch):
+def test_oracle_sampled_continuation_accepted_at_full_depth():
     """The walk follows sampled children at every depth (noise position = node position + 1)."""
-    from ddtree_jax import engine
-
     prompts, opts = golden_prompts(TP), SETTINGS["mixed"][:5]
     ar = ids(run(TP, prompts, options=opts))
-    width = max(len(p) + len(o) for p, o in zip(prompts, ar, strict=True)) + 16
-    table = np.zeros((5, width), np.int32)
-    for i, (p, o) in enumerate(zip(prompts, ar, strict=True)):
-        table[i, : len(p) + len(o)] = p + o
-
-    def oracle_draft(params, draft_params, state, plan):
-        d, k, v = plan.depth, plan.branching, plan.target.vocab_size
-        pos = state.cache.lengths[:, None] + 1 + jnp.arange(d)[None, :]
-        right = jnp.take_along_axis(jnp.asarray(table), jnp.minimum(pos, width - 1), axis=1)
-        tok = (right[:, :, None] + jnp.arange(k)[None, None, :]) % v
-        return -jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), tok.shape), tok.astype(jnp.int32)
-
-    jax.clear_caches()
-    monkeypatch.setattr(engine, "draft", oracle_draft)
-    try:
-        for method, budget in [("dflash", 0), ("ddtree", 32)]:
-            results = run(TP, prompts, method=method, draft_name=DRAFT, budget=budget, options=opts)
-            assert ids(results) == ar, method
-            assert all(r.acceptance_lengths == [8, 8, 7] for r in results), method
-    finally:
-        jax.clear_caches()
+    stage = oracle_draft([p + o for p, o in zip(prompts, ar, strict=True)])
+    for method, budget in [("dflash", 0), ("ddtree", 32)]:
+        results = run(
+            TP, prompts, method=method, draft_name=DRAFT, budget=budget, options=opts, draft_stage=stage
+        )
+        assert ids(results) == ar, method
+        assert all(r.acceptance_lengths == [8, 8, 7] for r in results), method

@@ -12,7 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import EXTRA_PROMPTS, FIXTURES, golden, golden_prompts, load_drafter, load_target, run
+from conftest import (
+    EXTRA_PROMPTS,
+    FIXTURES,
+    golden,
+    golden_prompts,
+    load_drafter,
+    load_target,
+    oracle_draft,
+    run,
+)
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import collectives, engine, programs, target
@@ -79,44 +88,16 @@ def test_other_fixtures_match_one_device(name, draft, method, tp, dp):
 # -- acceptance > 1 on a mesh: an oracle draft stage -------------------------------------------------
 
 
-@pytest.fixture()
-def oracle(monkeypatch):
-    """A draft stage proposing the ar continuation (rank 0 wrong at depth 3): long accepted paths."""
-
-    def install(reference: list[list[int]]):
-        width = max(len(r) for r in reference) + 16
-        table = np.zeros((len(reference), width), np.int32)
-        for i, r in enumerate(reference):
-            table[i, : len(r)] = r
-
-        def oracle_draft(params, draft_params, state, plan):
-            b = state.bonus.shape[0]  # this device's rows
-            first = jax.lax.axis_index("data") * b if plan.tp * plan.dp > 1 else 0
-            rows = jax.lax.dynamic_slice_in_dim(jnp.asarray(table), first, b)
-            d, k, v = plan.depth, plan.branching, plan.target.vocab_size
-            pos = state.cache.lengths[:, None] + 1 + jnp.arange(d)[None, :]
-            right = jnp.take_along_axis(rows, jnp.minimum(pos, width - 1), axis=1)
-            tok = (right[:, :, None] + jnp.arange(k)[None, None, :]) % v
-            tok = tok.at[:, 3, 0].set((right[:, 3] + 1) % v).at[:, 3, 1].set(right[:, 3])
-            logp = -jnp.broadcast_to(jnp.arange(k, dtype=jnp.float32), tok.shape)
-            return logp, tok.astype(jnp.int32)
-
-        jax.clear_caches()
-        monkeypatch.setattr(engine, "draft", oracle_draft)
-
-    yield install
-    jax.clear_caches()
-
-
-def test_long_acceptance_identical_on_meshes(reference, oracle):
+def test_long_acceptance_identical_on_meshes(reference):
+    """An oracle draft stage proposing the ar continuation (rank 0 wrong at depth 3): long accepted paths."""
     ar = [r[0] for r in reference("ar")]
-    oracle([p + o for p, o in zip(PROMPTS, ar, strict=True)])
+    stage = oracle_draft([p + o for p, o in zip(PROMPTS, ar, strict=True)], corrupt=3)
     for method, budget, longest in [("dflash", 0, 4), ("ddtree", 32, 8)]:  # the chain stops at depth 3
-        one = generate(method, budget)
+        one = generate(method, budget, draft_stage=stage)
         assert [o[0] for o in one] == ar
         assert max(a for o in one for a in o[1]) == longest, method
         # heads and rows split at once (tp 8 alone ran the same commit of long paths on one axis)
-        assert generate(method, budget, 2, 2) == one, method
+        assert generate(method, budget, 2, 2, draft_stage=stage) == one, method
 
 
 # -- placement ---------------------------------------------------------------------------------------

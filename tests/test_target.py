@@ -1,4 +1,4 @@
-"""The target forward against HF transformers (fixtures from scripts/make_golden.py): bfloat16 logits and
+"""The target forward against HF transformers (fixtures from tests/make_fixtures.py): bfloat16 logits and
 drafter features; float32 logits of every family are test_families.py's."""
 
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 """Tree build, ancestor mask and walk against plain-Python references (heap oracle, brute force)."""
 
-import heapq
 import itertools
 
 import jax
@@ -9,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddtree_jax.compare import oracles
 from ddtree_jax.tree import BUILD_VARIANTS, LOGP_MIN, Tree, ancestor_mask, chain_tree, lattice_tree, walk
 
 # (D, k, budget): few shapes, since each one compiles. Covers budget > lattice size (1,4,10),
@@ -40,28 +40,15 @@ def clean(logp):
 
 
 def heap_oracle(logp, budget):
-    """DDTree best-first: pop the best frontier node, push its children. -> rank paths in order.
-
-    Key = (-score, depth, parent's position among popped nodes of its depth, child rank): the
-    popped nodes of one depth are a prefix of that depth's order, so positions are final.
-    """
+    """DDTree best-first (compare/oracles.py's heap tree) over the clamped input -> rank paths in pop
+    order."""
     logp = clean(logp)
     d_max, k = logp.shape
-    popped_at_depth = [0] * (d_max + 1)
-    heap = [(-float(logp[0, c]), 1, 0, c, (c,), logp[0, c]) for c in range(k)]
-    heapq.heapify(heap)
-    out = []
-    while heap and len(out) < budget:
-        *_, path, score = heapq.heappop(heap)
-        d = len(path)
-        pos = popped_at_depth[d]
-        popped_at_depth[d] += 1
-        out.append(path)
-        if d < d_max:
-            for c in range(k):
-                s = np.float32(score + logp[d, c])  # same float32 sums as the device
-                heapq.heappush(heap, (-float(s), d + 1, pos, c, (*path, c), s))
-    return out
+    tree = oracles.heap_tree(0, logp, np.tile(np.arange(k), (d_max, 1)), budget)
+    paths = [()]
+    for node in range(1, len(tree.tokens)):
+        paths.append((*paths[tree.parent[node]], tree.tokens[node]))
+    return paths[1:]
 
 
 def brute_oracle(logp, budget):
@@ -445,3 +432,26 @@ def test_root_only_tree_is_autoregressive_decoding():
     out = check_walk(tree, np.array([[7], [8]], np.int32), 0)
     np.testing.assert_array_equal(out.length, [1, 1])
     np.testing.assert_array_equal(out.emitted, [[7], [8]])
+
+
+def test_heap_tree_equals_engine_tree_with_ties():
+    """The best-first heap and the engine's beams pick the same nodes in the same order, ties included."""
+    rng = np.random.default_rng(0)
+    shapes = [(3, 3, 1), (3, 3, 6), (3, 3, 20), (3, 3, 40), (2, 4, 9)]  # (D, k, budget); 40: padding
+    for trial, (d, k, budget) in enumerate(shapes * 6):
+        logp = -np.sort(rng.choice([0.0, 0.5, 1.0, 1.5], size=(d, k)), axis=1).astype(np.float32)
+        tok = np.stack([rng.permutation(50)[:k] for _ in range(d)]).astype(np.int32)
+        heap = oracles.heap_tree(7, logp, tok, budget)
+        ours = lattice_tree(np.array([7]), logp[None], tok[None], budget)
+        valid = np.asarray(ours.valid[0])
+        assert heap.tokens == np.asarray(ours.tokens[0])[valid].tolist(), trial
+        assert heap.depth == np.asarray(ours.depth[0])[valid].tolist(), trial
+        assert heap.parent[1:] == np.asarray(ours.parent[0])[valid][1:].tolist(), trial
+        mask = np.asarray(ours.mask[0])[np.ix_(valid, valid)]
+        np.testing.assert_array_equal(oracles.ancestor_mask(heap.parent), mask)
+
+
+def test_reference_walk_follows_the_targets_choices():
+    t = oracles.DraftTree([5, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2])
+    assert oracles.walk(t, [2, 9, 4, 9, 8]) == [0, 2, 4]
+    assert oracles.walk(t, [6, 9, 9, 9, 9]) == [0]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ddtree_jax.compare.oracles import ancestor_mask
 from ddtree_jax.kernels.flash import combine_splits
 from ddtree_jax.kernels.tree_attention import merge_splits, tree_attention, tree_attention_reference
 from ddtree_jax.kernels.tuning import TREE_TUNING, default_tree_splits, resolve_tree_tuning
@@ -26,18 +27,6 @@ def random_parents(rng: np.random.Generator, t: int) -> np.ndarray:
         # Bias towards recent nodes so that trees get deep, not only wide.
         parent[i] = rng.integers(max(0, i - 8), i) if rng.random() < 0.7 else rng.integers(0, i)
     return parent
-
-
-def ancestor_mask(parent: np.ndarray) -> np.ndarray:
-    """mask[i, j] = j is i or an ancestor of i."""
-    t = len(parent)
-    mask = np.zeros((t, t), bool)
-    for i in range(t):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parent[j]
-    return mask
 
 
 def make_mask(rng: np.random.Generator, kind: str, b: int, t: int) -> np.ndarray:

@@ -19,7 +19,6 @@ or by `max_new_tokens`); the prefill's token belongs to no round.
 
 from __future__ import annotations
 
-import heapq
 import inspect
 import json
 import math
@@ -38,19 +37,20 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from ddtree_jax.compare.oracles import (
+    DraftTree,
+    ancestor_mask,
+    chain_tree,
+    default_target_layer_ids,
+    heap_tree,
+    walk,
+)
+
 METHODS = ("ar", "dflash", "ddtree")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # -- the DFlash drafter -----------------------------------------------------------------------------
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's spacing when a drafter names no layers: the middle one, else evenly over [1, L - 3]."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 class DraftAttention(nn.Module):
@@ -161,77 +161,6 @@ class DFlashDrafter(nn.Module):
         return self.norm(x[1:])
 
 
-# -- the draft tree ---------------------------------------------------------------------------------
-
-
-class DraftTree(NamedTuple):
-    """Node 0 is the root (the bonus); every parent precedes its children."""
-
-    tokens: list[int]
-    parent: list[int]  # root: -1
-    depth: list[int]
-
-
-def chain_tree(bonus: int, tokens: list[int]) -> DraftTree:
-    """The DFlash chain: the bonus, then one token per depth."""
-    n = len(tokens) + 1
-    return DraftTree([bonus, *tokens], [-1, *range(n - 1)], list(range(n)))
-
-
-def heap_tree(bonus: int, logp: np.ndarray, tok: np.ndarray, budget: int) -> DraftTree:
-    """The `budget` best nodes of the top-k lattice, popped best-first from a heap.
-
-    logp, tok [D, k]: per-depth log-probs (sorted descending) and their tokens. A node's score is the
-    float32 sum of its path's log-probs. Equal scores pop shallower first, then (same depth) by the
-    parent's pop order, then by lower rank: the order tree.py documents for the engine. Every node
-    sorts after its parent, so the pops come out in that total order and stay ancestor-closed.
-    """
-    d_max, k = logp.shape
-    logp = logp.astype(np.float32)
-    tree = DraftTree([bonus], [-1], [0])
-    heap: list[tuple] = []
-
-    def push_children(node: int, score: np.float32) -> None:
-        d = tree.depth[node]
-        if d < d_max:
-            for rank in range(k):
-                child = np.float32(score + logp[d, rank])
-                heapq.heappush(heap, (-float(child), d + 1, node, rank, child))
-
-    push_children(0, np.float32(0.0))
-    while heap and len(tree.tokens) <= budget:
-        _, d, parent, rank, score = heapq.heappop(heap)
-        tree.tokens.append(int(tok[d - 1, rank]))
-        tree.parent.append(parent)
-        tree.depth.append(d)
-        push_children(len(tree.tokens) - 1, score)
-    return tree
-
-
-def ancestor_mask(tree: DraftTree) -> np.ndarray:
-    """[T, T] bool: mask[i, j] is true when j is i or one of i's ancestors."""
-    t = len(tree.tokens)
-    mask = np.zeros((t, t), bool)
-    for i in range(t):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = tree.parent[j]
-    return mask
-
-
-def walk(tree: DraftTree, choice: list[int]) -> list[int]:
-    """The accepted path: from the root, step to the child whose token is the target's choice."""
-    path = [0]
-    while True:
-        node = path[-1]
-        children = [c for c in range(len(tree.tokens)) if tree.parent[c] == node]
-        accepted = [c for c in children if tree.tokens[c] == choice[node]]
-        if not accepted:
-            return path
-        path.append(accepted[0])
-
-
 # -- the pair and its decoding ------------------------------------------------------------------------
 
 
@@ -316,7 +245,7 @@ class TorchPair:
         """The target's greedy choice at every tree node, from one pass over the tree after the cached
         committed tokens, each node seeing the whole prefix and its own ancestors (a 4-D mask)."""
         n, t = cache.get_seq_length(), len(tree.tokens)
-        allowed = np.concatenate([np.ones((t, n), bool), ancestor_mask(tree)], axis=1)  # [T, n + T]
+        allowed = np.concatenate([np.ones((t, n), bool), ancestor_mask(tree.parent)], axis=1)  # [T, n + T]
         mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask[~torch.from_numpy(allowed)] = torch.finfo(self.dtype).min
         out = self.target(
