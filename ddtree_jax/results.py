@@ -40,7 +40,6 @@ class Result:
     output_token_logprobs: list | None = None  # per token [logprob, token_id] (logprobs K > 0)
     output_top_logprobs: list | None = None  # per token K [logprob, token_id], descending
 
-
     def to_json(self) -> dict[str, Any]:
         """The JSON object written for this prompt."""
         out = {"id": self.id, "index": self.index, "output_ids": self.output_ids}
