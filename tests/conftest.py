@@ -14,10 +14,11 @@ os.environ.setdefault(
 )
 # JAX's persistent compilation cache, shared by the pytest-xdist workers and the CLI subprocesses the
 # tests start: many tests build the same programs afresh (new jitted closures over the same fixtures).
-# Writing an entry serialises the executable, and XLA's CPU executable.serialize() (jax 0.11.2) has
-# crashed a worker with SIGSEGV a few times per thousand test runs (docs/job-cost.md); pyproject's
-# pytest settings run a test whose worker crashed once more in a fresh worker (pytest-rerunfailures),
-# and never rerun a test that fails.
+# pytest-xdist workers have crashed with SIGSEGV inside XLA a few times per thousand test runs (in
+# executable.serialize() writing this cache, and once in a compile right after a test ran jax's Mosaic GPU
+# interpreter in the same worker: docs/job-cost.md); the interpreter's tests run in processes of their
+# own (`own_process` below), and pyproject's pytest settings run a test whose worker crashed once more
+# in a fresh worker (pytest-rerunfailures), never a test that fails.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"ddtree-jax-tests-{os.getuid()}")
 )
