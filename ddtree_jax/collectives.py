@@ -97,7 +97,7 @@ def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, ids.astype(jnp.int32)
 
 
-def top_k(x: jax.Array, k: int, axis: Axis) -> tuple[jax.Array, jax.Array]:
+def sharded_top_k(x: jax.Array, k: int, axis: Axis) -> tuple[jax.Array, jax.Array]:
     """Global top-k over a vocabulary-split last dim: values and int32 global ids [..., k], sorted.
 
     Each device's local top-k (global ids), an all-gather of the candidates in device order, then

@@ -149,7 +149,7 @@ def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
     if plan.tempered_draft and state.sampling is not None:
         logits = tempered(logits, state.sampling)
     logp = collectives.log_softmax(logits, plan.model_axis)
-    return collectives.top_k(logp, plan.branching, plan.model_axis)
+    return collectives.sharded_top_k(logp, plan.branching, plan.model_axis)
 
 
 def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, plan: Plan) -> tree.Tree:

@@ -53,7 +53,7 @@ def node_logprobs(
     inside = (local >= 0) & (local < v)
     picked = jnp.take_along_axis(logp, jnp.clip(local, 0, v - 1)[..., None], axis=-1)[..., 0]
     chosen = psum(jnp.where(inside, picked, 0.0), axis)
-    top, top_ids = collectives.top_k(logp, k, axis)
+    top, top_ids = collectives.sharded_top_k(logp, k, axis)
     return Logprobs(chosen, top, top_ids)
 
 

@@ -47,10 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.collectives import Axis, axis_size, pmax, pmin, psum, vocab_offset
+from ddtree_jax.collectives import Axis, axis_size, pmax, pmin, psum, sharded_top_k, vocab_offset
 from ddtree_jax.collectives import argmax as vocab_argmax
 from ddtree_jax.collectives import softmax as vocab_softmax
-from ddtree_jax.collectives import top_k as vocab_top_k
 
 MAX_SEED = 2**32  # seeds are uint32
 
@@ -206,7 +205,7 @@ SHORTLIST = 64  # largest logits kept sorted per node: top-k up to 64 and most t
 
 def shortlist(logits: jax.Array, axis: Axis = None) -> jax.Array:
     """The min(SHORTLIST, V) largest logits of each node [..., V_local] -> [..., n], descending."""
-    return vocab_top_k(logits, min(SHORTLIST, logits.shape[-1] * axis_size(axis)), axis)[0]
+    return sharded_top_k(logits, min(SHORTLIST, logits.shape[-1] * axis_size(axis)), axis)[0]
 
 
 def shortlist_floor(

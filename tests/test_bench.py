@@ -204,8 +204,8 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
             assert r["round_over_uniform_floor"] == pytest.approx(r["round_ms"] / r["target_floor_ms"])
             assert 1 <= r["chosen_distinct_experts"] <= 8
     cfg = SHAPES["qwen3-30b-a3b"]
-    assert moe.expected_distinct(cfg.num_experts, cfg.top_k, 1) == 8
-    assert round(moe.expected_distinct(cfg.num_experts, cfg.top_k, 8)) == 52
+    assert moe.expected_distinct(cfg.num_experts, cfg.experts_per_token, 1) == 8
+    assert round(moe.expected_distinct(cfg.num_experts, cfg.experts_per_token, 8)) == 52
 
 
 @pytest.mark.parametrize(

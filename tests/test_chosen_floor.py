@@ -96,7 +96,7 @@ def test_chosen_floor_against_numpy_sets(method, batch, rows):
     for r in range(2):
         floor = rest
         for site, i in enumerate(sparse):
-            chosen = log[site][r].reshape(rows, -1, cfg.top_k)[:batch]
+            chosen = log[site][r].reshape(rows, -1, cfg.experts_per_token)[:batch]
             distinct = len({int(e) for e in chosen.ravel()})
             counts.append(distinct)
             floor += distinct * expert_bytes[i] / cfg.num_experts

@@ -151,7 +151,7 @@ def test_moe_layer_lowers_for_cuda(tokens, width, dispatch):
         "experts_down": spec((128, width, 2048), jnp.bfloat16),
     }
     x = spec((tokens, 2048), jnp.bfloat16)
-    layer = functools.partial(moe.experts_ffn, top_k=8, normalize=True, dispatch=dispatch)
+    layer = functools.partial(moe.experts_ffn, experts_per_token=8, normalize=True, dispatch=dispatch)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(layer).trace(p, x).lower(lowering_platforms=("cuda",)).as_text()

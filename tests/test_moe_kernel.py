@@ -256,7 +256,7 @@ def test_qwen3_30b_a3b_layer_lowers_for_cuda(tokens):
         "experts_up": spec((128, 2048, 768), bf16),
         "experts_down": spec((128, 768, 2048), bf16),
     }
-    layer = functools.partial(moe.experts_ffn, top_k=8, normalize=True, dispatch="fused")
+    layer = functools.partial(moe.experts_ffn, experts_per_token=8, normalize=True, dispatch="fused")
     text = _lowered(layer, p, spec((tokens, 2048), bf16))
     assert text.count("mosaic_gpu") >= 2 and "triton" not in text and "ragged_dot" not in text
 

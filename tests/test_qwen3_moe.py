@@ -25,7 +25,7 @@ def test_config_fields():
     """mlp_only_layers and decoder_sparse_step pick the sparse layers; num_local_experts is read."""
     norm, _ = load_target(NORM)
     tp, _ = load_target(TP)
-    assert isinstance(norm, Qwen3MoeConfig) and norm.num_experts == 8 and norm.top_k == 2
+    assert isinstance(norm, Qwen3MoeConfig) and norm.num_experts == 8 and norm.experts_per_token == 2
     assert norm.norm_topk_prob and not tp.norm_topk_prob
     assert [norm.is_sparse(i) for i in range(3)] == [False, True, True]  # mlp_only_layers [0]
     assert [tp.is_sparse(i) for i in range(4)] == [False, True, False, True]  # decoder_sparse_step 2
@@ -63,7 +63,7 @@ def test_some_experts_unselected():
     """Short prompts leave experts idle (the dispatch must cope with empty groups)."""
     cfg, params = load_target(NORM)
     x = jax.random.normal(jax.random.key(0), (2, 32))
-    chosen = np.asarray(moe.route(params["layers"][1]["router"], x, cfg.top_k, True).experts)
+    chosen = np.asarray(moe.route(params["layers"][1]["router"], x, cfg.experts_per_token, True).experts)
     assert len(set(chosen.ravel())) < cfg.num_experts
 
 

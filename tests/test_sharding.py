@@ -236,7 +236,7 @@ def test_embed_argmax_top_k_vocab_parallel():
     np.testing.assert_array_equal(argmax(x), jnp.argmax(x, axis=-1))
     assert int(argmax(x)[0, 0]) == 40
     for k in (1, 7, 32, 100):
-        top = split(lambda a, k=k: collectives.top_k(a, k, "model"), (vocab,), (rep, rep))
+        top = split(lambda a, k=k: collectives.sharded_top_k(a, k, "model"), (vocab,), (rep, rep))
         want_v, want_i = jax.lax.top_k(x, k)
         got_v, got_i = top(x)
         np.testing.assert_array_equal(got_v, want_v)

@@ -69,7 +69,7 @@ def test_verify_equals_plain_causal_pass_per_node():
     p = pair("qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp")
     context = golden_prompts("qwen3_gqa4_tp")[3]
     cache, features = p.prefix(context)
-    logp, tok = p._draft_top_k(features, 17, 3, None)
+    logp, tok = p._draft_candidates(features, 17, 3, None)
     t = oracles.heap_tree(17, logp, tok, 12)
     choice = p.verify(cache, t)
     for node in range(len(t.tokens)):

@@ -233,7 +233,7 @@ class TorchPair:
         hidden = self.drafter.hidden(features.to(self.dtype), embeds)
         return self.target.lm_head(hidden).float().numpy()
 
-    def _draft_top_k(self, features: torch.Tensor, bonus: int, k: int, block_size: int | None):
+    def _draft_candidates(self, features: torch.Tensor, bonus: int, k: int, block_size: int | None):
         """Per-depth top-k log-probs and tokens [D, k], sorted descending, equal values by lower token id."""
         logits = torch.from_numpy(self.draft_logits(features, bonus, block_size))
         logp = torch.log_softmax(logits, dim=-1)
@@ -263,10 +263,10 @@ class TorchPair:
         Everything is recomputed from `context`: nothing carries over from the previous round."""
         cache, features = self.prefix(context)
         if decoding.method == "dflash":
-            _, tok = self._draft_top_k(features, bonus, 1, decoding.block_size)
+            _, tok = self._draft_candidates(features, bonus, 1, decoding.block_size)
             tree = chain_tree(bonus, tok[:, 0].tolist())
         else:
-            logp, tok = self._draft_top_k(features, bonus, decoding.branching, decoding.block_size)
+            logp, tok = self._draft_candidates(features, bonus, decoding.branching, decoding.block_size)
             tree = heap_tree(bonus, logp, tok, decoding.budget)
         choice = self.verify(cache, tree)
         return [choice[node] for node in walk(tree, choice)]

@@ -224,7 +224,7 @@ def route(p: dict, x: jax.Array, cfg: DeepseekV3Config) -> moe.Routing:
         kept = jax.lax.top_k(group_score, cfg.topk_group)[1]  # [N, topk_group]
         keep = jnp.any(kept[:, :, None] == jnp.arange(cfg.n_group)[None, None, :], axis=1)
         choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
-    experts = jax.lax.top_k(choice, cfg.top_k)[1]
+    experts = jax.lax.top_k(choice, cfg.experts_per_token)[1]
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if cfg.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -363,7 +363,7 @@ def _kimi_k2(num_layers: int) -> DeepseekV3Config:
         intermediate_size=18432,
         first_k_dense_replace=1,
         num_experts=384,
-        top_k=8,
+        experts_per_token=8,
         moe_intermediate_size=2048,
         n_shared_experts=1,
         routed_scaling_factor=2.827,
@@ -387,7 +387,8 @@ FAMILY = Family(
     heads_per_device=heads_per_device,
     draft_dims=draft_dims,
     ATTENTION="mla",
-    PAD_ONE_ROW_AR=False,  # as for Qwen3-MoE: a second ar row would read up to top_k more experts per layer
+    # as for Qwen3-MoE: a second ar row would read up to experts_per_token more experts per layer
+    PAD_ONE_ROW_AR=False,
     ROUTED_EXPERTS=True,  # the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
     CUDNN_PREFILL=False,  # MLA: its prefill is the expanded form (models/mla.py)
     QUANTIZED_FORMATS=(formats.Fp8Block, formats.Int4Group),  # DeepSeek-V3/Kimi-K2 FP8, Kimi-K2.5 INT4
@@ -404,7 +405,7 @@ FAMILY = Family(
             mla=mla.MLADims(64, 4, 32, 32, 16, 16, 16, 1e-6, True, 32**-0.5),
             intermediate_size=128,
             num_experts=8,
-            top_k=2,
+            experts_per_token=2,
             moe_intermediate_size=16,
         ),
     },

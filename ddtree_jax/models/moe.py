@@ -90,7 +90,7 @@ class RoutedExperts:
     over "model"."""
 
     num_experts: int = 0
-    top_k: int = 1  # experts per token (num_experts_per_tok)
+    experts_per_token: int = 1  # HF's num_experts_per_tok
     moe_intermediate_size: int = 0  # each expert's width
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
     moe_sharding: str = "ep"  # experts over "model": "ep" whole experts, "tp" columns of every expert
@@ -132,7 +132,7 @@ def routed_fields(
     routed = num_experts > 0
     return dict(
         num_experts=num_experts,
-        top_k=positive_field(raw, "num_experts_per_tok", path) if routed else 1,
+        experts_per_token=positive_field(raw, "num_experts_per_tok", path) if routed else 1,
         moe_intermediate_size=positive_field(raw, "moe_intermediate_size", path) if routed else 0,
         norm_topk_prob=bool(raw.get("norm_topk_prob", norm_topk_prob)),
         moe_sharding=moe_sharding,
@@ -144,7 +144,7 @@ def unread_expert_bytes(
 ) -> float:
     """Bytes of each sparse layer's experts that `tokens` tokens are expected not to select
     (`expected_distinct`: uniform choice); quantized experts count their stored values and scales."""
-    idle = 1.0 - expected_distinct(cfg.num_experts, cfg.top_k, tokens) / max(cfg.num_experts, 1)
+    idle = 1.0 - expected_distinct(cfg.num_experts, cfg.experts_per_token, tokens) / max(cfg.num_experts, 1)
     unread = 0.0
     for i, p in enumerate(params["layers"]):
         if cfg.is_sparse(i):
@@ -209,13 +209,13 @@ def expert_specs(
     ]
 
 
-def route(router: jax.Array, x: jax.Array, top_k: int, normalize: bool) -> Routing:
+def route(router: jax.Array, x: jax.Array, experts_per_token: int, normalize: bool) -> Routing:
     """Softmax over experts in float32, top-k (ties: the lower expert id first), optional renormalising.
 
     The router logits are computed in x's dtype and the weights cast back to it, as HF's Qwen3-MoE does.
     """
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    weights, experts = jax.lax.top_k(probs, experts_per_token)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), weights.astype(x.dtype))
@@ -356,12 +356,12 @@ def _dense(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
     return jnp.einsum("neh,ne->nh", out, per_expert)
 
 
-def expected_distinct(num_experts: int, top_k: int, tokens: int) -> float:
-    """Distinct experts `tokens` tokens select when each picks top_k of num_experts uniformly and
+def expected_distinct(num_experts: int, experts_per_token: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens select when each picks experts_per_token of num_experts uniformly and
     independently: E (1 - (1 - k/E)^N); exactly k for one token. (Qwen3-30B-A3B shapes on the H200,
     docs/design.md: 8 / 51 / 127 / 128 measured at 1 / 8 / 64 / 512 tokens; this gives 8 / 51.6 / 125.9 /
     128.)"""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+    return num_experts * (1.0 - (1.0 - experts_per_token / num_experts) ** tokens)
 
 
 def hopper() -> bool:
@@ -427,7 +427,7 @@ def run_experts(
 def experts_ffn(
     p: dict,
     x: jax.Array,
-    top_k: int,
+    experts_per_token: int,
     normalize: bool,
     sharding: str = "ep",
     model_axis: Axis = None,
@@ -436,5 +436,5 @@ def experts_ffn(
     """Qwen3-MoE's routed experts of one layer on x [..., H] (`route`, then `run_experts`) -> this
     device's partial sum [..., H]."""
     flat = x.reshape(-1, x.shape[-1])
-    routing = route(p["router"], flat, top_k, normalize)
+    routing = route(p["router"], flat, experts_per_token, normalize)
     return run_experts(p, flat, routing, sharding, model_axis, dispatch).reshape(x.shape)

@@ -92,7 +92,7 @@ def forward(
 
     def experts(p: dict, h: jax.Array) -> jax.Array:
         out = moe.experts_ffn(
-            p, h, cfg.top_k, cfg.norm_topk_prob, cfg.moe_sharding, model_axis, cfg.moe_dispatch
+            p, h, cfg.experts_per_token, cfg.norm_topk_prob, cfg.moe_sharding, model_axis, cfg.moe_dispatch
         )
         return all_reduce(out, model_axis)
 
@@ -146,9 +146,9 @@ FAMILY = Family(
     ignored_tensors=common.ignored_tensors,
     heads_per_device=dense.heads_per_device,
     draft_dims=dense.draft_dims,
-    # No second, inactive row for one-row ar steps: its token would read up to top_k more experts per
-    # layer (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row reads of the
-    # dense part).
+    # No second, inactive row for one-row ar steps: its token would read up to experts_per_token more
+    # experts per layer (at Qwen3-30B-A3B shapes ~3.6 GB a step, against ~0.2 GB of slower one-row
+    # reads of the dense part).
     ATTENTION="gqa",
     PAD_ONE_ROW_AR=False,
     ROUTED_EXPERTS=True,  # the default ddtree budgets of budgets.MOE_DEFAULT_BUDGETS
@@ -161,7 +161,7 @@ FAMILY = Family(
             RopeConfig(1e6, 128),
             40960,
             num_experts=128,
-            top_k=8,
+            experts_per_token=8,
             moe_intermediate_size=768,
             norm_topk_prob=True,
         ),
@@ -172,7 +172,7 @@ FAMILY = Family(
             RopeConfig(1e4, 16),
             4096,
             num_experts=8,
-            top_k=2,
+            experts_per_token=2,
             moe_intermediate_size=32,
             norm_topk_prob=True,
             mlp_only_layers=(0,),
