@@ -13,7 +13,7 @@ TINY += ["--ceiling-bytes", "1048576"]
 
 def test_bench_tiny_writes_every_configuration(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = [*TINY, "--methods", "ar,ddtree", "--budgets", "3", "--batches", "2", "--stages"]
+    argv = [*TINY, "--methods", "ar,ddtree", "--budgets", "3", "--batch-sizes", "2", "--stages"]
     argv += ["--sampling", "greedy,0.7:5:0.9", "--out", str(out)]
     assert main(argv) == 0
     err = capsys.readouterr().err  # progress: each configuration as it starts and ends
@@ -46,7 +46,7 @@ def test_bench_tiny_on_a_tensor_parallel_mesh(tmp_path):
         "ar,dflash,ddtree",
         "--budgets",
         "3",
-        "--batches",
+        "--batch-sizes",
         "1",
         "--stages",
         "--tp",
@@ -55,7 +55,7 @@ def test_bench_tiny_on_a_tensor_parallel_mesh(tmp_path):
     assert main([*argv, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["tp"] == 4
-    assert [(r["method"], r["batch"], r["rows"]) for r in data["rows"]] == [
+    assert [(r["method"], r["batch_size"], r["rows"]) for r in data["rows"]] == [
         ("ar", 1, 2),  # one ar row runs as two, as ddtree-generate runs it
         ("dflash", 1, 1),
         ("ddtree", 1, 1),
@@ -125,7 +125,7 @@ def test_dropped_all_reduce_is_the_layers_and_for_its_run_alone(tmp_path):
     assert kept - dropped == 2 * cfg.num_layers and dropped > 0  # the embedding's and the head's stay
 
     out = tmp_path / "bench.json"
-    argv = [*TINY, "--methods", "ar", "--batches", "2", "--out", str(out)]
+    argv = [*TINY, "--methods", "ar", "--batch-sizes", "2", "--out", str(out)]
     assert main([*argv, "--tp", "2", "--drop-layer-all-reduce"]) == 0
     assert _all_reduces(lowered()) == kept  # the switch held for the run alone
     data = json.loads(out.read_text())
@@ -189,7 +189,7 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
         ["--tp", "2", "--moe-sharding", "tp", "--no-chosen-floor"],
     ):
         out = tmp_path / "bench.json"
-        argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batches", "1", *extra]
+        argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batch-sizes", "1", *extra]
         assert main([*argv, "--out", str(out)]) == 0
         rows = json.loads(out.read_text())["rows"]
         assert all("error" not in r for r in rows), rows
@@ -213,7 +213,7 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
     [
         (["--budgets", "0"], "--budgets 0: '0' is not an integer >= 1"),
         (["--budgets", "15,-3"], "--budgets 15,-3: '-3' is not an integer >= 1"),
-        (["--batches", "0"], "--batches 0: '0' is not an integer >= 1"),
+        (["--batch-sizes", "0"], "--batch-sizes 0: '0' is not an integer >= 1"),
         (["--contexts", "1k"], "--contexts 1k: '1k' is not an integer >= 1"),
         (["--rounds", "0"], "--rounds 0: must be >= 1"),
         (["--attention", "foo"], "--attention foo: 'foo' is not one of reference, pallas, pallas-invariant"),

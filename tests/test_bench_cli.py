@@ -15,7 +15,7 @@ TINY = {
     "rounds": ["--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
     + ["--rounds", "2", "--ceiling-bytes", "1048576", "--methods", "ar,ddtree", "--budgets", "3"],
     "profile": ["--shape", "tiny", "--num-layers", "1", "--draft-layers", "1", "--block-size", "4"]
-    + ["--context", "32", "--budget", "3", "--attention", "reference", "--rounds", "2", "--iters", "1"],
+    + ["--context", "32", "--budgets", "3", "--attention", "reference", "--rounds", "2", "--iters", "1"],
     "scheduling": ["--shape", "tiny", "--prompts", "4", "--min-len", "4", "--max-len", "16"]
     + ["--max-new-tokens", "4", "--batch-size", "2", "--budget", "3", "--prefill-chunk", "16"]
     + ["--stop-fraction", "0"],

@@ -109,7 +109,7 @@ def test_chosen_floor_against_numpy_sets(method, batch, rows):
 def test_dense_rows_have_one_floor(tmp_path):
     out = tmp_path / "bench.json"
     argv = [a if a != "tiny-moe" else "tiny" for a in TINY_MOE]
-    assert rounds.main([*argv, "--methods", "ar", "--batches", "1", "--out", str(out)]) == 0
+    assert rounds.main([*argv, "--methods", "ar", "--batch-sizes", "1", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert "chosen_floor_ms" not in row and row["round_over_floor"] == pytest.approx(
         row["round_ms"] / row["target_floor_ms"]

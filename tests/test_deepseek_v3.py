@@ -196,7 +196,7 @@ def test_bench_tiny_mla(tmp_path):
 
     assert SHAPES["kimi-k2"].num_layers == 4 and SHAPES["kimi-k2"].mla.kv_lora_rank == 512
     base = ["--shape", "tiny-mla", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
-    base += ["--rounds", "2", "--ceiling-bytes", "1048576", "--budgets", "3", "--batches", "1"]
+    base += ["--rounds", "2", "--ceiling-bytes", "1048576", "--budgets", "3", "--batch-sizes", "1"]
     for tp, methods in ((1, ["ar", "dflash", "ddtree"]), (4, ["ddtree"])):
         out = tmp_path / f"bench{tp}.json"
         assert main([*base, "--tp", str(tp), "--methods", ",".join(methods), "--out", str(out)]) == 0

@@ -192,7 +192,8 @@ def test_script_profiles_a_tiny_round(tmp_path):
         "--context",
         "32",
     ]
-    argv += ["--methods", "ddtree", "--budget", "3", "--attention", "reference", "--programs", "verify,round"]
+    argv += ["--methods", "ddtree", "--budgets", "3", "--attention", "reference"]
+    argv += ["--programs", "verify,round"]
     assert kp.main([*argv, "--rounds", "2", "--iters", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r.get("name") for r in rows] == ["ddtree3_verify", "ddtree3_round"], rows

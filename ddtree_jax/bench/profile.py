@@ -332,7 +332,7 @@ def profile_plan(
     each call's output state the next one's input); none starts past the deadline."""
     deadline = deadline or report.Deadline(None)
     rows = []
-    state = synthetic_state(plan, shape, context, 0, params["embed"].dtype, None, args.batch)
+    state = synthetic_state(plan, shape, context, 0, params["embed"].dtype, None, args.batch_size)
     label = plan.method if plan.method == "ar" else f"{plan.method}{plan.budget}"
     wanted = args.programs.split(",")
     # the stages alone (ar has no draft or build), their programs and inputs made for the first one run
@@ -378,7 +378,7 @@ def _row(label: str, program: str, plan, shape, context: int, args, compile_s: f
         "budget": plan.budget,
         "tree_size": plan.tree_size,
         "program": program,
-        "batch": args.batch,
+        "batch_size": args.batch_size,
         "rows": shape.rows,
         "context": context,
         "attention": plan.attention,
@@ -391,7 +391,7 @@ def _row(label: str, program: str, plan, shape, context: int, args, compile_s: f
 def _line(r: dict) -> str:
     cats = " ".join(f"{k}={v:.3f}" for k, v in list(r["categories_ms_per_round"].items())[:6])
     return (
-        f"{r['name']:>16} B{r['batch']} S{r['context']}: wall {r['untraced_wall_ms_per_round']:.3f} ms "
+        f"{r['name']:>16} B{r['batch_size']} S{r['context']}: wall {r['untraced_wall_ms_per_round']:.3f} ms "
         f"(traced {r['wall_ms_per_round']:.3f}), kernels {r['kernel_ms_per_round']:.3f}, "
         f"busy {r['busy_ms_per_round']:.3f}, idle {r['idle_ms_per_round']:.3f} | {cats}"
     )
@@ -404,10 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--methods", default="ar,ddtree", help="comma list of ar,dflash,ddtree")
-    p.add_argument("--budget", default="63", help="comma list of ddtree budgets")
+    p.add_argument("--budgets", default="63", help="comma list of ddtree budgets")
     p.add_argument("--attention", default="pallas", help="reference or pallas (or pallas-invariant)")
     p.add_argument(
         "--programs",
@@ -460,20 +460,20 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
         "draft_weight_bytes": weight_bytes(dparams),
     }
     rows: list[dict] = []
-    budgets = [int(b) for b in args.budget.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
     plans = [(m, b) for m in args.methods.split(",") for b in (budgets if m == "ddtree" else [0])]
     for method, budget in plans:
         plan = make_plan(
             cfg,
             dcfg,
             method,
-            batch_size=args.batch,
+            batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens,
             budget=budget or None,
             attention=args.attention,
         )
         try:
-            shape = batch_shape(plan, args.batch, args.context)
+            shape = batch_shape(plan, args.batch_size, args.context)
             dp = None if method == "ar" else dparams
             rows += profile_plan(params, dp, plan, shape, args.context, args, deadline)
         except Exception as e:  # keep the other plans' rows

@@ -119,7 +119,7 @@ def bench_one(
         "method": plan.method,
         "budget": plan.budget,
         "tree_size": plan.tree_size,
-        "batch": batch,
+        "batch_size": batch,
         "rows": shape.rows,
         "context": context,
         "attention": plan.attention,
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budgets", default="15,63", help="comma list of ddtree budgets (tree nodes besides the root)"
     )
-    p.add_argument("--batches", default="1", help="comma list of batch sizes (rows)")
+    p.add_argument("--batch-sizes", default="1", help="comma list of batch sizes (rows)")
     p.add_argument("--contexts", default="1024", help="comma list of cached tokens per row")
     p.add_argument("--attention", default="reference", help=f"comma list of {', '.join(IMPLEMENTATIONS)}")
     p.add_argument("--rounds", type=int, default=16, help="decode rounds per timed program")
@@ -222,7 +222,7 @@ class Grid:
 
     methods: tuple[str, ...]
     budgets: tuple[int, ...]
-    batches: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
     contexts: tuple[int, ...]
     attentions: tuple[str, ...]
     samplings: tuple[dict | None, ...]
@@ -230,7 +230,8 @@ class Grid:
     def configurations(self) -> list[tuple]:
         """(attention, batch, context, (method, budget), sampling) in sweep order (budget 0: no tree)."""
         trees = [(m, n) for m in self.methods for n in (self.budgets if m == "ddtree" else [0])]
-        return list(itertools.product(self.attentions, self.batches, self.contexts, trees, self.samplings))
+        grid = (self.attentions, self.batch_sizes, self.contexts, trees, self.samplings)
+        return list(itertools.product(*grid))
 
 
 def _positive_ints(flag: str, text: str) -> tuple[int, ...]:
@@ -279,7 +280,7 @@ def check_args(args: argparse.Namespace) -> Grid:
     grid = Grid(
         methods=_names("--methods", args.methods, METHODS),
         budgets=_positive_ints("--budgets", args.budgets),
-        batches=_positive_ints("--batches", args.batches),
+        batch_sizes=_positive_ints("--batch-sizes", args.batch_sizes),
         contexts=_positive_ints("--contexts", args.contexts),
         attentions=_names("--attention", args.attention, IMPLEMENTATIONS),
         samplings=tuple(_sampling(s) for s in args.sampling.split(",")),
@@ -421,7 +422,7 @@ def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dpara
             row = {
                 "method": method,
                 "budget": budget,
-                "batch": batch,
+                "batch_size": batch,
                 "context": context,
                 "attention": attention,
                 "sampling": sampling,
@@ -440,7 +441,8 @@ def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dpara
     for r in rows:
         s = r["sampling"]
         label = "greedy" if s is None else f"{s['temperature']}:{s['top_k']}:{s['top_p']}"
-        head = f"{r['method']:8}{r['budget']:5}{r['batch']:4}{r['context']:7}{r['attention']:>10}{label:>16}"
+        head = f"{r['method']:8}{r['budget']:5}{r['batch_size']:4}{r['context']:7}"
+        head += f"{r['attention']:>10}{label:>16}"
         if "error" in r:
             print(f"{head}  {r['error'][:60]}")
             continue
