@@ -104,18 +104,18 @@ _NONFINITE_BITS = {
     jnp.dtype(jnp.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000),
     jnp.dtype(jnp.float8_e4m3fn): (np.uint8, 0x7F, 0x7F),
 }
-CHUNK = 1 << 18  # elements checked at a time: the temporary stays in the CPU's cache (~2 GB/s)
+SLICE = 1 << 18  # elements checked at a time: the temporary stays in the CPU's cache (~2 GB/s)
 
 
 def _all_finite(data: np.ndarray) -> bool:
-    """Every value of a host array finite, read chunk by chunk by its bits (no float arithmetic)."""
+    """Every value of a host array finite, read slice by slice by its bits (no float arithmetic)."""
     if data.dtype not in _NONFINITE_BITS:
         return bool(np.isfinite(data.astype(np.float32)).all())
     view, magnitude, nonfinite = _NONFINITE_BITS[data.dtype]
     flat = np.ascontiguousarray(data).reshape(-1).view(view)
-    buf = np.empty((min(CHUNK, flat.size),), view)
-    for start in range(0, flat.size, CHUNK):
-        part = flat[start : start + CHUNK]
+    buf = np.empty((min(SLICE, flat.size),), view)
+    for start in range(0, flat.size, SLICE):
+        part = flat[start : start + SLICE]
         np.bitwise_and(part, magnitude, out=buf[: part.size])
         if buf[: part.size].max() >= nonfinite:
             return False

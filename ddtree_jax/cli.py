@@ -156,7 +156,7 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
             "histogram: " + " ".join(f"{k}:{hist[k]}" for k in sorted(hist))
         )
     occ = gen.occupancy
-    if occ.chunks:
+    if occ.host_returns:
         lines.append(
             f"rows busy: {occ.busy / max(occ.row_rounds, 1):.1%} of {occ.row_rounds} row-rounds, "
             f"{occ.waiting_fraction():.1%} while prompts waited   refills: {occ.refills}"

@@ -66,34 +66,34 @@ def softmax(x: jax.Array, axis: Axis) -> jax.Array:
     return e / psum(jnp.sum(e, axis=-1, keepdims=True), axis)
 
 
-CHUNK = 128  # ids per chunk in `chunked_top_k`
+TILE = 128  # ids per tile in `tiled_top_k`
 
 
-def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def tiled_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k(x, k)` (values, int32 ids; ties: lower id first), reading the row once.
 
-    The row is cut into chunks of CHUNK ids (padded with -inf to a whole number of chunks), and only
-    the k chunks with the largest maxima (ties: lower chunk first, as `lax.top_k` orders them) are
-    searched. Why that is exact: take any element e of a chunk c that was not chosen. Each of the k
-    chosen chunks has a maximum above e's value, or equal to it in a lower chunk and so at a lower
+    The row is cut into tiles of TILE ids (padded with -inf to a whole number of tiles), and only
+    the k tiles with the largest maxima (ties: lower tile first, as `lax.top_k` orders them) are
+    searched. Why that is exact: take any element e of a tile c that was not chosen. Each of the k
+    chosen tiles has a maximum above e's value, or equal to it in a lower tile and so at a lower
     id; either way that maximum comes before e in `lax.top_k`'s order, so k elements come before e
-    and e is not in the top k. Gathering the chosen chunks in ascending order keeps ids ascending
-    among the k * CHUNK candidates, so the top-k of those has the same values and ids. Padding ids
+    and e is not in the top k. Gathering the chosen tiles in ascending order keeps ids ascending
+    among the k * TILE candidates, so the top-k of those has the same values and ids. Padding ids
     (past the row) lose every tie at -inf to real ids and are never among the top k <= V.
     """
     v = x.shape[-1]
-    padded = -(-v // CHUNK) * CHUNK
-    if padded // CHUNK <= k:  # too few chunks for the shortcut to pay
+    padded = -(-v // TILE) * TILE
+    if padded // TILE <= k:  # too few tiles for the shortcut to pay
         values, ids = jax.lax.top_k(x, k)
         return values, ids.astype(jnp.int32)
     if padded != v:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - v)], constant_values=-jnp.inf)
     lead = x.shape[:-1]
-    chunks = x.reshape(*lead, padded // CHUNK, CHUNK)
-    best = jnp.sort(jax.lax.top_k(jnp.max(chunks, axis=-1), k)[1], axis=-1)  # [..., k] ascending
-    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*lead, k * CHUNK)
+    tiles = x.reshape(*lead, padded // TILE, TILE)
+    best = jnp.sort(jax.lax.top_k(jnp.max(tiles, axis=-1), k)[1], axis=-1)  # [..., k] ascending
+    candidates = jnp.take_along_axis(tiles, best[..., None], axis=-2).reshape(*lead, k * TILE)
     values, pick = jax.lax.top_k(candidates, k)
-    ids = jnp.take_along_axis(best, pick // CHUNK, axis=-1) * CHUNK + pick % CHUNK
+    ids = jnp.take_along_axis(best, pick // TILE, axis=-1) * TILE + pick % TILE
     return values, ids.astype(jnp.int32)
 
 
@@ -104,8 +104,8 @@ def sharded_top_k(x: jax.Array, k: int, axis: Axis) -> tuple[jax.Array, jax.Arra
     the top-k of those: equal values keep the lower id first, as `jax.lax.top_k` does.
     """
     if axis is None:
-        return chunked_top_k(x, k)
-    values, ids = chunked_top_k(x, min(k, x.shape[-1]))
+        return tiled_top_k(x, k)
+    values, ids = tiled_top_k(x, min(k, x.shape[-1]))
     ids = ids + vocab_offset(x.shape[-1], axis)
     values = jax.lax.all_gather(values, axis, axis=x.ndim - 1, tiled=True)
     ids = jax.lax.all_gather(ids, axis, axis=x.ndim - 1, tiled=True)

@@ -19,7 +19,7 @@ is >= top_p, so tokens tied at t are all in or all out. Both cut-offs keep an up
 the kept support is {logit >= floor} with one `floor` per node, found in one of two ways:
 
 - the shortlist (fast, the usual case): the SHORTLIST largest logits of each node, sorted
-  (`collectives.chunked_top_k`: one pass over the vocabulary). top-k <= SHORTLIST
+  (`collectives.tiled_top_k`: one pass over the vocabulary). top-k <= SHORTLIST
   reads its threshold there; top-p runs a cumulative sum down the shortlist, normalised by the kept
   mass from one pass over the vocabulary. Two passes over [T, V] in all.
 - bisection (exact for any setting): for the nodes whose top-k exceeds the shortlist or whose top-p

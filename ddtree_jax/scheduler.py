@@ -1,7 +1,7 @@
 """The host loop: prompts into the rows of a decode state, rounds on the device, results out.
 
 Policies: `continuous` (the default) prompts enter shortest first and a row freed by a finished prompt
-takes the next one between chunks of rounds, one prompt per "data" device per prefill; `static` runs
+takes the next one between calls of the round loop, one prompt per "data" device per prefill; `static` runs
 B prompts at a time in input order, each batch one program until its slowest row finishes (the
 baseline). Either may be `host_stepped`: the rounds driven from the host one timed step at a time
 (engine.STAGES). Several processes run the same loop on the same prompts; each gathers every row.
@@ -82,7 +82,7 @@ class Occupancy:
     waiting_row_rounds: int = 0  # row-rounds run while prompts waited for a row
     waiting_busy: int = 0  # of those, busy ones
     refills: int = 0  # prefill programs run
-    chunks: int = 0  # returns to the host
+    host_returns: int = 0  # round loops run (each returns to the host)
 
     def waiting_fraction(self) -> float:
         """The busy fraction of the row-rounds run while prompts waited (1 when none waited)."""
@@ -291,7 +291,7 @@ class Generator:
         """Occupancy of the rounds just run."""
         occ, ran = self.occupancy, int(out["ran"][0])
         busy = sum(int(out["rounds"][r] - run.seen[r]) for r, i in enumerate(run.row_of) if i is not None)
-        occ.chunks += 1
+        occ.host_returns += 1
         occ.rounds += ran
         occ.row_rounds += ran * run.rows
         occ.busy += busy

@@ -119,7 +119,7 @@ def test_prefill_tiny(tmp_path):
     from ddtree_jax.bench.shapes import SHAPES
 
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["length"], r["chunk"]) for r in rows] == [(40, 16), (40, 64)]
+    assert [(r["length"], r["prefill_chunk"]) for r in rows] == [(40, 16), (40, 64)]
     for r in rows:
         assert r["seconds"] > 0 and r["capacity"] >= 40 and r["floor_s"] >= 0
         assert 0 <= r["first_token"] < SHAPES["tiny"].vocab_size

@@ -167,10 +167,10 @@ def test_finite_checks_host_and_device_agree_with_numpy(dtype):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ddtree_jax.checkpoint_checks import CHUNK, _device_finite, _host_finite
+    from ddtree_jax.checkpoint_checks import SLICE, _device_finite, _host_finite
 
     dt = jnp.dtype(dtype)
-    host = np.ones((8, 3, CHUNK // 2 + 4), np.float32)  # several chunks per row, split 4 ways
+    host = np.ones((8, 3, SLICE // 2 + 4), np.float32)  # several slices per row, split 4 ways
     host[1, 2, -1] = np.nan
     host[5, 0, 7] = np.inf if dtype != "float8_e4m3fn" else np.nan
     host[6, 1, 3] = float(jnp.finfo(dt).max)

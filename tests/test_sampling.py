@@ -227,7 +227,7 @@ def test_support_floor_matches_sorting(v):
                 np.testing.assert_array_equal(row >= fast[i, t], want, err_msg=str((i, t, s)))
     assert not exact[2].any()  # top-k 65
     assert exact[[0, 1, 4, 5, 6, 7, 8], 0].all()
-    if v > 64 * 128:  # the chunked shortlist: its values are the sorted top 64
+    if v > 64 * 128:  # the tiled shortlist: its values are the sorted top 64
         np.testing.assert_array_equal(sampling.shortlist(x), -np.sort(-logits, axis=-1)[..., :64])
 
 
@@ -249,7 +249,7 @@ def test_floor_of_a_node_ignores_the_rest_of_the_batch():
 
 
 def test_shortlist_vocab_parallel():
-    """Split over 8 devices (chunked per device), the shortlist equals the unsplit one."""
+    """Split over 8 devices (tiled per device), the shortlist equals the unsplit one."""
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("model",))

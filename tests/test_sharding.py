@@ -246,13 +246,13 @@ def test_embed_argmax_top_k_vocab_parallel():
 
 
 @pytest.mark.parametrize("v", [151936, 10000, 50257])
-def test_chunked_top_k_is_lax_top_k(v):
+def test_tiled_top_k_is_lax_top_k(v):
     """Values and ids equal `lax.top_k` (lowest id first among ties), with heavy ties and -inf."""
     x = jax.random.randint(jax.random.key(1), (3, 4, v), 0, 8).astype(jnp.float32)
     x = x.at[0, 0].set(1.0).at[0, 1, : v - 5].set(-jnp.inf).at[1, 2, v - 1].set(100.0)
     x = x.at[2].set(jax.random.normal(jax.random.key(2), (4, v)))
     for k in (1, 32, 64):
         want_v, want_i = jax.lax.top_k(x, k)
-        got_v, got_i = jax.jit(collectives.chunked_top_k, static_argnums=1)(x, k)
+        got_v, got_i = jax.jit(collectives.tiled_top_k, static_argnums=1)(x, k)
         np.testing.assert_array_equal(got_v, want_v)
         np.testing.assert_array_equal(got_i, want_i)

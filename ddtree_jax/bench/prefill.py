@@ -90,7 +90,7 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
     row = {
         "shape": args.shape,
         "length": length,
-        "chunk": chunk,
+        "prefill_chunk": chunk,
         "attention": args.attention,
         "prefill_attention": impl or args.attention,
         "first_token": int(state.bonus[0]),

@@ -160,7 +160,7 @@ def summary(results, gen: Generator, wall: float) -> dict:
     }
     if gen.compile_log:
         out["compiled"] = [[name, seconds] for name, seconds in gen.compile_log]
-    if gen.occupancy.chunks:
+    if gen.occupancy.host_returns:
         occ = gen.occupancy
         out |= {
             "rounds": occ.rounds,
@@ -168,7 +168,7 @@ def summary(results, gen: Generator, wall: float) -> dict:
             "busy": round(occ.busy / occ.row_rounds, 4),
             "busy_while_waiting": round(occ.waiting_fraction(), 4),
             "refills": occ.refills,
-            "host_returns": occ.chunks,
+            "host_returns": occ.host_returns,
         }
     return out
 

@@ -60,14 +60,14 @@ class Scorer:
             out = _all_logits(self.params, tokens, cfg=self.cfg)
         return np.asarray(out[0, :n])
 
-    def next_logits(self, rows: list[list[int]], chunk: int = 64) -> np.ndarray:
+    def next_logits(self, rows: list[list[int]], batch_size: int = 64) -> np.ndarray:
         """float32 logits [R, V] of the token after each row (all rows of one length)."""
         n = len(rows[0])
         padded = -(-n // 64) * 64  # few shapes to compile
         out = []
-        for start in range(0, len(rows), chunk):
-            part = rows[start : start + chunk]
-            part = part + [part[-1]] * (min(chunk, len(rows)) - len(part))  # one shape per length
+        for start in range(0, len(rows), batch_size):
+            part = rows[start : start + batch_size]
+            part = part + [part[-1]] * (min(batch_size, len(rows)) - len(part))  # one shape per length
             tokens = jnp.asarray([r + [0] * (padded - n) for r in part], jnp.int32)
             with jax.default_matmul_precision("highest"):
                 out.append(np.asarray(_next_logits(self.params, tokens, jnp.int32(n - 1), cfg=self.cfg)))
