@@ -29,7 +29,7 @@ from ddtree_jax import collectives, drafter, kv_cache, logprobs, models, target,
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.kv_cache import KVCache, gather_slots
 from ddtree_jax.logprobs import Logprobs
-from ddtree_jax.sampling import SamplingParams, choose, tempered
+from ddtree_jax.sampling import SamplingArrays, choose, tempered
 from ddtree_jax.sharding import DATA, MODEL, make_mesh, param_sharding
 from ddtree_jax.weights import Params, assemble
 
@@ -119,7 +119,7 @@ class DecodeState:
     rounds: jax.Array  # [B]
     max_new_tokens: jax.Array  # [B] each row's own limit of new tokens (at most plan.max_new_tokens)
     stop_ids: jax.Array  # [MAX_STOP_IDS] the run's stop ids (-1 pads), the same for every row
-    sampling: SamplingParams | None = None  # None: greedy for every row (the greedy-only program)
+    sampling: SamplingArrays | None = None  # None: greedy for every row (the greedy-only program)
     logprobs: Logprobs | None = None  # [B, max_new + W] (top K: [B, max_new + W, K]); None: plan K = 0
 
     @property

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import collectives
 from ddtree_jax.collectives import Axis, psum, vocab_offset
-from ddtree_jax.sampling import SamplingParams, support_floor, tempered
+from ddtree_jax.sampling import SamplingArrays, support_floor, tempered
 
 MODES = ("raw", "processed")
 
@@ -36,7 +36,7 @@ class Logprobs:
 def node_logprobs(
     logits: jax.Array,
     choice: jax.Array,
-    sampling: SamplingParams | None,
+    sampling: SamplingArrays | None,
     k: int,
     mode: str,
     axis: Axis = None,

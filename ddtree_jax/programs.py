@@ -26,7 +26,7 @@ from ddtree_jax import engine, models, prefill
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan, on_mesh, param_specs, state_specs
 from ddtree_jax.kv_cache import KVCache
-from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.sampling import SamplingArrays
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import Params
 
@@ -53,7 +53,7 @@ class Requests:
     tokens: jax.Array  # [R, P] int32, right-padded
     lengths: jax.Array  # [R] int32 (>= 1)
     rows: jax.Array  # [R] int32: the state row each goes to
-    sampling: SamplingParams | None  # [R] each; None: every row greedy (the greedy-only program)
+    sampling: SamplingArrays | None  # [R] each; None: every row greedy (the greedy-only program)
     limits: jax.Array  # [R] int32: each one's own max_new_tokens
 
 

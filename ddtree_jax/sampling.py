@@ -56,8 +56,10 @@ MAX_SEED = 2**32  # seeds are uint32
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class SamplingParams:
-    """Per-sequence sampling settings, traced (not static): one compiled program serves any values."""
+class SamplingArrays:
+    """The rows' sampling settings as device arrays, traced (not static): one compiled program serves
+    any values (on the host: one {temperature, top_k, top_p, seed} dict per row; `api.SamplingParams`
+    is the Python API's per-prompt object)."""
 
     temperature: jax.Array  # [B] float32; 0 = greedy (argmax) for that row
     top_k: jax.Array  # [B] int32; 0 = off
@@ -65,7 +67,7 @@ class SamplingParams:
     seed: jax.Array  # [B] uint32
 
     @classmethod
-    def from_rows(cls, rows: list[dict]) -> SamplingParams:
+    def from_rows(cls, rows: list[dict]) -> SamplingArrays:
         """From one {temperature, top_k, top_p, seed} dict per row (already validated)."""
         return cls(
             temperature=jnp.asarray(np.array([r["temperature"] for r in rows], np.float32)),
@@ -170,13 +172,13 @@ def top_p_mask(probs: jax.Array, top_p: jax.Array, axis: Axis = None) -> jax.Arr
     return keep | (need >= 1.0)
 
 
-def tempered(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+def tempered(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     """logits [B, T, V] / each row's temperature (greedy rows: / 1)."""
     temperature = sampling.temperature[:, None, None]
     return logits / jnp.where(temperature > 0, temperature, 1.0)
 
 
-def bisection_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = None) -> jax.Array:
+def bisection_floor(logits: jax.Array, sampling: SamplingArrays, axis: Axis = None) -> jax.Array:
     """The smallest kept logit per node [B, T] after top-k and top-p, by bisection (any setting)."""
     keep = jax.lax.cond(
         jnp.any(sampling.top_k > 0),
@@ -209,7 +211,7 @@ def shortlist(logits: jax.Array, axis: Axis = None) -> jax.Array:
 
 
 def shortlist_floor(
-    logits: jax.Array, sampling: SamplingParams, axis: Axis = None
+    logits: jax.Array, sampling: SamplingArrays, axis: Axis = None
 ) -> tuple[jax.Array, jax.Array]:
     """The smallest kept logit per node from the shortlist [B, T], and where that is exact [B, T] bool.
 
@@ -237,7 +239,7 @@ def shortlist_floor(
     return floor, exact
 
 
-def support_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = None) -> jax.Array:
+def support_floor(logits: jax.Array, sampling: SamplingArrays, axis: Axis = None) -> jax.Array:
     """The smallest logit each node keeps after top-k and top-p [B, T] (-inf when neither is set)."""
 
     def filtered():
@@ -259,7 +261,7 @@ def support_floor(logits: jax.Array, sampling: SamplingParams, axis: Axis = None
 
 def choose(
     logits: jax.Array,
-    sampling: SamplingParams | None = None,
+    sampling: SamplingArrays | None = None,
     position: jax.Array | None = None,
     model_axis: Axis = None,
 ):

@@ -33,7 +33,7 @@ from ddtree_jax.host_stepped import HostStepper
 from ddtree_jax.programs import EVERY_ROUND, Programs, Requests, Shape, prompt_slots, rows_to_run
 from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, LOGPROBS, SAMPLES, STOP, Prompt, sample_key
 from ddtree_jax.results import Result, device_outputs, fetch, row_result
-from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingParams
+from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingArrays
 from ddtree_jax.stops import Stop, find_stop
 from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
@@ -335,7 +335,7 @@ class Generator:
             tokens[j, : len(prompt.input_ids)] = prompt.input_ids
             lengths[j], where[j], limits[j] = len(prompt.input_ids), row, self._limit(prompt)
             settings[j] = self._settings(prompt)
-        sampling = SamplingParams.from_rows(settings) if run.sampled else None
+        sampling = SamplingArrays.from_rows(settings) if run.sampled else None
         arrays = (jnp.asarray(x) for x in (tokens, lengths, where))
         return Requests(*arrays, sampling=sampling, limits=jnp.asarray(limits))
 

@@ -27,7 +27,7 @@ from ddtree_jax.errors import DDTreeError
 from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES, check_stop
 
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
-SAMPLING = ("temperature", "top_k", "top_p", "seed")
+SAMPLING = ("temperature", "top_k", "top_p", "seed")  # the sampling settings: flags, prompt keys, API fields
 
 # Every flag once: dest -> (option strings, argparse keywords).
 FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -126,7 +126,6 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
 PAIR = ("target", "draft", "dtype", "tp", "dp", "moe_sharding", "dequantize", "draft_yarn_scaling")
 PROMPTS = ("prompts", "no_chat_template")
 DECODING = ("max_new_tokens", "batch_size", "block_size", "branching", "draft_window", "attention")
-SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "seed")
 RUN = ("method", "budget", "host_stepped")
 COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
@@ -135,7 +134,7 @@ GENERATE_ONLY = (
     "static_batches",
     "coordinator", "num_processes", "process_id",
 )  # fmt: skip
-GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING_FLAGS, *RUN, *COMPILE, *GENERATE_ONLY)
+GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING, *RUN, *COMPILE, *GENERATE_ONLY)
 
 
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:

@@ -10,12 +10,11 @@ import pytest
 import torch
 from conftest import FIXTURES, golden_prompts, run
 
-from ddtree_jax import LLM
-from ddtree_jax import SamplingParams as SamplingParams_api
+from ddtree_jax import LLM, SamplingParams
 from ddtree_jax.cli import main
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.logprobs import node_logprobs
-from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.sampling import SamplingArrays
 
 TARGET, DRAFT = "qwen3_gqa4_tp", "dflash_qwen3_gqa4_tp"
 K = 5
@@ -127,7 +126,7 @@ def test_node_logprobs_vocab_split_equal_unsplit():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(2, 3, 64)) * 3, jnp.float32)
     choice = jnp.asarray(rng.integers(0, 64, size=(2, 3)), jnp.int32)
-    sampling = SamplingParams.from_rows([SAMPLED, {**SAMPLED, "temperature": 0.0}])
+    sampling = SamplingArrays.from_rows([SAMPLED, {**SAMPLED, "temperature": 0.0}])
     mesh = make_mesh(tp=2, dp=1)  # ("data", "model") of 1 x 2
     for mode in ("raw", "processed"):
         one = node_logprobs(logits, choice, sampling, K, mode)
@@ -196,7 +195,7 @@ def test_bad_logprobs(tmp_path, capsys, record, flags, needle):
 
 def test_bad_sampling_params_logprobs():
     with pytest.raises(DDTreeError, match="SamplingParams.logprobs must be an integer >= 0"):
-        SamplingParams_api(logprobs=-1)
+        SamplingParams(logprobs=-1)
 
 
 def test_api_sampling_params_logprobs(greedy):
@@ -204,14 +203,14 @@ def test_api_sampling_params_logprobs(greedy):
     the LLM's is refused."""
     llm = LLM(FIXTURES / TARGET, dtype="float32", max_new_tokens=4, logprobs=2)
     prompts = golden_prompts(TARGET)[:2]
-    one, two = llm.generate(prompts, [SamplingParams_api(logprobs=1), SamplingParams_api()])
+    one, two = llm.generate(prompts, [SamplingParams(logprobs=1), SamplingParams()])
     for res, k, ref in zip((one, two), (1, 2), greedy["ar"], strict=False):
         assert res.output_ids == ref.output_ids[:4]
         np.testing.assert_allclose(
             np.array(res.output_top_logprobs), np.array(ref.output_top_logprobs[:4])[:, :k], atol=1e-5
         )
     with pytest.raises(DDTreeError, match="prompt 0: logprobs 3 exceeds the run's --logprobs 2"):
-        llm.generate(prompts[:1], SamplingParams_api(logprobs=3))
+        llm.generate(prompts[:1], SamplingParams(logprobs=3))
 
 
 def test_on_a_mesh_equal_to_one_device(greedy):

@@ -210,7 +210,7 @@ def test_support_floor_matches_sorting(v):
     """The shortlist (and its fallback to bisection) keeps exactly what a full sort keeps."""
     logits, settings = filter_cases(v)
     temps = np.linspace(0.5, 1.5, len(settings)).astype(np.float32)
-    params = sampling.SamplingParams.from_rows(
+    params = sampling.SamplingArrays.from_rows(
         [s | {"temperature": float(t), "seed": 0} for s, t in zip(settings, temps, strict=True)]
     )
     x = jnp.asarray(logits)
@@ -243,7 +243,7 @@ def test_floor_of_a_node_ignores_the_rest_of_the_batch():
     rows = [{"temperature": 1.0, "top_k": 0, "top_p": float(np.float32(p)), "seed": 0} for p in partial]
     floors = {}
     for first_k in (20, 65):  # row 0 alone: shortlist, or bisection for the whole batch
-        params = sampling.SamplingParams.from_rows([{**rows[0], "top_k": first_k, "top_p": 1.0}, *rows])
+        params = sampling.SamplingArrays.from_rows([{**rows[0], "top_k": first_k, "top_p": 1.0}, *rows])
         floors[first_k] = np.asarray(jax.jit(sampling.support_floor)(logits, params))[1:]
     np.testing.assert_array_equal(floors[20], floors[65])
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax import collectives, engine, programs, target
 from ddtree_jax import sampling as sampling_lib
 from ddtree_jax.cli import main
-from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.sampling import SamplingArrays
 
 TP = "qwen3_gqa4_tp"
 DRAFT = "dflash_qwen3_gqa4_tp"
@@ -182,7 +182,7 @@ def test_tp_program_all_reduces_and_gathers_no_weight():
     plan = engine.Plan(cfg, dcfg, "ddtree", NEW, budget=7, branching=7, tp=tp)
     prompts = jnp.zeros((8, 16), jnp.int32)
     lengths, rows = jnp.full((8,), 3, jnp.int32), jnp.arange(8, dtype=jnp.int32)
-    sampling = SamplingParams.from_rows([SAMPLING] * 8)
+    sampling = SamplingArrays.from_rows([SAMPLING] * 8)
     req = programs.Requests(prompts, lengths, rows, sampling, jnp.full((8,), NEW, jnp.int32))
     static = dict(plan=plan, shape=programs.Shape.of(plan, 8, 16), chunk=16, attention="reference")
     stop = jnp.full((engine.MAX_STOP_IDS,), -1, jnp.int32)

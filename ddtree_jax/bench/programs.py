@@ -19,7 +19,7 @@ from ddtree_jax.bench.timing import median_seconds
 from ddtree_jax.engine import MAX_STOP_IDS, ROW, DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache
 from ddtree_jax.programs import Shape
-from ddtree_jax.sampling import SamplingParams
+from ddtree_jax.sampling import SamplingArrays
 from ddtree_jax.sharding import make_mesh
 
 
@@ -67,7 +67,7 @@ def synthetic_state(
         rounds=jnp.zeros((b,), jnp.int32),
         max_new_tokens=jnp.full((b,), plan.max_new_tokens, jnp.int32),
         stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
-        sampling=None if sampling is None else SamplingParams.from_rows([sampling] * b),
+        sampling=None if sampling is None else SamplingArrays.from_rows([sampling] * b),
     )
     return place_state(state, plan)
 

@@ -25,10 +25,10 @@ SUBCOMMANDS = ("lossless", "reference", "external", "distribution")
 SHARED = (*settings.PAIR, *settings.PROMPTS, "max_new_tokens", "batch_size", "block_size", "branching")
 SHARED += ("attention", *settings.COMPILE)
 FLAGS = {
-    "lossless": (*SHARED, "draft_window", *settings.SAMPLING_FLAGS, "host_stepped"),
+    "lossless": (*SHARED, "draft_window", *settings.SAMPLING, "host_stepped"),
     "reference": (*SHARED, "method"),
-    "external": (*SHARED, "draft_window", *settings.SAMPLING_FLAGS, *settings.RUN),
-    "distribution": (*SHARED, "draft_window", *settings.SAMPLING_FLAGS, *settings.RUN),
+    "external": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN),
+    "distribution": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN),
 }
 # The sub-commands that run one method: ddtree-generate's default --method is filled in (reference runs
 # every method unless --method names one; lossless runs them all).

@@ -19,7 +19,7 @@ import numpy as np
 
 from ddtree_jax.compare.report import Divergence
 from ddtree_jax.config import TargetConfig
-from ddtree_jax.sampling import GREEDY, SamplingParams, gumbel, support_floor, tempered
+from ddtree_jax.sampling import GREEDY, SamplingArrays, gumbel, support_floor, tempered
 from ddtree_jax.weights import Params
 
 # Largest float32 gap between the two chosen tokens' scores still called a near-tie, by the dtype the
@@ -103,7 +103,7 @@ def decision_scores(logits: np.ndarray, sampling: dict, position: int) -> np.nda
     settings = GREEDY | sampling
     if settings["temperature"] == 0:
         return logits
-    sp = SamplingParams.from_rows([settings])
+    sp = SamplingArrays.from_rows([settings])
     row = jnp.asarray(logits, jnp.float32)[None, None]  # [1, 1, V]
     floor = support_floor(row, sp)[..., None]
     noise = gumbel(sp.seed, jnp.asarray([[position]]), row.shape[-1])
