@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.kernels.flash import merge_by_lse  # noqa: E402
 from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
@@ -250,10 +250,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         del x
-    machine = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "host": platform.node()}
-    meta = {"args": vars(args) | {"out": str(args.out)}, "machine": machine, "read_ceiling_gbs": ceiling}
-    meta["merged_reference_check_err"] = check_err
-    args.out.write_text(json.dumps(meta | {"rows": rows}, indent=1))
+    meta = run_header(sys.argv) | {"read_ceiling_gbs": ceiling, "merged_reference_check_err": check_err}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(np.round(ceiling, 1), "GB/s read ceiling")
 
 

@@ -7,17 +7,16 @@ python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --variants paths,clim
 import argparse
 import itertools
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds  # noqa: E402
 from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree  # noqa: E402
 
@@ -45,10 +44,7 @@ def main() -> None:
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    machine = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "host": platform.node()}
-    args.out.write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": machine, "rows": rows}, indent=1)
-    )
+    args.out.write_text(json.dumps({"meta": run_header(sys.argv), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

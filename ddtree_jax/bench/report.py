@@ -50,16 +50,22 @@ def add_deadline(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_header(command: list[str]) -> dict[str, Any]:
+def run_header(command: list[str], device: tuple[str, int] | None = None) -> dict[str, Any]:
     """What every benchmark JSON records of its run (its "meta"): date, machine, device, jax and Python
-    versions, and the command line (`argv`, a list; `command`, the same as one shell line)."""
-    device = jax.devices()[0]
+    versions, and the command line (`argv`, a list; `command`, the same as one shell line). `device`:
+    (kind, count) of a device jax does not run on (a torch benchmark); jax is then not asked, so it
+    claims no device memory."""
+    if device is None:
+        first = jax.devices()[0]
+        name, kind, count = str(first), first.device_kind, jax.device_count()
+    else:
+        (kind, count), name = device, device[0]
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
-        "device": str(device),
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
+        "device": name,
+        "device_kind": kind,
+        "device_count": count,
         "jax": jax.__version__,
         "python": platform.python_version(),
         "argv": command,
