@@ -1,5 +1,6 @@
-"""What every `ddtree-bench` sub-command shares: its flag parser (one-line errors), the run header
-written into its JSON, `--deadline-s`, and the checks and writes of `--out`."""
+"""What every `ddtree-bench` sub-command shares: its flag parser (one-line errors), its main's prologue
+(`run_subcommand`), the run header written into its JSON, `--deadline-s`, and the checks and writes of
+`--out`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,30 @@ def add_deadline(p: argparse.ArgumentParser) -> None:
         help="start no new measurement this many seconds after the command started; what is left out is "
         "listed under 'skipped' in --out, and the exit status stays 0 (default: no limit)",
     )
+
+
+def run_subcommand(
+    name: str,
+    p: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace, list[str], Deadline], int],
+) -> int:
+    """A sub-command's main: parse `argv` (None: sys.argv's) with `p`, start the `--deadline-s` clock,
+    check `--deadline-s` and `--out`, then `run(args, command, deadline)` (`command`: the command line as
+    run, for the run header). The exit status: run's; 0 for --help; EXIT_ERROR for a usage error or a
+    DDTreeError, printed as one line `ddtree-bench NAME: error: ...`."""
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    deadline = Deadline(args.deadline_s)
+    try:
+        check_deadline(args.deadline_s)
+        check_out_path(args.out)
+        return run(args, command_line(name, argv), deadline)
+    except DDTreeError as e:
+        print(f"ddtree-bench {name}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 def run_header(command: list[str], device: tuple[str, int] | None = None) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -233,21 +232,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench scheduling ARGS`: run the workload both ways and write the figures; the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
-        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
-    deadline = report.Deadline(args.deadline_s)
-    try:
-        check_args(args)
-        return run(args, report.command_line("scheduling", argv), deadline)
-    except DDTreeError as e:
-        print(f"ddtree-bench scheduling: error: {e}", file=sys.stderr)
-        return report.EXIT_ERROR
+    return report.run_subcommand("scheduling", build_parser(), argv, run)
 
 
 def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
     """The workload continuous, static and batch-invariant (as asked, none past the deadline)."""
+    check_args(args)
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
 
