@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench.report import run_header  # noqa: E402
+from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds  # noqa: E402
 from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree  # noqa: E402
 
@@ -28,11 +28,15 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=32, help="candidates per depth")
     ap.add_argument("--variants", default="paths", help=f"comma-separated, of {BUILD_VARIANTS}")
     ap.add_argument("--reps", type=int, default=200)
+    add_deadline(ap)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    rows = []
+    deadline = Deadline(args.deadline_s, prog="bench_tree.py")
+    meta, rows = run_header(sys.argv), []
     pairs = [tuple(map(int, case.split(":"))) for case in args.cases.split(",")]
     for (batch, budget), variant in itertools.product(pairs, args.variants.split(",")):
+        if not deadline.allows(f"{batch}:{budget} {variant}"):
+            continue
         rng = np.random.default_rng(0)
         logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.top_k)), axis=-1)
         tok = np.broadcast_to(np.arange(args.top_k, dtype=np.int32), logp.shape)
@@ -44,7 +48,8 @@ def main() -> None:
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    args.out.write_text(json.dumps({"meta": run_header(sys.argv), "rows": rows}, indent=1) + "\n")
+        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddtree_jax.bench.report import run_header  # noqa: E402
+from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.shapes import SHAPES  # noqa: E402
 
 
@@ -204,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024, help="cached tokens before the first step")
     p.add_argument("--steps", type=int, default=16, help="steps per timing (and in the multi-step graph)")
     p.add_argument("--repeats", type=int, default=20)
+    add_deadline(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    deadline = Deadline(args.deadline_s, prog="torch_graph_step.py")
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     kind = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
@@ -216,16 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = SHAPES[name]
         for batch in map(int, args.batch_sizes.split(",")):
             for tokens in map(int, args.tokens.split(",")):
+                if not deadline.allows(f"{name} batch {batch} tokens {tokens}"):
+                    continue
                 step = Step(cfg, batch, tokens, args.context, args.steps, device, dtype)
                 ms = bench(step, args.steps, args.repeats, cuda)
                 params = sum(math.prod(w.shape) for layer in step.layers for w in layer.values())
                 row = {"shape": name, "batch": batch, "tokens": tokens, "layer_params": params, "ms": ms}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+                write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
                 del step
                 if cuda:
                     torch.cuda.empty_cache()
+    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     return 0
 
 

@@ -106,11 +106,13 @@ def command_line(name: str, argv: list[str] | None) -> list[str]:
 
 @dataclasses.dataclass
 class Deadline:
-    """`--deadline-s` of one run: whether a new measurement may start, and what was left out."""
+    """`--deadline-s` of one run: whether a new measurement may start, and what was left out (`prog`:
+    the program named on stderr)."""
 
     seconds: float | None
     start: float = dataclasses.field(default_factory=time.monotonic)
     skipped: list[Any] = dataclasses.field(default_factory=list)
+    prog: str = "ddtree-bench"
 
     def allows(self, what: Any) -> bool:
         """True while the deadline has not passed; else records `what` as skipped and says so on stderr."""
@@ -118,7 +120,7 @@ class Deadline:
             return True
         self.skipped.append(what)
         print(
-            f"ddtree-bench: --deadline-s {self.seconds:g} passed: skipped {what}", file=sys.stderr, flush=True
+            f"{self.prog}: --deadline-s {self.seconds:g} passed: skipped {what}", file=sys.stderr, flush=True
         )
         return False
 
