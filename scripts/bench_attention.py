@@ -390,7 +390,7 @@ def print_table(results):
     for row in results["rows"]:
         check = row.get("check", {})
         err = f"{check.get('rel_l2', float('nan')):8.1e}" if check else "       -"
-        tun = row.get("tuning", {})
+        tun = row.get("tuning") or {}  # None: a row skipped before its tuning resolved
         note = (
             f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} "
             f"w{tun.get('num_warps')} st{tun.get('num_stages')} {tun.get('merge', '')}"
@@ -416,7 +416,7 @@ def print_table(results):
         )
         best = {}
         for row in results["tuning_sweep"]:
-            tun = row.get("tuning", {})
+            tun = row.get("tuning") or {}
             r = row.get("kernel")
             key = (row["B"], row["S"], row["T"])
             if r and (key not in best or r["s"] < best[key]["kernel"]["s"]):
@@ -470,7 +470,7 @@ def print_decode_table(results):
         line = f"{row['B']:>3} {row['S']:>6} | {floor:6.1f} | {fmt_us(bund)[1:]} | {cell(kern)}"
         line += "".join(f" | {cell(here.get(sp, {}).get('kernel'))}" for sp in specs)
         print(line + f" | {prof(kern)} / {prof(bund)}")
-        tun = row.get("tuning", {})
+        tun = row.get("tuning") or {}
         keys = ("block_k", "splits", "num_warps", "num_stages", "merge")
         print(f"{'':>12}default = {spec_name({k: tun[k] for k in keys if k in tun})}")
         for name, r in (("default", kern), ("bundled", bund)):

@@ -231,7 +231,7 @@ def main() -> None:
         visible = s - t
         kv_bytes = 2 * b * hkv * visible * d * 2
         flops = 4 * b * hkv * (t * g) * (visible + t) * d
-        row = {"batch": b, "cache": s, "nodes": t, "visible": visible}
+        row = {"batch_size": b, "cache": s, "nodes": t, "visible": visible}
         row["byte_floor_us"] = round(1e6 * kv_bytes / (ceiling * 1e9), 1)
         row["flop_floor_us"] = round(1e6 * flops / (PEAK_TFLOPS * 1e12), 1)
         floor = max(row["byte_floor_us"], row["flop_floor_us"])

@@ -25,7 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1:63,16:7,16:15,1:255", help="batch:budget pairs")
     ap.add_argument("--depth", type=int, default=15, help="drafter depths D (block size - 1)")
-    ap.add_argument("--top-k", type=int, default=32, help="candidates per depth")
+    ap.add_argument("--branching", type=int, default=32, help="drafter candidates per depth")
     ap.add_argument("--variants", default="paths", help=f"comma-separated, of {BUILD_VARIANTS}")
     ap.add_argument("--reps", type=int, default=200)
     add_deadline(ap)
@@ -38,13 +38,13 @@ def main() -> None:
         if not deadline.allows(f"{batch}:{budget} {variant}"):
             continue
         rng = np.random.default_rng(0)
-        logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.top_k)), axis=-1)
-        tok = np.broadcast_to(np.arange(args.top_k, dtype=np.int32), logp.shape)
+        logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.branching)), axis=-1)
+        tok = np.broadcast_to(np.arange(args.branching, dtype=np.int32), logp.shape)
         inputs = (jnp.zeros((batch,), jnp.int32), jnp.asarray(logp, jnp.float32), jnp.asarray(tok))
         start = time.perf_counter()
         build = lattice_tree.lower(*inputs, budget=budget, variant=variant).compile()
         compile_s = time.perf_counter() - start
-        row = {"batch": batch, "budget": budget, "variant": variant, "compile_s": round(compile_s, 2)}
+        row = {"batch_size": batch, "budget": budget, "variant": variant, "compile_s": round(compile_s, 2)}
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)

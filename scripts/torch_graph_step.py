@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 step = Step(cfg, batch, tokens, args.context, args.steps, device, dtype)
                 ms = bench(step, args.steps, args.repeats, cuda)
                 params = sum(math.prod(w.shape) for layer in step.layers for w in layer.values())
-                row = {"shape": name, "batch": batch, "tokens": tokens, "layer_params": params, "ms": ms}
+                row = {"shape": name, "batch_size": batch, "tokens": tokens, "layer_params": params, "ms": ms}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
