@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ddtree_jax import drafter, target  # noqa: E402
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
 from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
@@ -65,12 +63,8 @@ def main(argv=None) -> int:
         return {r.id: r.output_ids for r in results}
 
     n = len(prompts)
-    report = {
-        "command": " ".join(["python", "scripts/batch_layouts.py", *(argv or sys.argv[1:])]),
-        "machine": f"{platform.node()} {jax.devices()[0].device_kind}",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "prompts": n,
-    }
+    command = ["python", "scripts/batch_layouts.py", *(sys.argv[1:] if argv is None else argv)]
+    report = {"meta": run_header(command), "prompts": n}
     for mode in ("static", "continuous", "batch_invariant"):
         a, b = outputs(range(n), 4, mode), outputs(range(n - 1, -1, -1), 3, mode)
         report[f"{mode}_prompts_changed"] = sum(a[i] != b[i] for i in range(n))

@@ -2,7 +2,7 @@
 
     python scripts/bench_attention.py --out results/bench_attention.json        # H200, <= ~4 min
     python scripts/bench_attention.py --quick --out /tmp/bench_attention.json   # CPU smoke (interpret)
-    python scripts/bench_attention.py --nodes 1 --batches 1,4,16 --contexts 1024,8192,32768 \
+    python scripts/bench_attention.py --nodes 1 --batch-sizes 1,4,16 --contexts 1024,8192,32768 \
         --tunings "k=64;waves=8;merge=xla" --no-reference --profile --out x.json  # T = 1 vs bundled
 
 --tunings (';'-separated specs of ','-separated key=value; keys q k s w st merge waves mb, "default"
@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 from ddtree_jax.kernels.tuning import resolve_tree_tuning  # noqa: E402
 
@@ -375,8 +376,13 @@ def fmt_frac(x):
     return f"{x * 100:5.1f}%" if x is not None else "    -"
 
 
+def device_of(results: dict) -> str:
+    """The device kind of a results JSON: its run header's, or (files before the header) its own field."""
+    return results["meta"]["device_kind"] if "meta" in results else results["device"]
+
+
 def print_table(results):
-    print(f"\nread ceiling: {results['ceiling']['bytes_per_s'] / 1e9:.0f} GB/s  device: {results['device']}")
+    print(f"\nread ceiling: {results['ceiling']['bytes_per_s'] / 1e9:.0f} GB/s  device: {device_of(results)}")
     print(
         f"{'B':>3} {'S':>6} {'T':>4} | {'kernel us':>9} {'%ceil':>6} | {'ref us':>9} {'%ceil':>6} | "
         f"{'bundled':>9} {'%ceil':>6} | {'x ref':>6} {'x bund':>6} | {'rel err':>8} | tuning / errors"
@@ -384,7 +390,7 @@ def print_table(results):
     for row in results["rows"]:
         check = row.get("check", {})
         err = f"{check.get('rel_l2', float('nan')):8.1e}" if check else "       -"
-        tun = row.get("tuning", {})
+        tun = row.get("tuning") or {}  # None: a row skipped before its tuning resolved
         note = (
             f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} "
             f"w{tun.get('num_warps')} st{tun.get('num_stages')} {tun.get('merge', '')}"
@@ -410,7 +416,7 @@ def print_table(results):
         )
         best = {}
         for row in results["tuning_sweep"]:
-            tun = row.get("tuning", {})
+            tun = row.get("tuning") or {}
             r = row.get("kernel")
             key = (row["B"], row["S"], row["T"])
             if r and (key not in best or r["s"] < best[key]["kernel"]["s"]):
@@ -464,7 +470,7 @@ def print_decode_table(results):
         line = f"{row['B']:>3} {row['S']:>6} | {floor:6.1f} | {fmt_us(bund)[1:]} | {cell(kern)}"
         line += "".join(f" | {cell(here.get(sp, {}).get('kernel'))}" for sp in specs)
         print(line + f" | {prof(kern)} / {prof(bund)}")
-        tun = row.get("tuning", {})
+        tun = row.get("tuning") or {}
         keys = ("block_k", "splits", "num_warps", "num_stages", "merge")
         print(f"{'':>12}default = {spec_name({k: tun[k] for k in keys if k in tun})}")
         for name, r in (("default", kern), ("bundled", bund)):
@@ -482,7 +488,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--deadline-s", type=float, default=None, help="start no row after this (s)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
-    parser.add_argument("--batches", help="comma-separated batch sizes (replaces the built-in grid's)")
+    parser.add_argument("--batch-sizes", help="comma-separated batch sizes (replaces the built-in grid's)")
     parser.add_argument("--contexts", help="comma-separated cache lengths S")
     parser.add_argument("--nodes", help="comma-separated query counts T")
     parser.add_argument("--tunings", help="';'-separated tuning specs swept on every grid shape")
@@ -532,20 +538,20 @@ def main(argv=None):
     def ints(text):
         return [int(x) for x in text.split(",")]
 
-    batches = ints(opts.batches) if opts.batches else batches
+    batches = ints(opts.batch_sizes) if opts.batch_sizes else batches
     lengths_s = ints(opts.contexts) if opts.contexts else lengths_s
     nodes = ints(opts.nodes) if opts.nodes else nodes
     tunings = parse_tunings(opts.tunings) if opts.tunings else None
 
-    results = dict(
-        device=str(getattr(device, "device_kind", device.platform)),
+    meta = run_header(sys.argv) | dict(
         platform=device.platform,
-        jax_version=jax.__version__,
         interpret=interpret,
         quick=opts.quick,
-        argv=sys.argv,
         dtype=str(jnp.dtype(dtype)),
         timing="median over reps of one jitted program of k independent calls / k",
+    )
+    results = dict(
+        meta=meta,
         rows=[],
         tuning_sweep=[],
         tunings=tunings or [],
@@ -559,7 +565,7 @@ def main(argv=None):
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-        results["wall_s"] = elapsed()
+        results["meta"]["wall_s"] = elapsed()
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
 

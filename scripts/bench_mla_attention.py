@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_attention import random_tree_mask, read_ceiling, rel_errors, short_error  # noqa: E402
 
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
 from ddtree_jax.kernels.tuning import resolve_mla_tuning  # noqa: E402
 
@@ -257,7 +258,7 @@ def main(argv=None) -> None:
     )  # fmt: skip
     parser.add_argument("--sweep-first", action="store_true", help="run the sweep before the main rows")
     parser.add_argument("--heads", default=None, help="main rows' H, comma list (default 64,8)")
-    parser.add_argument("--batches", default=None, help="main rows' B (default 1,16)")
+    parser.add_argument("--batch-sizes", default=None, help="main rows' B (default 1,16)")
     parser.add_argument("--contexts", default=None, help="main rows' S (default 1024,4096,8192,32768)")
     parser.add_argument("--nodes", default=None, help="main rows' T (default 1,64)")
     parser.add_argument(
@@ -281,7 +282,7 @@ def main(argv=None) -> None:
         ints(text) if text else default
         for text, default in (
             (opts.heads, heads),
-            (opts.batches, batches),
+            (opts.batch_sizes, batches),
             (opts.contexts, lengths_s),
             (opts.nodes, nodes),
         )
@@ -302,18 +303,18 @@ def main(argv=None) -> None:
         )
         return
 
-    results = dict(
-        device=str(getattr(device, "device_kind", device.platform)),
+    meta = run_header(sys.argv) | dict(
         platform=device.platform,
-        jax_version=jax.__version__,
         interpret=interpret,
-        argv=sys.argv,
         dtype=str(jnp.dtype(dtype)),
         latent_dim=c,
         rope_dim=r,
         softmax_scale=SOFTMAX_SCALE,
         peak_flops=PEAK_FLOPS,
         timing="median over reps of one jitted program of k independent calls / k",
+    )
+    results = dict(
+        meta=meta,
         rows=[],
         tuning_sweep=[],
     )
@@ -326,7 +327,7 @@ def main(argv=None) -> None:
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
-        results["wall_s"] = elapsed()
+        results["meta"]["wall_s"] = elapsed()
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
 

@@ -46,12 +46,13 @@ def make_layers(key, layers: int, experts: int, hidden: int, width: int, dtype) 
     return out
 
 
-def stack(layers: list[dict], x: jax.Array, top_k: int, dispatch: str) -> tuple[jax.Array, jax.Array]:
+def stack(layers: list[dict], x: jax.Array, per_token: int, dispatch: str) -> tuple[jax.Array, jax.Array]:
     """x [N, H] through every layer (residual + norm); also each layer's chosen experts [L, N, k]."""
     chosen = []
     for p in layers:
-        chosen.append(moe.route(p["router"], x, top_k, True).experts)
-        x = rms_norm(x + moe.experts_ffn(p, x, top_k, True, dispatch=dispatch), jnp.ones((), x.dtype), 1e-6)
+        chosen.append(moe.route(p["router"], x, per_token, True).experts)
+        y = moe.experts_ffn(p, x, per_token, True, dispatch=dispatch)
+        x = rms_norm(x + y, jnp.ones((), x.dtype), 1e-6)
     return x, jnp.stack(chosen)
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--dispatches", default="grouped,grouped_split,gather,sorted")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts-per-token", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--width", type=int, default=768, help="each expert's intermediate size")
     ap.add_argument("--gather-max", type=int, default=16, help="largest token count timed for gather")
@@ -94,7 +95,7 @@ def main() -> None:
             rows.append(row)
             continue
         # the weights are an argument, not constants folded into the program
-        fn = jax.jit(lambda w, x, d=dispatch: stack(w, x, args.top_k, d))
+        fn = jax.jit(lambda w, x, d=dispatch: stack(w, x, args.experts_per_token, d))
         try:
             t0 = time.monotonic()
             out, chosen = jax.block_until_ready(fn(layers, x))

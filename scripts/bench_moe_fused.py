@@ -52,7 +52,7 @@ PHASES = {  # name -> share of the deadline (about what its first cases need on 
     "kimi2-rounds": 0.18,
     "kimi4-rounds": 0.18,
 }
-LAYERS = {  # expert layer shapes: experts, hidden, width, top-k
+LAYERS = {  # expert layer shapes: experts, hidden, width, experts per token
     "qwen3": (128, 2048, 768, 8),
     "kimi": (384, 7168, 2048, 8),
 }
@@ -256,9 +256,9 @@ def check_phase(args) -> None:
     def run(layer: str, fmt: str, tokens: int):
         def case() -> dict:
             p = expert_layer(layer, fmt, 0, args.tiny)
-            top_k = (TINY_LAYERS if args.tiny else LAYERS)[layer][3]
+            experts_per_token = (TINY_LAYERS if args.tiny else LAYERS)[layer][3]
             x = jax.random.normal(jax.random.key(tokens), (tokens, p["router"].shape[0]), jnp.bfloat16)
-            routing = moe.route(p["router"], x, top_k, True)
+            routing = moe.route(p["router"], x, experts_per_token, True)
             here = jnp.ones(routing.experts.shape, bool)
             w = [p[n] for n in moe.EXPERT_WEIGHTS]
             fused = jax.jit(lambda *a: fe.fused_experts(*a, interpret=args.tiny))
@@ -314,9 +314,9 @@ def dispatch_phase(args, name: str) -> None:
     def run(layer: str, fmt: str, count: int, tokens: int, dispatch: str):
         def case() -> dict:
             ls = layers(layer, fmt, count)
-            top_k = (TINY_LAYERS if args.tiny else LAYERS)[layer][3]
+            experts_per_token = (TINY_LAYERS if args.tiny else LAYERS)[layer][3]
             x = jax.random.normal(jax.random.key(tokens), (tokens, ls[0]["router"].shape[0]), jnp.bfloat16)
-            fn = jax.jit(lambda w, x: stack(w, x, top_k, gpu_name(dispatch, args.tiny)))
+            fn = jax.jit(lambda w, x: stack(w, x, experts_per_token, gpu_name(dispatch, args.tiny)))
             t0 = time.monotonic()
             _, chosen = jax.block_until_ready(fn(ls, x))
             compile_s = time.monotonic() - t0

@@ -270,12 +270,15 @@ class Run:
 
     def __init__(self, opts):
         self.opts = opts
-        self.results = run_header(sys.argv) | dict(
+        meta = run_header(sys.argv) | dict(
             platform=jax.devices()[0].platform,
             quick=opts.quick,
             deadline_s=opts.deadline_s,
             skip=sorted(opts.skip),
             timing="median over runs of one jitted program of k calls on k cache copies / k",
+        )
+        self.results = dict(
+            meta=meta,
             ceilings={},
             checks=[],
             rows=[],
@@ -288,7 +291,7 @@ class Run:
         return self.opts.deadline_s - elapsed()
 
     def save(self):
-        self.results["wall_s"] = elapsed()
+        self.results["meta"]["wall_s"] = elapsed()
         path = self.opts.out
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path + ".tmp", "w") as f:
@@ -614,7 +617,8 @@ def print_table(results: dict) -> None:
         f"{k} {v.get('bytes_per_s', v.get('flops_per_s', 0)) / 1e12:.2f} T/s"
         for k, v in results["ceilings"].items()
     )
-    print(f"\n{results.get('device_kind')} jax {results.get('jax')}; ceilings: {ceilings}")
+    meta = results.get("meta", results)  # files before the header key kept its fields at the top level
+    print(f"\n{meta.get('device_kind')} jax {meta.get('jax')}; ceilings: {ceilings}")
     for entry in results["checks"]:
         shape = {k: v for k, v in entry.items() if k not in ("variants", "mosaic_vs_triton", "kind")}
         print(f"check {entry['kind']} {shape}: {entry.get('error') or summary(entry)}")

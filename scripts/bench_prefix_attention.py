@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.kernels.flash import merge_by_lse  # noqa: E402
 from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
@@ -203,8 +203,10 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=64, help="T")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
+    add_deadline(ap)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    deadline = Deadline(args.deadline_s, prog="bench_prefix_attention.py")
     hkv, g, d, t = 8, 4, 128, args.nodes
     check_err = check_merged()
     # the Triton kernel interpreted off the GPU (a toy run on a CPU checks the script, not the speed)
@@ -219,14 +221,17 @@ def main() -> None:
         "merged_cudnn": tree_attention_merged,
         "prefix_cudnn_only": prefix_only,
     }
+    meta = run_header(sys.argv) | {"read_ceiling_gbs": ceiling, "merged_reference_check_err": check_err}
     rows = []
     for shape in args.shapes.split(","):
+        if not deadline.allows(shape):
+            continue
         b, s = map(int, shape.split(":"))
         x = inputs(b, s, t, hkv, g, d)
         visible = s - t
         kv_bytes = 2 * b * hkv * visible * d * 2
         flops = 4 * b * hkv * (t * g) * (visible + t) * d
-        row = {"batch": b, "cache": s, "nodes": t, "visible": visible}
+        row = {"batch_size": b, "cache": s, "nodes": t, "visible": visible}
         row["byte_floor_us"] = round(1e6 * kv_bytes / (ceiling * 1e9), 1)
         row["flop_floor_us"] = round(1e6 * flops / (PEAK_TFLOPS * 1e12), 1)
         floor = max(row["byte_floor_us"], row["flop_floor_us"])
@@ -249,11 +254,9 @@ def main() -> None:
             row[f"{name}_wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
         del x
-    machine = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "host": platform.node()}
-    meta = {"args": vars(args) | {"out": str(args.out)}, "machine": machine, "read_ceiling_gbs": ceiling}
-    meta["merged_reference_check_err"] = check_err
-    args.out.write_text(json.dumps(meta | {"rows": rows}, indent=1))
+    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     print(np.round(ceiling, 1), "GB/s read ceiling")
 
 

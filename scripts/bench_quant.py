@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
 from ddtree_jax.quant import arrays  # noqa: E402
 
@@ -82,10 +83,11 @@ def time_us(fn, args, reps: int = 20) -> tuple[float, float]:
     return 1e6 * pipelined, 1e6 * median_seconds(lambda: fn(*args), 10)
 
 
-def expert_ids(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
-    """[tokens * top_k] expert ids: top_k distinct experts per token, uniformly at random."""
+def expert_ids(tokens: int, experts: int, per_token: int, seed: int) -> np.ndarray:
+    """[tokens * per_token] expert ids: `per_token` distinct experts per token, uniformly at random."""
     rng = np.random.default_rng(seed)
-    return np.concatenate([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids = [rng.choice(experts, per_token, replace=False) for _ in range(tokens)]
+    return np.concatenate(ids).astype(np.int32)
 
 
 def run_case(row: dict, fn, args, per_expert_bytes: float, elements: int, hlo_dir) -> dict:
@@ -115,10 +117,11 @@ def dense_pallas(x: jax.Array, w: arrays.Weight, interpret: bool = False) -> jax
 
 def cases(args, shapes, weights, per_expert):
     """(row, fn, call args, weight elements) in the order they run: token counts outer, formats inner."""
-    hidden, width, experts, top_k, dense_out = shapes
+    hidden, width, experts, experts_per_token, dense_out = shapes
     for t in (int(s) for s in args.tokens.split(",")):
-        x = jax.random.normal(jax.random.key(t), (t * top_k, hidden), jnp.float32).astype(jnp.bfloat16)
-        ids = expert_ids(t, experts, top_k, seed=t)
+        x = jax.random.normal(jax.random.key(t), (t * experts_per_token, hidden), jnp.float32)
+        x = x.astype(jnp.bfloat16)
+        ids = expert_ids(t, experts, experts_per_token, seed=t)
         distinct = int(len(np.unique(ids)))
         for fmt in FORMATS:
             w_exp, w_dense = weights[fmt]
@@ -131,7 +134,8 @@ def cases(args, shapes, weights, per_expert):
             if t == 1:
                 methods["gather_reduce"] = arrays.reduce_matmul
             for method, fn in methods.items():
-                row = {"kind": "experts", "format": fmt, "method": method, "tokens": t, "rows": t * top_k}
+                row = {"kind": "experts", "format": fmt, "method": method, "tokens": t}
+                row["rows"] = t * experts_per_token
                 row |= {"distinct_experts": distinct, "per_expert_bytes": per_expert[fmt]}
                 yield row, fn, (x, w_exp, jnp.asarray(ids)), hidden * width
             dense = {"matmul": arrays.matmul} | ({"reduce": arrays.reduce_matmul} if t == 1 else {})
@@ -160,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     begin = time.perf_counter()
     shapes = (256, 128, 16, 4, 384) if args.small else (7168, 2048, 384, 8, 18432)
-    hidden, width, experts, top_k, dense_out = shapes
+    hidden, width, experts, experts_per_token, dense_out = shapes
     if args.hlo_dir is not None:
         args.hlo_dir.mkdir(parents=True, exist_ok=True)
     ceiling = read_ceiling_gbs((1 << 24) if args.small else (4 << 30))
@@ -173,15 +177,13 @@ def main() -> None:
         )
         measured[fmt] = in_use() - before
     per_expert = {fmt: arrays.stored_bytes(w[0]) / experts for fmt, w in weights.items()}
-    meta = {
-        "device": str(jax.devices()[0].device_kind),
-        "jax": jax.__version__,
+    meta = run_header(sys.argv) | {
         "read_ceiling_gbs": round(ceiling, 1),
         "shapes": {
             "hidden": hidden,
             "expert_width": width,
             "experts": experts,
-            "top_k": top_k,
+            "experts_per_token": experts_per_token,
             "dense_out": dense_out,
         },
         "device_bytes_in_use_delta": measured,
@@ -206,7 +208,7 @@ def main() -> None:
         args.out.write_text(
             json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
         )  # partial results survive
-    meta["seconds"] = round(time.perf_counter() - begin, 1)
+    meta["wall_s"] = round(time.perf_counter() - begin, 1)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(json.dumps(meta))
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
-from ddtree_jax.bench.report import run_header  # noqa: E402
+from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds  # noqa: E402
 from ddtree_jax.collectives import chunked_top_k  # noqa: E402
 
@@ -27,10 +27,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--cases", default="16:32,64:64,256:64,1024:64", help="rows:k pairs")
+    add_deadline(ap)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    rows = []
+    deadline = Deadline(args.deadline_s, prog="bench_topk.py")
+    meta, rows = run_header(sys.argv), []
     for case in args.cases.split(","):
+        if not deadline.allows(case):
+            continue
         n, k = map(int, case.split(":"))
         x = jax.random.normal(jax.random.key(0), (n, args.vocab), jnp.float32)
         lax_fn = jax.jit(lambda a, k=k: jax.lax.top_k(a, k))
@@ -43,8 +47,8 @@ def main() -> None:
         row |= {"chunked_top_k_us": median_us(chunk_fn, x), "identical": same}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = run_header(sys.argv)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
 
 
 if __name__ == "__main__":

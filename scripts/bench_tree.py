@@ -7,17 +7,16 @@ python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --variants paths,clim
 import argparse
 import itertools
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds  # noqa: E402
 from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree  # noqa: E402
 
@@ -26,29 +25,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1:63,16:7,16:15,1:255", help="batch:budget pairs")
     ap.add_argument("--depth", type=int, default=15, help="drafter depths D (block size - 1)")
-    ap.add_argument("--top-k", type=int, default=32, help="candidates per depth")
+    ap.add_argument("--branching", type=int, default=32, help="drafter candidates per depth")
     ap.add_argument("--variants", default="paths", help=f"comma-separated, of {BUILD_VARIANTS}")
     ap.add_argument("--reps", type=int, default=200)
+    add_deadline(ap)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    rows = []
+    deadline = Deadline(args.deadline_s, prog="bench_tree.py")
+    meta, rows = run_header(sys.argv), []
     pairs = [tuple(map(int, case.split(":"))) for case in args.cases.split(",")]
     for (batch, budget), variant in itertools.product(pairs, args.variants.split(",")):
+        if not deadline.allows(f"{batch}:{budget} {variant}"):
+            continue
         rng = np.random.default_rng(0)
-        logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.top_k)), axis=-1)
-        tok = np.broadcast_to(np.arange(args.top_k, dtype=np.int32), logp.shape)
+        logp = -np.sort(rng.exponential(2.0, (batch, args.depth, args.branching)), axis=-1)
+        tok = np.broadcast_to(np.arange(args.branching, dtype=np.int32), logp.shape)
         inputs = (jnp.zeros((batch,), jnp.int32), jnp.asarray(logp, jnp.float32), jnp.asarray(tok))
         start = time.perf_counter()
         build = lattice_tree.lower(*inputs, budget=budget, variant=variant).compile()
         compile_s = time.perf_counter() - start
-        row = {"batch": batch, "budget": budget, "variant": variant, "compile_s": round(compile_s, 2)}
+        row = {"batch_size": batch, "budget": budget, "variant": variant, "compile_s": round(compile_s, 2)}
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    machine = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "host": platform.node()}
-    args.out.write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": machine, "rows": rows}, indent=1)
-    )
+        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
 
 
 if __name__ == "__main__":

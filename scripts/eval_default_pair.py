@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.pair import generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import read_prompts  # noqa: E402
 from ddtree_jax.scheduler import Schedule  # noqa: E402
@@ -95,8 +95,7 @@ def main() -> None:
         for r in runs:
             r["identical_to_ar"] = r["outputs"] == ar
     summary = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "machine": platform.processor() or platform.machine(),
+        "meta": run_header(sys.argv) | {"args": {k: str(v) for k, v in vars(args).items()}},
         "num_prompts": len(prompts),
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
     }

@@ -31,12 +31,13 @@ TICKS = [3, 7, 15, 31, 63, 127, 255]  # the budgets of the sweeps (5 also swept 
 
 
 def load_rows(paths: list[Path]) -> list[dict]:
-    """Greedy, error-free rows of every bench JSON given."""
+    """Greedy, error-free rows of every bench JSON given, each with its `batch_size` (files before the
+    field's name was settled call it `batch`)."""
     rows = []
     for path in paths:
         data = json.loads(path.read_text())
         rows += [r for r in data.get("rows", []) if "error" not in r and not r.get("sampling")]
-    return rows
+    return [r | {"batch_size": r.get("batch_size", r.get("batch"))} for r in rows]
 
 
 def acceptance_curve(path: Path) -> dict[int, float]:
@@ -67,11 +68,11 @@ def main() -> None:
     rows = load_rows(args.bench)
     args.out.mkdir(parents=True, exist_ok=True)
     at = [r for r in rows if r["context"] == args.context]
-    ar = {r["batch"]: r["round_ms"] for r in at if r["method"] == "ar"}
+    ar = {r["batch_size"]: r["round_ms"] for r in at if r["method"] == "ar"}
     by_batch = defaultdict(dict)
     for r in at:
         if r["method"] == "ddtree":
-            by_batch[r["batch"]][r["budget"]] = r["round_ms"]
+            by_batch[r["batch_size"]][r["budget"]] = r["round_ms"]
 
     fig, axes = plt.subplots(1, 2 if args.acceptance else 1, figsize=(11 if args.acceptance else 6, 4))
     axes = axes if args.acceptance else [axes]
@@ -102,7 +103,7 @@ def main() -> None:
     series = defaultdict(dict)
     for r in load_rows(args.context_bench) if args.context_bench else rows:
         if r["method"] == "ar" or (r["method"] == "ddtree" and r["budget"] == 63):
-            series[(r["method"], r["batch"], r["attention"])][r["context"]] = r["round_ms"]
+            series[(r["method"], r["batch_size"], r["attention"])][r["context"]] = r["round_ms"]
     for (method, b, attention), points in sorted(series.items()):
         if len(points) > 1:
             xs = sorted(points)

@@ -15,7 +15,8 @@ Per (shape, batch, T) it times, with CUDA events after warm-up:
 and writes one JSON (run header and rows; ms per step). On a machine without CUDA only `eager` runs
 (float32 on the CPU): a smoke test of the same code.
 
-    python3 scripts/torch_graph_step.py --shapes tiny,default-pair --batches 1,16 --out $OUT/torch_graph.json
+    python3 scripts/torch_graph_step.py --shapes tiny,default-pair --batch-sizes 1,16 \\
+        --out $OUT/torch_graph.json
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import platform
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.shapes import SHAPES  # noqa: E402
 
 
@@ -198,40 +199,38 @@ def main(argv: list[str] | None = None) -> int:
     """Time every (shape, batch, T) and write the JSON after each row."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="tiny,default-pair", help=f"comma list of {', '.join(sorted(SHAPES))}")
-    p.add_argument("--batches", default="1,16")
+    p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--tokens", default="1", help="comma list of new tokens per step (1: decode)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens before the first step")
     p.add_argument("--steps", type=int, default=16, help="steps per timing (and in the multi-step graph)")
     p.add_argument("--repeats", type=int, default=20)
+    add_deadline(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    deadline = Deadline(args.deadline_s, prog="torch_graph_step.py")
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    meta = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": str(dtype),
-        "argv": sys.argv if argv is None else argv,
-        "context": args.context,
-        "steps": args.steps,
-    }
+    kind = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    meta = run_header(sys.argv, device=(kind, torch.cuda.device_count() if cuda else 1))
+    meta |= {"torch": torch.__version__, "dtype": str(dtype), "context": args.context, "steps": args.steps}
     rows = []
     for name in args.shapes.split(","):
         cfg = SHAPES[name]
-        for batch in map(int, args.batches.split(",")):
+        for batch in map(int, args.batch_sizes.split(",")):
             for tokens in map(int, args.tokens.split(",")):
+                if not deadline.allows(f"{name} batch {batch} tokens {tokens}"):
+                    continue
                 step = Step(cfg, batch, tokens, args.context, args.steps, device, dtype)
                 ms = bench(step, args.steps, args.repeats, cuda)
                 params = sum(math.prod(w.shape) for layer in step.layers for w in layer.values())
-                row = {"shape": name, "batch": batch, "tokens": tokens, "layer_params": params, "ms": ms}
+                row = {"shape": name, "batch_size": batch, "tokens": tokens, "layer_params": params, "ms": ms}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+                write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
                 del step
                 if cuda:
                     torch.cuda.empty_cache()
+    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     return 0
 
 

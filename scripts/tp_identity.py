@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import jax
@@ -24,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
 
 from ddtree_jax import drafter, models, target  # noqa: E402
+from ddtree_jax.bench.report import run_header  # noqa: E402
 from ddtree_jax.bench.shapes import SHAPES, draft_shape  # noqa: E402
 from ddtree_jax.pair import Pair, generator, load_pair, make_plan  # noqa: E402
 from ddtree_jax.prompts import Prompt, read_prompts  # noqa: E402
@@ -149,14 +148,7 @@ def main() -> int:
     sampling = dict(GREEDY)
     if args.temperature:
         sampling |= {"temperature": args.temperature, "top_k": 20, "top_p": 0.9, "seed": 0}
-    report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "devices": [d.device_kind for d in jax.devices()],
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "argv": sys.argv,
-        "models": {},
-    }
+    report = {"meta": run_header(sys.argv), "models": {}}
     for name in args.models.split(","):
         reference = None
         report["models"][name] = {}

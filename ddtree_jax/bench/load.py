@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,24 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench load ARGS`: write the checkpoint, time each way of loading it, write the JSON; the
     exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
-        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
-    deadline = report.Deadline(args.deadline_s)
-    try:
-        if not 1 <= args.tp <= jax.device_count():
-            raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
-        report.check_deadline(args.deadline_s)
-        report.check_out_path(args.out)
-    except DDTreeError as e:
-        print(f"ddtree-bench load: error: {e}", file=sys.stderr)
-        return report.EXIT_ERROR
-    return run(args, report.command_line("load", argv), deadline)
+    return report.run_subcommand("load", build_parser(), argv, run)
 
 
 def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
     """Write the checkpoint, then each timing in order (none past the deadline), the JSON after each."""
+    if not 1 <= args.tp <= jax.device_count():
+        raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
     work = Path(args.dir)
     checkpoint, cache = work / "hf", work / "cache"
     cfg = SHAPES[args.shape]

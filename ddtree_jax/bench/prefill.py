@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import jax
@@ -142,24 +141,18 @@ def parse_runs(text: str) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench prefill ARGS`: time each prefill run and write the JSON; the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
-        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
-    deadline = report.Deadline(args.deadline_s)
-    try:
-        runs = parse_runs(args.runs)
-        report.check_deadline(args.deadline_s)
-        report.check_out_path(args.out)
-    except DDTreeError as e:
-        print(f"ddtree-bench prefill: error: {e}", file=sys.stderr)
-        return report.EXIT_ERROR
+    return report.run_subcommand("prefill", build_parser(), argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Each LENGTH:CHUNK run of --runs in order (none past the deadline), the JSON after each."""
+    runs = parse_runs(args.runs)
     cfg = SHAPES[args.shape]
     dcfg = draft_shape(cfg, 5, 16)
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16) if args.method != "ar" else None
     out = {
-        "meta": report.run_header(report.command_line("prefill", argv)),
+        "meta": report.run_header(command),
         "rows": [],
         "skipped": deadline.skipped,
     }

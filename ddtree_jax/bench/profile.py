@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import glob
 import re
-import sys
 import tempfile
 import time
 import warnings
@@ -37,7 +36,6 @@ from ddtree_jax.bench.programs import round_program, stage_args, stage_programs,
 from ddtree_jax.bench.shapes import SHAPES, draft_shape
 from ddtree_jax.bench.timing import device_memory
 from ddtree_jax.engine import STAGES
-from ddtree_jax.errors import DDTreeError
 from ddtree_jax.pair import batch_shape, make_plan
 from ddtree_jax.weights import random_params
 
@@ -428,18 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench profile ARGS`: profile ar and ddtree programs of one shape, batch and context;
     write one JSON; the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
-        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
-    deadline = report.Deadline(args.deadline_s)
-    try:
-        report.check_deadline(args.deadline_s)
-        report.check_out_path(args.out)
-        return run(args, report.command_line("profile", argv), deadline)
-    except DDTreeError as e:
-        print(f"ddtree-bench profile: error: {e}", file=sys.stderr)
-        return report.EXIT_ERROR
+    return report.run_subcommand("profile", build_parser(), argv, run)
 
 
 def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:

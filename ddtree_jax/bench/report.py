@@ -1,5 +1,6 @@
-"""What every `ddtree-bench` sub-command shares: its flag parser (one-line errors), the run header
-written into its JSON, `--deadline-s`, and the checks and writes of `--out`."""
+"""What every `ddtree-bench` sub-command shares: its flag parser (one-line errors), its main's prologue
+(`run_subcommand`), the run header written into its JSON, `--deadline-s`, and the checks and writes of
+`--out`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -50,16 +52,46 @@ def add_deadline(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_header(command: list[str]) -> dict[str, Any]:
+def run_subcommand(
+    name: str,
+    p: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace, list[str], Deadline], int],
+) -> int:
+    """A sub-command's main: parse `argv` (None: sys.argv's) with `p`, start the `--deadline-s` clock,
+    check `--deadline-s` and `--out`, then `run(args, command, deadline)` (`command`: the command line as
+    run, for the run header). The exit status: run's; 0 for --help; EXIT_ERROR for a usage error or a
+    DDTreeError, printed as one line `ddtree-bench NAME: error: ...`."""
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    deadline = Deadline(args.deadline_s)
+    try:
+        check_deadline(args.deadline_s)
+        check_out_path(args.out)
+        return run(args, command_line(name, argv), deadline)
+    except DDTreeError as e:
+        print(f"ddtree-bench {name}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run_header(command: list[str], device: tuple[str, int] | None = None) -> dict[str, Any]:
     """What every benchmark JSON records of its run (its "meta"): date, machine, device, jax and Python
-    versions, and the command line (`argv`, a list; `command`, the same as one shell line)."""
-    device = jax.devices()[0]
+    versions, and the command line (`argv`, a list; `command`, the same as one shell line). `device`:
+    (kind, count) of a device jax does not run on (a torch benchmark); jax is then not asked, so it
+    claims no device memory."""
+    if device is None:
+        first = jax.devices()[0]
+        name, kind, count = str(first), first.device_kind, jax.device_count()
+    else:
+        (kind, count), name = device, device[0]
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
-        "device": str(device),
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
+        "device": name,
+        "device_kind": kind,
+        "device_count": count,
         "jax": jax.__version__,
         "python": platform.python_version(),
         "argv": command,
@@ -74,11 +106,13 @@ def command_line(name: str, argv: list[str] | None) -> list[str]:
 
 @dataclasses.dataclass
 class Deadline:
-    """`--deadline-s` of one run: whether a new measurement may start, and what was left out."""
+    """`--deadline-s` of one run: whether a new measurement may start, and what was left out (`prog`:
+    the program named on stderr)."""
 
     seconds: float | None
     start: float = dataclasses.field(default_factory=time.monotonic)
     skipped: list[Any] = dataclasses.field(default_factory=list)
+    prog: str = "ddtree-bench"
 
     def allows(self, what: Any) -> bool:
         """True while the deadline has not passed; else records `what` as skipped and says so on stderr."""
@@ -86,7 +120,7 @@ class Deadline:
             return True
         self.skipped.append(what)
         print(
-            f"ddtree-bench: --deadline-s {self.seconds:g} passed: skipped {what}", file=sys.stderr, flush=True
+            f"{self.prog}: --deadline-s {self.seconds:g} passed: skipped {what}", file=sys.stderr, flush=True
         )
         return False
 

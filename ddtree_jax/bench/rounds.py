@@ -314,17 +314,8 @@ def check_args(args: argparse.Namespace) -> Grid:
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench rounds ARGS`: check the flags, sweep the configurations, write one JSON file; the
     exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
-        return e.code if isinstance(e.code, int) else EXIT_ERROR
-    deadline = report.Deadline(args.deadline_s)
-    try:
-        grid = check_args(args)
-        return run(args, grid, report.command_line("rounds", argv), deadline)
-    except DDTreeError as e:
-        print(f"ddtree-bench rounds: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    checked = lambda args, command, deadline: run(args, check_args(args), command, deadline)  # noqa: E731
+    return report.run_subcommand("rounds", build_parser(), argv, checked)
 
 
 def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: report.Deadline) -> int:

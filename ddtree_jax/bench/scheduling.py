@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -227,27 +226,16 @@ def check_args(args: argparse.Namespace) -> None:
             raise DDTreeError(f"--shape {args.shape}: not one of {', '.join(sorted(SHAPES))}")
     if args.min_new_tokens is not None and not 1 <= args.min_new_tokens <= args.max_new_tokens:
         raise DDTreeError(f"--min-new-tokens {args.min_new_tokens}: must be in [1, --max-new-tokens]")
-    report.check_deadline(args.deadline_s)
-    report.check_out_path(args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench scheduling ARGS`: run the workload both ways and write the figures; the exit status."""
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
-        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
-    deadline = report.Deadline(args.deadline_s)
-    try:
-        check_args(args)
-        return run(args, report.command_line("scheduling", argv), deadline)
-    except DDTreeError as e:
-        print(f"ddtree-bench scheduling: error: {e}", file=sys.stderr)
-        return report.EXIT_ERROR
+    return report.run_subcommand("scheduling", build_parser(), argv, run)
 
 
 def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
     """The workload continuous, static and batch-invariant (as asked, none past the deadline)."""
+    check_args(args)
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")
 

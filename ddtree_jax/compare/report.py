@@ -8,7 +8,6 @@ import os
 import platform
 import shutil
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +103,7 @@ class Report:
         parts += [t.markdown() + "\n" for t in self.tables]
         parts += [f"![{stem}]({stem}.png)\n" for stem in self.figures]
         parts += ["## Run", "", f"- command: `{meta['command']}`"]
-        parts += [f"- {k}: {v}" for k, v in meta.items() if k != "command"]
+        parts += [f"- {k}: {v}" for k, v in meta.items() if k not in ("command", "argv")]
         return "\n".join(parts) + "\n"
 
     def to_json(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -134,18 +133,12 @@ def cpu_name() -> str:
 
 
 def run_metadata(argv: list[str], seconds: float) -> dict[str, Any]:
-    """The exact command, date, wall time, machine and versions."""
-    import jax
+    """report.json's "meta": `ddtree-bench`'s run header (date, machine, device, versions, the command)
+    of `ddtree-compare ARGV...`, with the run's wall time and the CPU beside it."""
+    from ddtree_jax.bench.report import run_header
 
-    return {
-        "command": " ".join(["ddtree-compare", *argv]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "wall_seconds": round(seconds, 1),
-        "machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
-        "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-    }
+    header = run_header(["ddtree-compare", *argv])
+    return header | {"wall_s": round(seconds, 1), "cpu": f"{cpu_name()}, {os.cpu_count()} CPUs"}
 
 
 def check_report_dir(path: Path) -> None:

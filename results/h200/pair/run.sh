@@ -10,6 +10,8 @@
 # Each variant comes back as one uncompressed tar of its logs, evaluations and new checkpoints, split in
 # 15 MiB parts $OUT/variants[-$TAG]-NAME.tar.part-NN (cat them to rejoin): the device tool returns at
 # most 8 files of 16 MiB each. Set TAG for invocations side by side, e.g. one per CUDA_VISIBLE_DEVICES.
+# Training and the evaluations take no --deadline-s: MAX_WALL and EVAL_WALL (seconds) bound them with
+# `timeout`. Run from the repository root:  OUT=$OUT VARIANTS="..." bash results/h200/pair/run.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.3}
 STAGES=${STAGES:-draft}

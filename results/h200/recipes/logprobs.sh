@@ -1,40 +1,36 @@
 #!/usr/bin/env bash
-# Issue 30 item 4 on one H200, one device call (deadline 235 s): the cost of --logprobs 5 on
-# ddtree-generate's main job (the bundled pair, bf16, continuous batching, ddtree at its default budget).
-# Each pair of runs is the same job without and with log-probabilities:
+# Issue 30 item 4 on one H200 (~4 min; not run yet): the cost of --logprobs 5 on ddtree-generate's main
+# job (the bundled pair, bf16, continuous batching, ddtree at its default budget). Each pair of runs is
+# the same job without and with log-probabilities:
 #   greedy-off / greedy-k5        greedy, --logprobs 5 (raw)
 #   sampled-off / sampled-k5      --temperature 0.7 --top-p 0.9 --seed 1, --logprobs 5 --logprobs-mode processed
 # The four jobs run twice, in the order off, on, off, on (passes 1 and 2; pass 1 also fills the compile
 # cache). tok/s from each summary line (compilation excluded), the ratio from the two passes' means;
 # whether off and on wrote the same tokens. Goal: on within 5% of off. summary.json holds the figures.
-# Run from the repository root:  OUT=$OUT bash scripts/h200_logprobs.sh
-# A CPU check at toy size (PAIR: flags naming another pair):  MAX_NEW=8 PAIR_LIMIT=300 DEADLINE=1200 \
+# Run from the repository root:  OUT=$OUT bash results/h200/recipes/logprobs.sh
+# ddtree-generate takes no --deadline-s: `timeout` ($LIMIT s, default 35) bounds each run.
+# A CPU check at toy size (PAIR: flags naming another pair):  MAX_NEW=8 LIMIT=300 PY=python3 \
 #   PAIR="--target tests/fixtures/qwen3_gqa4_tp --draft tests/fixtures/dflash_qwen3_gqa4_tp \
-#   --prompts tests/fixtures/prompts.jsonl --dtype float32" OUT=/tmp/lp bash scripts/h200_logprobs.sh
+#   --prompts tests/fixtures/prompts.jsonl --dtype float32" OUT=/tmp/lp bash results/h200/recipes/logprobs.sh
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/logprobs-cost}
-DEADLINE=${DEADLINE:-235}
-MAX_NEW=${MAX_NEW:-128} PAIR_LIMIT=${PAIR_LIMIT:-35} PAIR=${PAIR:-}
+OUT=${OUT:-/tmp/logprobs-cost} PY=${PY:-python3} MAX_NEW=${MAX_NEW:-128} LIMIT=${LIMIT:-35} PAIR=${PAIR:-}
 mkdir -p "$OUT"
-source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 SAMPLED="--temperature 0.7 --top-p 0.9 --seed 1"
-pair() {  # pair NAME [FLAGS...]: the bundled pair's main job
-  local name=$1
-  shift
-  # shellcheck disable=SC2086
-  python3 -m ddtree_jax.cli $PAIR --max-new-tokens "$MAX_NEW" --overwrite --out "$OUT/$name.jsonl" "$@"
-}
-export -f pair
-export OUT MAX_NEW PAIR
+G="timeout $LIMIT $PY -m ddtree_jax.cli $PAIR --max-new-tokens $MAX_NEW --overwrite"
 for pass in 1 2; do
-  step "$pass-greedy-off" 15 "$PAIR_LIMIT" bash -c "pair $pass-greedy-off"
-  step "$pass-greedy-k5" 15 "$PAIR_LIMIT" bash -c "pair $pass-greedy-k5 --logprobs 5"
-  step "$pass-sampled-off" 15 "$PAIR_LIMIT" bash -c "pair $pass-sampled-off $SAMPLED"
-  step "$pass-sampled-k5" 15 "$PAIR_LIMIT" bash -c "pair $pass-sampled-k5 $SAMPLED --logprobs 5 --logprobs-mode processed"
+  # shellcheck disable=SC2086  # G and SAMPLED are word lists
+  $G --out "$OUT/$pass-greedy-off.jsonl" > "$OUT/$pass-greedy-off.log" 2>&1
+  # shellcheck disable=SC2086
+  $G --out "$OUT/$pass-greedy-k5.jsonl" --logprobs 5 > "$OUT/$pass-greedy-k5.log" 2>&1
+  # shellcheck disable=SC2086
+  $G --out "$OUT/$pass-sampled-off.jsonl" $SAMPLED > "$OUT/$pass-sampled-off.log" 2>&1
+  # shellcheck disable=SC2086
+  $G --out "$OUT/$pass-sampled-k5.jsonl" $SAMPLED --logprobs 5 --logprobs-mode processed \
+    > "$OUT/$pass-sampled-k5.log" 2>&1
 done
-python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+$PY - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, re, sys
 from pathlib import Path
 
@@ -66,4 +62,4 @@ for job in ("greedy", "sampled"):
     figures[job] = f
     print(job, f)
 (out / "summary.json").write_text(json.dumps(figures, indent=1))
-EOF
+PY

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 28 on one H200, one device call (deadline 235 s): the one-engine code (this checkout) beside the
-# code before it ($OLD, a copy of the previous tree inside the repository root; make it before the call:
+# Issue 28 on one H200 (~4 min): the one-engine code (this checkout) beside the code before it ($OLD, a
+# copy of the previous tree inside the repository root; make it before the call:
 # `mkdir old && git archive <previous commit> | tar -x -C old`). Each measurement runs old, then new:
 #   rounds-{old,new}.json  ddtree-bench, Qwen3-8B shape (random bf16 weights), Pallas attention, batch 1,
 #                          1k context: the ar step and the ddtree rounds at budgets 15 and 63 (round_ms:
@@ -9,37 +9,25 @@
 #                          continuous batching): tok/s from its summary line (compilation excluded),
 #                          and whether old and new wrote the same tokens
 # Goal: new within 3% of old on each figure; summary.json holds each pair and its ratio.
-# Run from the repository root:  OUT=$OUT OLD=old bash scripts/h200_engine_check.sh
-# DRY_RUN=1 prints the steps; STEPS="rounds-old rounds-new" runs some. A CPU check at toy size:
-#   SHAPE=tiny ATTENTION=reference MAX_NEW=8 PAIR_LIMIT=300 DEADLINE=900 OUT=/tmp/ec OLD=old \
-#   bash scripts/h200_engine_check.sh
+# Run from the repository root (OUT absolute):  OUT=$OUT OLD=old bash results/h200/2026-12-02/engine-check/run.sh
+# The old tree's ddtree-bench (one command, --batches) and ddtree-generate take no --deadline-s:
+# `timeout` bounds those; the new ddtree-bench stops at its own --deadline-s.
+# A CPU check at toy size: SHAPE=tiny ATTENTION=reference MAX_NEW=8 OUT=/tmp/ec OLD=old PY=python3 bash $0
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/engine-check}
-DEADLINE=${DEADLINE:-235}
-OLD=${OLD:-old}
+OUT=${OUT:-/tmp/engine-check} OLD=${OLD:-old} PY=${PY:-python3}
 SHAPE=${SHAPE:-qwen3-8b} ATTENTION=${ATTENTION:-pallas} MAX_NEW=${MAX_NEW:-128}
-ROUNDS_LIMIT=${ROUNDS_LIMIT:-75} PAIR_LIMIT=${PAIR_LIMIT:-35}  # seconds a step may take
 mkdir -p "$OUT"
-source "$(dirname "$0")/h200_lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-new=$PWD
-rounds() {  # rounds DIR NAME (no sub-command: ddtree-bench's rounds, in a tree from before them too)
-  (cd "$1" && python3 -m ddtree_jax.bench --shape "$SHAPE" --attention "$ATTENTION" --rounds 32 --methods ar,ddtree \
-    --budgets 15,63 --contexts 1024 --batches 1 --out "$OUT/$2.json")
-}
-pair() {  # pair DIR NAME [FLAGS...]: the bundled pair's main job
-  local dir=$1 name=$2
-  shift 2
-  (cd "$dir" && python3 -m ddtree_jax.cli --max-new-tokens "$MAX_NEW" --out "$OUT/$name.jsonl" "$@")
-}
-export -f rounds pair
-export OUT SHAPE ATTENTION MAX_NEW
-step rounds-old 30 "$ROUNDS_LIMIT" bash -c "rounds $OLD rounds-old"
-step rounds-new 30 "$ROUNDS_LIMIT" bash -c "rounds $new rounds-new"
-step pair-old 15 "$PAIR_LIMIT" bash -c "pair $OLD pair-old"
-step pair-new 15 "$PAIR_LIMIT" bash -c "pair $new pair-new"
-python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
+R="--shape $SHAPE --attention $ATTENTION --rounds 32 --methods ar,ddtree --budgets 15,63 --contexts 1024"
+# shellcheck disable=SC2086  # R is a word list
+(cd "$OLD" && timeout 75 $PY -m ddtree_jax.bench $R --batches 1 --out "$OUT/rounds-old.json") > "$OUT/rounds-old.log" 2>&1
+# shellcheck disable=SC2086
+$PY -m ddtree_jax.bench rounds $R --batch-sizes 1 --deadline-s 45 --out "$OUT/rounds-new.json" > "$OUT/rounds-new.log" 2>&1
+(cd "$OLD" && timeout 120 $PY -m ddtree_jax.cli --max-new-tokens "$MAX_NEW" --out "$OUT/pair-old.jsonl") \
+  > "$OUT/pair-old.log" 2>&1
+timeout 120 $PY -m ddtree_jax.cli --max-new-tokens "$MAX_NEW" --out "$OUT/pair-new.jsonl" > "$OUT/pair-new.log" 2>&1
+$PY - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, re, sys
 from pathlib import Path
 
@@ -72,5 +60,4 @@ for k, f in figures.items():
 same = tokens("new") is not None and tokens("old") == tokens("new")
 print("same tokens old/new:", same)
 (out / "summary.json").write_text(json.dumps({"figures": figures, "same_tokens": same}, indent=1))
-EOF
-date -u
+PY
