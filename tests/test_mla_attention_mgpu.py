@@ -14,11 +14,8 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_mla_attention import SCALE, make_inputs
 from test_tree_attention import H200, check_close
 
-from ddtree_jax.kernels.mla_attention_mgpu import (
-    mla_attention_mgpu,
-    mla_attention_reference,
-    resolve_tuning,
-)
+from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu, mla_attention_reference
+from ddtree_jax.kernels.tuning import resolve_mla_mgpu_tuning
 
 BF16 = jnp.bfloat16
 
@@ -55,9 +52,11 @@ def test_default_tuning_for_kimi_k2_shapes():
     """64 heads (TP1) and 8 (TP8 shard) at 512 + 64: one 64-row tile per program; splits fill 132 SMs."""
 
     def tun(b, t, h, s):
-        return resolve_tuning((b, t, h, 512), s, 64)
+        return resolve_mla_mgpu_tuning((b, t, h, 512), s, 64)
 
-    assert (tun(1, 1, 64, 32768).row_tiles, tun(1, 1, 64, 32768).splits) == (1, 128)
+    decode = tun(1, 1, 64, 32768)
+    assert (decode.block_k, decode.stages, decode.mma_form) == (64, 2, "registers")
+    assert (decode.row_tiles, decode.splits) == (1, 128)
     assert (tun(1, 1, 8, 32768).out_rows, tun(1, 64, 8, 32768).row_tiles) == (8, 8)
     assert tun(1, 64, 64, 32768).splits == 2 and tun(16, 64, 64, 32768).splits == 1
 
@@ -74,7 +73,7 @@ def test_default_tuning_for_kimi_k2_shapes():
 )
 def test_rejects_bad_shapes_and_tunings(q_shape, s, r, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        resolve_tuning(q_shape, s, r, **kwargs)
+        resolve_mla_mgpu_tuning(q_shape, s, r, **kwargs)
 
 
 # ---- CUDA lowering on CPU ----

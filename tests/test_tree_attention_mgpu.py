@@ -14,13 +14,8 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_tree_attention import H200, check_close, make_inputs
 
 from ddtree_jax import attention
-from ddtree_jax.kernels.tree_attention_mgpu import (
-    SMEM_LIMIT,
-    resolve_tuning,
-    smem_bytes,
-    tree_attention_mgpu,
-    tree_attention_reference,
-)
+from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu, tree_attention_reference
+from ddtree_jax.kernels.tuning import SMEM_LIMIT, resolve_tree_mgpu_tuning, tree_mgpu_smem_bytes
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -65,16 +60,17 @@ def test_default_tuning_for_qwen3_8b_shapes():
     splits fill 132 SMs; every default fits the shared memory."""
 
     def tun(b, t, s, **kw):
-        return resolve_tuning((b, t, 32, 128), (b, 8, s, 128), **kw)
+        return resolve_tree_mgpu_tuning((b, t, 32, 128), (b, 8, s, 128), **kw)
 
     decode, verify = tun(1, 1, 32768), tun(16, 64, 32768)
+    assert (decode.block_k, decode.stages, decode.mma_form, decode.pingpong) == (128, 2, "registers", False)
     assert (decode.compute_wgs, decode.row_tiles, decode.out_rows, decode.splits) == (1, 1, 8, 16)
     assert (verify.compute_wgs, verify.row_tiles, verify.pingpong, verify.splits) == (2, 2, True, 1)
     assert tun(1, 16, 8192).compute_wgs == 1 and tun(1, 64, 1024).splits == 8  # 128 programs
     assert tun(16, 1, 8192).splits == 1 and tun(4, 1, 8192).splits == 4
     for t in (1, 16, 64):
         for b, s in ((1, 1024), (16, 32768)):
-            assert smem_bytes(tun(b, t, s), 128) <= SMEM_LIMIT
+            assert tree_mgpu_smem_bytes(tun(b, t, s), 128) <= SMEM_LIMIT
     assert tun(1, 1, 104).block_k == 64
 
 
@@ -91,7 +87,7 @@ def test_default_tuning_for_qwen3_8b_shapes():
 )
 def test_rejects_bad_shapes_and_tunings(q_shape, cache_shape, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        resolve_tuning(q_shape, cache_shape, **kwargs)
+        resolve_tree_mgpu_tuning(q_shape, cache_shape, **kwargs)
 
 
 def test_rejects_float32():

@@ -11,5 +11,6 @@ Mosaic GPU (Hopper: wgmma, TMA; `--attention mosaic`, the MoE 'fused' dispatch):
   fused_experts        the routed experts of a MoE layer (gate + up + SiLU, then down), bf16/FP8/INT4
 Shared pieces:
   flash               the cache loop and online softmax of the attention kernels, the split merges
-  tuning              the attention kernels' tuning tables and split rules, the grouped matmul's splits
+  tuning              every attention kernel's tuning tables and split rules (Triton and Mosaic GPU),
+                      the grouped matmul's splits
 """

@@ -27,7 +27,6 @@ accumulators.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -36,125 +35,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, cdiv, combine_splits
+from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, combine_splits
 from ddtree_jax.kernels.mla_attention import _check_shapes, mla_attention_reference
-from ddtree_jax.kernels.tree_attention_mgpu import (
-    MEMORY_REGISTERS,
-    MMA_FORMS,
-    SMEM_LIMIT,
-    TMA_ROW_TILE,
-    TMA_ROW_TILE_WHY,
-    WG_ROWS,
-    compute_registers,
-    interpret_params,
-)
-from ddtree_jax.kernels.tuning import NUM_SMS_H200
+from ddtree_jax.kernels.tree_attention_mgpu import MEMORY_REGISTERS, compute_registers, interpret_params
+from ddtree_jax.kernels.tuning import NUM_SMS_H200, WG_ROWS, MlaMgpuTuning, resolve_mla_mgpu_tuning
 
-__all__ = ["mla_attention_mgpu", "mla_attention_reference", "resolve_tuning", "Tuning"]
+__all__ = ["mla_attention_mgpu", "mla_attention_reference"]
 
-MAX_SPLITS = 256
-SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 kB
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Static shape of one call: see `resolve_tuning`."""
-
-    block_k: int  # cache entries per pipeline step
-    stages: int  # shared-memory slots in flight
-    splits: int  # programs per (row tile, sequence) along the cache
-    mma_form: str  # "registers" | "smem"
-    row_tiles: int
-    rows: int  # packed rows T * H
-    out_rows: int  # rows of the outputs: T * H rounded up to 8 in one tile, else whole tiles
-    new_blocks: int  # in-flight blocks of block_k entries
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
-
-
-def smem_bytes(tun: Tuning, latent: int, rope: int, itemsize: int = 2) -> int:
-    """Shared memory of one program (each buffer 1 kB-aligned, barriers 1 kB)."""
-    q = _aligned(WG_ROWS * latent * itemsize) + _aligned(WG_ROWS * rope * itemsize)
-    slots = tun.stages * (_aligned(tun.block_k * latent * itemsize) + _aligned(tun.block_k * rope * itemsize))
-    staging = 2 * _aligned(WG_ROWS * latent // 2 * (4 if tun.splits > 1 else itemsize))
-    p = _aligned(WG_ROWS * tun.block_k * itemsize)
-    stats = _aligned(2 * WG_ROWS * 4)
-    return q + max(slots, staging) + p + stats + SMEM_ALIGN
-
-
-def default_splits(
-    programs: int, num_blocks: int, *, overhead_blocks: int = 3, num_sms: int = NUM_SMS_H200
-) -> int:
-    """Cache splits: the fewest within 10% of the least waves x (blocks per split + overhead).
-
-    One program per SM (~225 kB of shared memory). `overhead_blocks` charges a program's query load
-    (72 kB at Kimi-K2 widths, one block's bytes) and its float32 partial (128 kB, written and read
-    again by the merge) in units of one block's time.
-    """
-    cap = max(1, min(MAX_SPLITS, num_blocks))
-    cost = {
-        sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + overhead_blocks)
-        for sp in range(1, cap + 1)
-    }
-    least = min(cost.values())
-    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
-
-
-def resolve_tuning(
-    q_shape: tuple[int, ...],
-    cache_len: int,
-    rope_dim: int,
-    *,
-    block_k: int | None = None,
-    stages: int | None = None,
-    splits: int | None = None,
-    mma_form: str | None = None,
-    num_sms: int = NUM_SMS_H200,
-) -> Tuning:
-    """The tuning of q_latent [B, T, H, C] over a cache of `cache_len` entries; None = default.
-
-    Defaults: 64-entry blocks in 2 stages (2 x 72 kB at C = 512, R = 64: with the 72 kB query tile
-    and P, 226 kB of the 227 kB a block may hold), P from registers; splits from `default_splits`.
-    """
-    b, t, h, c = q_shape
-    if c % 128 or c > 512:
-        raise ValueError(f"latent dim {c} must be a multiple of 128 up to 512 (two value halves)")
-    if rope_dim % 64:
-        raise ValueError(f"rope dim {rope_dim} must be a multiple of 64 (TMA tiles of 64 columns)")
-    block_k = block_k or 64
-    if block_k % 64 or block_k > 256:
-        raise ValueError(f"block_k = {block_k} must be a multiple of 64 up to 256")
-    if cache_len < block_k:
-        raise ValueError(f"cache length {cache_len} is shorter than one block of {block_k} entries")
-    if cache_len % TMA_ROW_TILE:
-        raise ValueError(f"cache length {cache_len} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
-    stages = stages or 2
-    mma_form = mma_form or "registers"
-    if mma_form not in MMA_FORMS:
-        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
-    rows = t * h
-    row_tiles = cdiv(rows, WG_ROWS)
-    out_rows = -(-rows // 8) * 8 if row_tiles == 1 else row_tiles * WG_ROWS
-    if splits is None:
-        splits = default_splits(row_tiles * b, cdiv(cache_len, block_k), num_sms=num_sms)
-    tun = Tuning(
-        block_k=block_k,
-        stages=stages,
-        splits=splits,
-        mma_form=mma_form,
-        row_tiles=row_tiles,
-        rows=rows,
-        out_rows=out_rows,
-        new_blocks=cdiv(t, block_k),
-    )
-    if (need := smem_bytes(tun, c, rope_dim)) > SMEM_LIMIT:
-        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
-    return tun
-
-
-def _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun: Tuning):
+def _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun: MlaMgpuTuning):
     """Rows node * H + head padded to whole tiles; in-flight entries padded to whole blocks; the mask
     as a float32 bias over packed rows [B, Rq, Tn] (0 seen, MASK_VALUE not)."""
     b, t, h, c = q_latent.shape
@@ -181,7 +69,7 @@ def _mla_attention_kernel(
     krn_ref,  # [B, Tn, R]
     bias_ref,  # [B, Rq, Tn] float32
     *refs,
-    tun: Tuning,
+    tun: MlaMgpuTuning,
     window: int | None,
     scale_log2: float,
 ):
@@ -384,7 +272,7 @@ def _mla_attention_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(tun: Tuning, latent: int, rope: int, dtype) -> list:
+def _scratch(tun: MlaMgpuTuning, latent: int, rope: int, dtype) -> list:
     """Shared memory and barriers of one program (order: `_mla_attention_kernel`'s refs)."""
     bk = tun.block_k
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -446,7 +334,7 @@ def mla_attention_mgpu(
 ) -> jax.Array:
     """Mosaic GPU absorbed MLA attention; same contract as `mla_attention_reference` (16-bit inputs).
 
-    Tuning (static; None = `resolve_tuning`'s default). `interpret` (True or the interpreter's
+    Tuning (static; None = `resolve_mla_mgpu_tuning`'s default). `interpret` (True or the interpreter's
     parameters) runs jax's GPU interpreter on the CPU (the "smem" mma form).
     """
     _check_shapes(q_latent, q_rope, latent_cache, rope_cache, latent_new, rope_new, mask)
@@ -457,7 +345,7 @@ def mla_attention_mgpu(
         raise ValueError(f"queries, caches and new entries must share a 16-bit dtype, got {dtypes}")
     if interpret:
         mma_form = "smem"
-    tun = resolve_tuning(
+    tun = resolve_mla_mgpu_tuning(
         q_latent.shape, s, r, block_k=block_k, stages=stages, splits=splits, mma_form=mma_form,
         num_sms=num_sms,
     )  # fmt: skip

@@ -33,7 +33,6 @@ register operand and no accumulator initialised from a value. Both run on the GP
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -42,141 +41,25 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, cdiv, combine_splits
+from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, combine_splits
 from ddtree_jax.kernels.tree_attention import tree_attention_reference
-from ddtree_jax.kernels.tuning import NUM_SMS_H200
+from ddtree_jax.kernels.tuning import (
+    NUM_SMS_H200,
+    TMA_ROW_TILE,
+    WG_ROWS,
+    TreeMgpuTuning,
+    resolve_tree_mgpu_tuning,
+)
 
-__all__ = ["tree_attention_mgpu", "tree_attention_reference", "resolve_tuning", "Tuning"]
+__all__ = ["tree_attention_mgpu", "tree_attention_reference", "TMA_ROW_TILE"]
 
-WG_ROWS = 64  # rows of one wgmma (M) = query rows of one compute warpgroup
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory of one H100/H200 block
-SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
-MAX_SPLITS = 64
-MMA_FORMS = ("registers", "smem")
 MEMORY_REGISTERS = 40  # per thread: the TMA warpgroup gives its registers to the compute ones
-# Mosaic GPU (jax 0.11.2) copies a cache block into its (8, 64)-tiled shared-memory slot by a TMA over
-# the cache viewed as 8-row tiles: the cache's length must be a multiple of 8 (else lowering fails:
-# "dimension 2 must have size smaller or a multiple of its tiling 8"), and so must every block's first
-# row, the shifted-back last block's S - block_k included (else layout inference fails on an
-# AssertionError in its own error path). attention.py sends such caches to the Triton kernel.
-TMA_ROW_TILE = 8
-TMA_ROW_TILE_WHY = "Mosaic GPU's TMA reads the cache in tiles of 8 rows (use the Triton kernel)"
 
 
 def compute_registers(compute_wgs: int) -> int:
     """Registers per thread of a compute warpgroup: the rule of Pallas's warp-specialised pipeline
     (64k registers less the memory warpgroup's, shared evenly, at most 256, a multiple of 8)."""
     return min(256, (512 - MEMORY_REGISTERS) // compute_wgs) // 8 * 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Static shape of one call: see `resolve_tuning`."""
-
-    block_k: int  # cache rows per pipeline step (TMA box, wgmma N of Q K^T, K of P V)
-    stages: int  # shared-memory slots of K and V in flight
-    compute_wgs: int  # 64-row compute warpgroups per program (block_q = 64 * compute_wgs)
-    splits: int  # programs per (row tile, sequence, K/V head) along the cache
-    pingpong: bool  # FA3's schedule barrier between two compute warpgroups
-    mma_form: str  # "registers" | "smem" (see the module docstring)
-    row_tiles: int
-    rows: int  # packed rows R = T * G
-    out_rows: int  # rows of the outputs: R rounded up to 8 in one 64-row tile, else whole tiles
-    new_blocks: int  # in-flight blocks of block_k rows
-
-    @property
-    def block_q(self) -> int:
-        return WG_ROWS * self.compute_wgs
-
-
-def smem_bytes(tun: Tuning, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one program: Q tiles, K/V slots (aliased by the float32 partial staging),
-    P tiles in the "smem" form."""
-    c = tun.compute_wgs
-    q = c * WG_ROWS * head_dim * itemsize
-    slots = 2 * tun.stages * tun.block_k * head_dim * itemsize
-    staging = c * WG_ROWS * (head_dim + 2) * 4 if tun.splits > 1 else 0
-    p = c * WG_ROWS * tun.block_k * itemsize if tun.mma_form == "smem" else 0
-    return q + max(slots, staging) + p
-
-
-def default_splits(programs: int, num_blocks: int, *, num_sms: int = NUM_SMS_H200) -> int:
-    """Cache splits: the fewest within 10% of the least (waves x (blocks per split + 1)).
-
-    One program per SM (a program holds ~100-200 kB of shared memory); `programs` counts those of
-    one split. The +1 charges each program's fixed prologue and epilogue (Q load, pipeline fill,
-    partial write) one block's time.
-    """
-    cap = max(1, min(MAX_SPLITS, num_blocks))
-    cost = {sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + 1) for sp in range(1, cap + 1)}
-    least = min(cost.values())
-    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
-
-
-def resolve_tuning(
-    q_shape: tuple[int, ...],
-    cache_shape: tuple[int, ...],
-    *,
-    block_k: int | None = None,
-    stages: int | None = None,
-    compute_wgs: int | None = None,
-    splits: int | None = None,
-    pingpong: bool | None = None,
-    mma_form: str | None = None,
-    num_sms: int = NUM_SMS_H200,
-) -> Tuning:
-    """The tuning of q [B, T, Hq, D] over a cache [B, Hkv, S, D]; None picks the default.
-
-    Defaults: 128-row cache blocks (a [128, 128] bf16 TMA box, wgmma N = 128 for Q K^T), 2 stages
-    (2 x 64 kB of K/V slots), one compute warpgroup up to 64 packed rows (T = 1 decode, T = 16 at
-    G = 4), two above (128-row tiles: each cache block read once per 128 rows), FA3's ping-pong with
-    two, P from registers. Blocks of 64 rows where the cache is shorter than 128.
-    """
-    b, t, hq, d = q_shape
-    hkv, s = cache_shape[1], cache_shape[2]
-    g = hq // hkv
-    if hq != g * hkv:
-        raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
-    if d % 64 or d > 256:
-        raise ValueError(f"head dim {d} must be a multiple of 64 up to 256 (TMA tiles of 64 columns)")
-    rows = t * g
-    block_k = block_k or (128 if s >= 128 else 64)
-    if block_k % 64 or block_k > 256:
-        raise ValueError(f"block_k = {block_k} must be 64, 128, 192 or 256")
-    if s < block_k:
-        raise ValueError(f"cache length {s} is shorter than one block of {block_k} rows")
-    if s % TMA_ROW_TILE:
-        raise ValueError(f"cache length {s} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
-    stages = stages or 2
-    compute_wgs = compute_wgs or (1 if rows <= WG_ROWS else 2)
-    if compute_wgs not in (1, 2):
-        raise ValueError(f"compute_wgs = {compute_wgs} must be 1 or 2")
-    pingpong = (compute_wgs == 2) if pingpong is None else pingpong
-    if pingpong and compute_wgs != 2:
-        raise ValueError("pingpong needs two compute warpgroups")
-    mma_form = mma_form or "registers"
-    if mma_form not in MMA_FORMS:
-        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
-    block_q = WG_ROWS * compute_wgs
-    row_tiles = cdiv(rows, block_q)
-    out_rows = -(-rows // 8) * 8 if row_tiles == 1 and compute_wgs == 1 else row_tiles * block_q
-    if splits is None:
-        splits = default_splits(row_tiles * b * hkv, cdiv(s, block_k), num_sms=num_sms)
-    tun = Tuning(
-        block_k=block_k,
-        stages=stages,
-        compute_wgs=compute_wgs,
-        splits=splits,
-        pingpong=pingpong,
-        mma_form=mma_form,
-        row_tiles=row_tiles,
-        rows=rows,
-        out_rows=out_rows,
-        new_blocks=cdiv(t, block_k),
-    )
-    if (need := smem_bytes(tun, d)) > SMEM_LIMIT - SMEM_RESERVE:
-        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
-    return tun
 
 
 def interpret_params(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | bool:
@@ -186,7 +69,7 @@ def interpret_params(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.Interp
     return plgpu.InterpretGPUParams() if interpret else False
 
 
-def _pack_inputs(q, k_new, v_new, mask, tun: Tuning):
+def _pack_inputs(q, k_new, v_new, mask, tun: TreeMgpuTuning):
     """q -> [B, Hkv, Rq, D] (row = node * G + head, zero rows past R); k_new, v_new ->
     [B, Hkv, Tn, D] (zero rows past T); mask -> float32 bias [B, Rq, Tn] (0 seen, MASK_VALUE not)."""
     b, t, hq, d = q.shape
@@ -219,7 +102,7 @@ def _tree_attention_kernel(
     vn_ref,  # [B, Hkv, Tn, D]
     bias_ref,  # [B, Rq, Tn] float32
     *refs,
-    tun: Tuning,
+    tun: TreeMgpuTuning,
     kv_heads: int,
     window: int | None,
     scale_log2: float,
@@ -400,7 +283,7 @@ def _tree_attention_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(tun: Tuning, d: int, dtype) -> list:
+def _scratch(tun: TreeMgpuTuning, d: int, dtype) -> list:
     """Shared memory and barriers of one program (order: `_tree_attention_kernel`'s refs)."""
     c, bk = tun.compute_wgs, tun.block_k
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit, 128-byte rows
@@ -456,7 +339,7 @@ def tree_attention_mgpu(
 ) -> jax.Array:
     """Mosaic GPU tree attention; same contract as `tree_attention_reference` (16-bit q and cache).
 
-    Tuning (static; None = `resolve_tuning`'s default). `interpret` (True or the interpreter's
+    Tuning (static; None = `resolve_tree_mgpu_tuning`'s default). `interpret` (True or the interpreter's
     parameters, e.g. with race detection) runs jax's GPU interpreter on the CPU (the "smem" mma form).
     """
     b, t, hq, d = q.shape
@@ -469,7 +352,7 @@ def tree_attention_mgpu(
         raise ValueError(f"q, caches and new K/V must share a 16-bit dtype, got {q.dtype}, {k_cache.dtype}")
     if interpret:
         mma_form = "smem"
-    tun = resolve_tuning(
+    tun = resolve_tree_mgpu_tuning(
         q.shape, k_cache.shape, block_k=block_k, stages=stages, compute_wgs=compute_wgs, splits=splits,
         pingpong=pingpong, mma_form=mma_form, num_sms=num_sms,
     )  # fmt: skip

@@ -4,9 +4,16 @@ in one place (issue 22 item 2: scripts/h200_decode.sh sweeps around DECODE_TUNIN
 Splits are flash-decoding's: a sequence's visible cache range cut into pieces that separate programs
 stream, their float32 partials merged afterwards. How many pays depends on how many programs the
 other grid axes already give (batch x heads x row tiles) against the SMs.
+
+Sections: the Triton kernels (`tree_attention`, `mla_attention`: dict tables, `resolve_*_tuning` -> dict),
+the grouped expert matmul, then the Mosaic GPU kernels (`tree_attention_mgpu`, `mla_attention_mgpu`:
+frozen `*MgpuTuning` records, `resolve_*_mgpu_tuning`, their shared-memory counts and one split rule,
+`default_mgpu_splits`, for both).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ddtree_jax.kernels.flash import cdiv, next_pow2
 
@@ -212,3 +219,234 @@ def default_grouped_splits(
         if k_blocks % s == 0:
             return s
     return 1
+
+
+# -- tree attention on Mosaic GPU (`tree_attention_mgpu`) -------------------------------------------
+# A program is one or two 64-row compute warpgroups plus a TMA warpgroup; the rules count shared memory
+# (about 100-227 kB a program, so one program per SM) and cut the cache into whole waves of programs.
+WG_ROWS = 64  # rows of one wgmma (M) = query rows of one compute warpgroup
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory of one H100/H200 block
+SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
+TREE_MGPU_MAX_SPLITS = 64
+MMA_FORMS = ("registers", "smem")
+# Mosaic GPU (jax 0.11.2) copies a cache block into its (8, 64)-tiled shared-memory slot by a TMA over
+# the cache viewed as 8-row tiles: the cache's length must be a multiple of 8 (else lowering fails:
+# "dimension 2 must have size smaller or a multiple of its tiling 8"), and so must every block's first
+# row, the shifted-back last block's S - block_k included (else layout inference fails on an
+# AssertionError in its own error path). attention.py sends such caches to the Triton kernel.
+TMA_ROW_TILE = 8
+TMA_ROW_TILE_WHY = "Mosaic GPU's TMA reads the cache in tiles of 8 rows (use the Triton kernel)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMgpuTuning:
+    """Static shape of one `tree_attention_mgpu` call: see `resolve_tree_mgpu_tuning`."""
+
+    block_k: int  # cache rows per pipeline step (TMA box, wgmma N of Q K^T, K of P V)
+    stages: int  # shared-memory slots of K and V in flight
+    compute_wgs: int  # 64-row compute warpgroups per program (block_q = 64 * compute_wgs)
+    splits: int  # programs per (row tile, sequence, K/V head) along the cache
+    pingpong: bool  # FA3's schedule barrier between two compute warpgroups
+    mma_form: str  # "registers" | "smem" (see the module docstring)
+    row_tiles: int
+    rows: int  # packed rows R = T * G
+    out_rows: int  # rows of the outputs: R rounded up to 8 in one 64-row tile, else whole tiles
+    new_blocks: int  # in-flight blocks of block_k rows
+
+    @property
+    def block_q(self) -> int:
+        return WG_ROWS * self.compute_wgs
+
+
+def tree_mgpu_smem_bytes(tun: TreeMgpuTuning, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: Q tiles, K/V slots (aliased by the float32 partial staging),
+    P tiles in the "smem" form."""
+    c = tun.compute_wgs
+    q = c * WG_ROWS * head_dim * itemsize
+    slots = 2 * tun.stages * tun.block_k * head_dim * itemsize
+    staging = c * WG_ROWS * (head_dim + 2) * 4 if tun.splits > 1 else 0
+    p = c * WG_ROWS * tun.block_k * itemsize if tun.mma_form == "smem" else 0
+    return q + max(slots, staging) + p
+
+
+def default_mgpu_splits(
+    programs: int, num_blocks: int, *, overhead_blocks: int, max_splits: int, num_sms: int = NUM_SMS_H200
+) -> int:
+    """Cache splits of both Mosaic kernels: the fewest within 10% of the least
+    waves x (blocks per split + `overhead_blocks`).
+
+    One program per SM (a program holds ~100-225 kB of shared memory); `programs` counts those of one
+    split. `overhead_blocks` charges each program's fixed prologue and epilogue in units of one
+    block's time: 1 for the tree kernel (Q load, pipeline fill, partial write), 3 for MLA (a query
+    load of 72 kB at Kimi-K2 widths, one block's bytes, and a float32 partial of 128 kB written and
+    read again by the merge).
+    """
+    cap = max(1, min(max_splits, num_blocks))
+    cost = {
+        sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + overhead_blocks)
+        for sp in range(1, cap + 1)
+    }
+    least = min(cost.values())
+    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
+
+
+def resolve_tree_mgpu_tuning(
+    q_shape: tuple[int, ...],
+    cache_shape: tuple[int, ...],
+    *,
+    block_k: int | None = None,
+    stages: int | None = None,
+    compute_wgs: int | None = None,
+    splits: int | None = None,
+    pingpong: bool | None = None,
+    mma_form: str | None = None,
+    num_sms: int = NUM_SMS_H200,
+) -> TreeMgpuTuning:
+    """The tuning `tree_attention_mgpu` uses for q [B, T, Hq, D] over a cache [B, Hkv, S, D]; None picks
+    the default.
+
+    Defaults: 128-row cache blocks (a [128, 128] bf16 TMA box, wgmma N = 128 for Q K^T), 2 stages
+    (2 x 64 kB of K/V slots), one compute warpgroup up to 64 packed rows (T = 1 decode, T = 16 at
+    G = 4), two above (128-row tiles: each cache block read once per 128 rows), FA3's ping-pong with
+    two, P from registers. Blocks of 64 rows where the cache is shorter than 128.
+    """
+    b, t, hq, d = q_shape
+    hkv, s = cache_shape[1], cache_shape[2]
+    g = hq // hkv
+    if hq != g * hkv:
+        raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
+    if d % 64 or d > 256:
+        raise ValueError(f"head dim {d} must be a multiple of 64 up to 256 (TMA tiles of 64 columns)")
+    rows = t * g
+    block_k = block_k or (128 if s >= 128 else 64)
+    if block_k % 64 or block_k > 256:
+        raise ValueError(f"block_k = {block_k} must be 64, 128, 192 or 256")
+    if s < block_k:
+        raise ValueError(f"cache length {s} is shorter than one block of {block_k} rows")
+    if s % TMA_ROW_TILE:
+        raise ValueError(f"cache length {s} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
+    stages = stages or 2
+    compute_wgs = compute_wgs or (1 if rows <= WG_ROWS else 2)
+    if compute_wgs not in (1, 2):
+        raise ValueError(f"compute_wgs = {compute_wgs} must be 1 or 2")
+    pingpong = (compute_wgs == 2) if pingpong is None else pingpong
+    if pingpong and compute_wgs != 2:
+        raise ValueError("pingpong needs two compute warpgroups")
+    mma_form = mma_form or "registers"
+    if mma_form not in MMA_FORMS:
+        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
+    block_q = WG_ROWS * compute_wgs
+    row_tiles = cdiv(rows, block_q)
+    out_rows = -(-rows // 8) * 8 if row_tiles == 1 and compute_wgs == 1 else row_tiles * block_q
+    if splits is None:
+        programs = row_tiles * b * hkv
+        splits = default_mgpu_splits(
+            programs, cdiv(s, block_k), overhead_blocks=1, max_splits=TREE_MGPU_MAX_SPLITS, num_sms=num_sms
+        )
+    tun = TreeMgpuTuning(
+        block_k=block_k,
+        stages=stages,
+        compute_wgs=compute_wgs,
+        splits=splits,
+        pingpong=pingpong,
+        mma_form=mma_form,
+        row_tiles=row_tiles,
+        rows=rows,
+        out_rows=out_rows,
+        new_blocks=cdiv(t, block_k),
+    )
+    if (need := tree_mgpu_smem_bytes(tun, d)) > SMEM_LIMIT - SMEM_RESERVE:
+        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
+    return tun
+
+
+# -- absorbed MLA attention on Mosaic GPU (`mla_attention_mgpu`) --------------------------------------
+# One 64-row tile of packed rows per program (two compute warpgroups split the value columns), the
+# shared memory nearly full at Kimi-K2 widths; the constants above (WG_ROWS, SMEM_LIMIT, TMA_ROW_TILE,
+# MMA_FORMS) hold for it too.
+MLA_MGPU_MAX_SPLITS = 256
+SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 kB
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaMgpuTuning:
+    """Static shape of one `mla_attention_mgpu` call: see `resolve_mla_mgpu_tuning`."""
+
+    block_k: int  # cache entries per pipeline step
+    stages: int  # shared-memory slots in flight
+    splits: int  # programs per (row tile, sequence) along the cache
+    mma_form: str  # "registers" | "smem"
+    row_tiles: int
+    rows: int  # packed rows T * H
+    out_rows: int  # rows of the outputs: T * H rounded up to 8 in one tile, else whole tiles
+    new_blocks: int  # in-flight blocks of block_k entries
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+
+
+def mla_mgpu_smem_bytes(tun: MlaMgpuTuning, latent: int, rope: int, itemsize: int = 2) -> int:
+    """Shared memory of one program (each buffer 1 kB-aligned, barriers 1 kB)."""
+    q = _aligned(WG_ROWS * latent * itemsize) + _aligned(WG_ROWS * rope * itemsize)
+    slots = tun.stages * (_aligned(tun.block_k * latent * itemsize) + _aligned(tun.block_k * rope * itemsize))
+    staging = 2 * _aligned(WG_ROWS * latent // 2 * (4 if tun.splits > 1 else itemsize))
+    p = _aligned(WG_ROWS * tun.block_k * itemsize)
+    stats = _aligned(2 * WG_ROWS * 4)
+    return q + max(slots, staging) + p + stats + SMEM_ALIGN
+
+
+def resolve_mla_mgpu_tuning(
+    q_shape: tuple[int, ...],
+    cache_len: int,
+    rope_dim: int,
+    *,
+    block_k: int | None = None,
+    stages: int | None = None,
+    splits: int | None = None,
+    mma_form: str | None = None,
+    num_sms: int = NUM_SMS_H200,
+) -> MlaMgpuTuning:
+    """The tuning `mla_attention_mgpu` uses for q_latent [B, T, H, C] over a cache of `cache_len` entries;
+    None = default.
+
+    Defaults: 64-entry blocks in 2 stages (2 x 72 kB at C = 512, R = 64: with the 72 kB query tile
+    and P, 226 kB of the 227 kB a block may hold), P from registers; splits from `default_mgpu_splits`.
+    """
+    b, t, h, c = q_shape
+    if c % 128 or c > 512:
+        raise ValueError(f"latent dim {c} must be a multiple of 128 up to 512 (two value halves)")
+    if rope_dim % 64:
+        raise ValueError(f"rope dim {rope_dim} must be a multiple of 64 (TMA tiles of 64 columns)")
+    block_k = block_k or 64
+    if block_k % 64 or block_k > 256:
+        raise ValueError(f"block_k = {block_k} must be a multiple of 64 up to 256")
+    if cache_len < block_k:
+        raise ValueError(f"cache length {cache_len} is shorter than one block of {block_k} entries")
+    if cache_len % TMA_ROW_TILE:
+        raise ValueError(f"cache length {cache_len} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
+    stages = stages or 2
+    mma_form = mma_form or "registers"
+    if mma_form not in MMA_FORMS:
+        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
+    rows = t * h
+    row_tiles = cdiv(rows, WG_ROWS)
+    out_rows = -(-rows // 8) * 8 if row_tiles == 1 else row_tiles * WG_ROWS
+    if splits is None:
+        num_blocks = cdiv(cache_len, block_k)
+        splits = default_mgpu_splits(
+            row_tiles * b, num_blocks, overhead_blocks=3, max_splits=MLA_MGPU_MAX_SPLITS, num_sms=num_sms
+        )
+    tun = MlaMgpuTuning(
+        block_k=block_k,
+        stages=stages,
+        splits=splits,
+        mma_form=mma_form,
+        row_tiles=row_tiles,
+        rows=rows,
+        out_rows=out_rows,
+        new_blocks=cdiv(t, block_k),
+    )
+    if (need := mla_mgpu_smem_bytes(tun, c, rope_dim)) > SMEM_LIMIT:
+        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
+    return tun
