@@ -1,5 +1,6 @@
 """The kernels, each file a kernel beside its pure-jnp reference of the same signature; they import jax
-and each other only (tests/test_layout.py), except `fused_experts`, which reads quant.arrays' weights.
+and each other only (tests/test_layout.py); quantized weights reach them as plain arrays and scales
+(quant.arrays' `kernel_experts` and `expert_weight`).
 
 Pallas Triton (any CUDA GPU):
   tree_attention      decode-time GQA attention over a cache prefix plus in-flight tokens under a mask

@@ -2,10 +2,12 @@
 
 Contract of `fused_experts` and of its reference `fused_experts_reference` (same signature):
 x [N, H] (bf16 or f16), experts [N, k] int32 local expert ids, here [N, k] bool (the slot's expert is
-held on this device), weights [N, k] routing weights, gate / up [E, H, I] and down [E, I, H], each a
-plain array of x's dtype, an `Fp8Weight` (float32 scales of 128 x 128 blocks) or an `Int4Weight`
-(int32 words, bf16 scales of groups of 32) -> [N, H] in x's dtype: per token, the routing-weighted sum
-over its held slots of down(silu(x gate) * (x up)). Under shard_map the shapes are the local ones.
+held on this device), weights [N, k] routing weights, gate / up [E, H, I] and down [E, I, H], each an
+`ExpertWeight`: plain arrays in one of three formats, "plain" (x's dtype), "fp8" (e4m3 with float32
+scales of 128 x 128 blocks) or "int4" (int32 words, bf16 scales of groups of 32); quant.arrays'
+`expert_weight` makes one from the package's stored weights -> [N, H] in x's dtype: per token, the
+routing-weighted sum over its held slots of down(silu(x gate) * (x up)). Under shard_map the shapes
+are the local ones.
 
 Layout. The (token, slot) pairs are grouped by expert into tiles of `block_t` rows (a tile never spans
 two experts; at most min(E, N k) + N k // block_t tiles, the rest empty: `schedule`); an XLA gather
@@ -46,13 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, slot_matmul
-
 BLOCK_N = 64  # output columns per program: the M of one warpgroup's wgmma
 INT4_STEP = 512  # K rows per INT4 step: 64 word rows, stacked from 4 boxes
 INT4_BOX = 16  # word rows per INT4 box (16 groups of 32 rows)
 SMEM_BYTES = 200 * 1024  # of the H100 / H200's 227 KiB per block, leaving room for Mosaic's own
 MAX_STAGES = 4
+FORMATS = ("plain", "fp8", "int4")
 
 
 class Schedule(NamedTuple):
@@ -105,6 +106,26 @@ def default_block_t(pairs: int, num_experts: int) -> int:
 # ---- the weights as the kernel reads them ---------------------------------------------------------
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["w", "scale"],
+    meta_fields=["fmt", "block", "group", "width"],
+)
+@dataclasses.dataclass(frozen=True)
+class ExpertWeight:
+    """One stacked expert weight [E, K, N] as plain arrays and its format's constants (the kernel's
+    input; `quant.arrays.expert_weight` builds it from an Fp8Weight, an Int4Weight or a plain array)."""
+
+    fmt: str  # one of FORMATS
+    # plain: [E, K, N] in x's dtype; fp8: float8_e4m3fn [E, K_pad, N_pad] (zero-padded to whole blocks);
+    # int4: int32 words [E, K / 8, N], nibble b (bits 4b..4b+3) of word row r = row 8r + b, stored + 8
+    w: jax.Array
+    scale: jax.Array | None = None  # fp8: float32 [E, K_pad / bi, N_pad / bo]; int4: [E, K / group, N]
+    block: tuple[int, int] = (1, 1)  # fp8: the scale block (rows bi, columns bo)
+    group: int = 1  # int4: rows per scale
+    width: int = 0  # fp8: the logical N before the block padding; 0: N as stored
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """One stacked expert weight [E, K, N] as the kernel streams it."""
@@ -127,49 +148,51 @@ class Operand:
         return self.steps * self.step_k
 
 
-def why_not(w: Weight, dtype: jnp.dtype) -> str | None:
+def why_not(w: ExpertWeight, dtype: jnp.dtype) -> str | None:
     """Why the kernel cannot stream expert weight w [E, K, N] against activations of `dtype` (local
     shapes), or None when it can."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"activations must be bfloat16 or float16 for wgmma, not {jnp.dtype(dtype)}"
-    if isinstance(w, Int4Weight):
-        if w.q.dtype != jnp.int32 or w.group != 32:
+    if w.fmt not in FORMATS:
+        return f"expert weight format {w.fmt!r} not one of {FORMATS}"
+    if w.fmt == "int4":
+        if w.w.dtype != jnp.int32 or w.group != 32:
             return "INT4 weights must be int32 words with groups of 32"
-        k, n = w.q.shape[-2] * 8, w.q.shape[-1]
-    elif isinstance(w, Fp8Weight):
+        k, n = w.w.shape[-2] * 8, w.w.shape[-1]
+    elif w.fmt == "fp8":
         bi, bo = w.block
         if bi % 128 or bo % BLOCK_N:
             return f"FP8 blocks {w.block} must nest 128-row steps and {BLOCK_N}-column programs"
         k, n = w.w.shape[-2:]
     else:
-        if w.dtype != dtype:
-            return f"plain expert weights must have the activations' dtype {jnp.dtype(dtype)}, not {w.dtype}"
-        k, n = w.shape[-2:]
+        if w.w.dtype != dtype:
+            want = jnp.dtype(dtype)
+            return f"plain expert weights must have the activations' dtype {want}, not {w.w.dtype}"
+        k, n = w.w.shape[-2:]
     if k % BLOCK_N or n % BLOCK_N:
         return f"expert weight rows {k} and columns {n} must be multiples of {BLOCK_N} (TMA tiles)"
     return None
 
 
-def supported(gate: Weight, up: Weight, down: Weight, dtype: jnp.dtype) -> bool:
+def supported(gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight, dtype: jnp.dtype) -> bool:
     """Whether the kernel takes these experts (same format for all three) and activations."""
-    same = type(gate) is type(up) is type(down)
+    same = gate.fmt == up.fmt == down.fmt
     return same and all(why_not(w, dtype) is None for w in (gate, up, down))
 
 
-def operand(w: Weight, dtype: jnp.dtype) -> Operand:
+def operand(w: ExpertWeight, dtype: jnp.dtype) -> Operand:
     """The kernel's view of expert weight w [E, K, N] (no copy: the INT4 view is a reshape)."""
     reason = why_not(w, dtype)
     if reason is not None:
         raise ValueError(f"fused experts kernel: {reason}")
-    if isinstance(w, Int4Weight):
-        e, kw, n = w.q.shape
-        view = w.q.reshape(e, kw // 4, 4 * n)
+    if w.fmt == "int4":
+        e, kw, n = w.w.shape
+        view = w.w.reshape(e, kw // 4, 4 * n)
         return Operand("int4", (view, w.scale), kw * 8, n, INT4_STEP, scale_dtype=w.scale.dtype)
-    if isinstance(w, Fp8Weight):
-        k, n = w.w.shape[-2:]
+    k, n = w.w.shape[-2:]
+    if w.fmt == "fp8":
         return Operand("fp8", (w.w, w.scale), k, n, 128, w.block)
-    k, n = w.shape[-2:]
-    return Operand("plain", (w,), k, n, 128 if k % 128 == 0 else BLOCK_N)
+    return Operand("plain", (w.w,), k, n, 128 if k % 128 == 0 else BLOCK_N)
 
 
 def int4_permutation(columns: int) -> np.ndarray:
@@ -405,9 +428,9 @@ def fused_experts(
     experts: jax.Array,
     here: jax.Array,
     weights: jax.Array,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
+    gate: ExpertWeight,
+    up: ExpertWeight,
+    down: ExpertWeight,
     *,
     block_t: int | None = None,
     interpret: bool = False,
@@ -436,7 +459,7 @@ def fused_experts(
         interpret=interpret,
     )
     out = combine(y_t, plan.row, here, weights)
-    width = down.shape[1] if isinstance(down, Fp8Weight) else out.shape[1]  # fp8: drop the block padding
+    width = down.width or out.shape[1]  # fp8: drop the block padding
     return out[:, :width].astype(x.dtype)
 
 
@@ -445,16 +468,42 @@ def fused_experts_reference(
     experts: jax.Array,
     here: jax.Array,
     weights: jax.Array,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
+    gate: ExpertWeight,
+    up: ExpertWeight,
+    down: ExpertWeight,
     *,
     block_t: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """`fused_experts` in jnp: each slot gathers its expert's matrices (quant.arrays.slot_matmul)."""
+    """`fused_experts` in jnp: each slot gathers its expert's dequantised matrices."""
     del block_t, interpret
-    act = jax.nn.silu(slot_matmul(x, gate, experts)) * slot_matmul(x, up, experts)
-    out = slot_matmul(act, down, experts)  # [N, k, H]
+    act = jax.nn.silu(_slot_matmul(x, gate, experts)) * _slot_matmul(x, up, experts)  # [N, k, I]
+    out = _slot_matmul(act, down, experts)  # [N, k, H]
     weighted = jnp.where(here[..., None], out * weights[..., None], jnp.zeros((), out.dtype))
     return jnp.sum(weighted, axis=1)
+
+
+def _dequantized(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
+    """The stored [..., K (fp8: padded), N] weight's values in `dtype` as its format defines them: fp8
+    value x block scale, int4 (nibble - 8) x group scale rounded to the scale's dtype (float32 math)."""
+    if w.fmt == "fp8":
+        (bi, bo), (kp, n_pad), lead = w.block, w.w.shape[-2:], w.w.shape[:-2]
+        blocked = w.w.astype(jnp.float32).reshape(*lead, kp // bi, bi, n_pad // bo, bo)
+        return (blocked * w.scale[..., :, None, :, None]).reshape(w.w.shape).astype(dtype)
+    if w.fmt == "int4":
+        shifts = jnp.arange(8, dtype=jnp.uint32)[:, None] * 4
+        nibbles = (w.w[..., :, None, :].view(jnp.uint32) >> shifts) & 0xF  # [..., K/8, 8, N]
+        q = nibbles.astype(jnp.float32).reshape(*w.w.shape[:-2], -1, w.group, w.w.shape[-1]) - 8
+        values = q * w.scale.astype(jnp.float32)[..., :, None, :]
+        return values.reshape(*w.w.shape[:-2], -1, w.w.shape[-1]).astype(w.scale.dtype).astype(dtype)
+    return w.w.astype(dtype)
+
+
+def _slot_matmul(x: jax.Array, w: ExpertWeight, experts: jax.Array) -> jax.Array:
+    """x [N, K'] (shared by the slots) or [N, k, K'] (one row per slot), K' <= K, times each slot's expert
+    of w [E, K, N_w] -> [N, k, N] (fp8: the logical N, the block padding dropped)."""
+    chosen = jax.tree.map(lambda a: a[experts], w)  # [N, k, ...] of the stored form
+    full = _dequantized(chosen, x.dtype)  # [N, k, K, N_w]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, full.shape[-2] - x.shape[-1])])
+    out = jnp.einsum("ni,nkio->nko" if x.ndim == 2 else "nki,nkio->nko", x, full)
+    return out[..., : w.width or None]

@@ -51,6 +51,7 @@ from ddtree_jax.quant.arrays import (
     Int4Weight,
     Weight,
     dequantize,
+    expert_weight,
     num_experts,
     pallas_ragged_matmul,
     ragged_matmul,
@@ -388,7 +389,7 @@ def _fused(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
     from ddtree_jax.kernels import fused_experts
 
     interpret = dispatch.endswith("_interpret")
-    gate, up, down = (p[name] for name in EXPERT_WEIGHTS)
+    gate, up, down = (expert_weight(p[name]) for name in EXPERT_WEIGHTS)  # plain arrays + scales
     if not fused_experts.supported(gate, up, down, x.dtype):
         grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
         return _combine(_sorted(p, x, experts, here, grouped), weights, here)

@@ -195,6 +195,19 @@ def pallas_ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array, **tuni
     return grouped_matmul(x, kernel_experts(w), group_sizes, **tuning)
 
 
+def expert_weight(w: Weight):
+    """A stacked expert weight [E, in, out] as the fused expert kernel reads it
+    (`ddtree_jax.kernels.fused_experts.ExpertWeight`: the stored arrays, the scales and the format's
+    constants; no copy)."""
+    from ddtree_jax.kernels.fused_experts import ExpertWeight
+
+    if isinstance(w, Int4Weight):
+        return ExpertWeight("int4", w.q, w.scale, group=w.group)
+    if isinstance(w, Fp8Weight):
+        return ExpertWeight("fp8", w.w, w.scale, block=w.block, width=w.shape[1])
+    return ExpertWeight("plain", w)
+
+
 def slot_matmul(x: jax.Array, w: Weight, experts: jax.Array) -> jax.Array:
     """Each token's k chosen experts: x [N, in] (shared by the slots) or [N, k, in] (one row per slot),
     W [E, in, out], experts [N, k] -> [N, k, out]. Gathers the stored bytes of N k experts and contracts
