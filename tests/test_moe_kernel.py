@@ -86,25 +86,25 @@ def _close(got, want) -> None:
 
 
 @pytest.mark.parametrize(
-    "block_t,tokens", [(8, 1), (8, 5), (16, 40), (8, 64)], ids=["decode", "few", "wide", "many"]
+    "tile_t,tokens", [(8, 1), (8, 5), (16, 40), (8, 64)], ids=["decode", "few", "wide", "many"]
 )
-def test_schedule_against_numpy(block_t, tokens):
+def test_schedule_against_numpy(tile_t, tokens):
     """Every held pair in a tile of its expert, in token order, tiles of one expert consecutive and full
     but the last; padding rows point nowhere; the tile count within `max_tiles`."""
     num_experts, k = 6, 3
     rng = np.random.default_rng(tokens)
     experts = rng.integers(0, num_experts, (tokens, k))
     here = rng.random((tokens, k)) > 0.25
-    plan = fe.schedule(jnp.asarray(experts, jnp.int32), jnp.asarray(here), num_experts, block_t)
+    plan = fe.schedule(jnp.asarray(experts, jnp.int32), jnp.asarray(here), num_experts, tile_t)
     tile_expert, row, source = (np.asarray(a) for a in plan)
-    assert tile_expert.shape == (fe.max_tiles(tokens * k, num_experts, block_t),)
+    assert tile_expert.shape == (fe.max_tiles(tokens * k, num_experts, tile_t),)
     want_rows = []  # NumPy: per expert, its held pairs in (token, slot) order packed into fresh tiles
     tile = 0
     for e in range(num_experts):
         pairs = [(t, s) for t in range(tokens) for s in range(k) if here[t, s] and experts[t, s] == e]
         for i, (t, s) in enumerate(pairs):
-            want_rows.append((t, s, (tile + i // block_t) * block_t + i % block_t))
-        tiles = -(-len(pairs) // block_t)
+            want_rows.append((t, s, (tile + i // tile_t) * tile_t + i % tile_t))
+        tiles = -(-len(pairs) // tile_t)
         assert list(tile_expert[tile : tile + tiles]) == [e] * tiles
         tile += tiles
     assert (tile_expert[tile:] == -1).all()

@@ -10,7 +10,7 @@ Layout. Every head reads the same cache entry, so rows `node * H + head` (q_late
 free to [B, T * H, C]) are packed into 64-row tiles (wgmma's M). The float32 accumulator of a tile,
 64 x 512, is too big for one warpgroup's registers, so a program runs two compute warpgroups that
 split the value columns (as FlashMLA does) plus a memory warpgroup:
-- the memory warpgroup streams the split's cache blocks (block_k entries of C + R values) and then
+- the memory warpgroup streams the split's cache tiles (tile_k entries of C + R values) and then
   (last split) the in-flight ones into `stages` slots by TMA;
 - the score warpgroup (0) computes S = Q_latent C^T + Q_rope K_rope^T (wgmma, contraction C + R),
   masks, runs the online softmax (base 2, finite start, as the Triton kernel), publishes P (bf16)
@@ -18,7 +18,7 @@ split the value columns (as FlashMLA does) plus a memory warpgroup:
   [0, C/2);
 - the value warpgroup (1) waits for P, rescales its accumulator by alpha and accumulates P V on
   columns [C/2, C).
-The cache block is used twice, as key and as value, from the same slot. Splits, masking, the
+The cache tile is used twice, as key and as value, from the same slot. Splits, masking, the
 in-flight part (a float32 bias over packed rows) and the outputs follow `tree_attention_mgpu`.
 `mma_form` as there: "registers" (GPU) feeds the score warpgroup's P from registers and accumulates
 in place, "smem" (what jax's CPU interpreter runs) reads P from shared memory and adds fresh
@@ -43,10 +43,10 @@ from ddtree_jax.kernels.tuning import NUM_SMS_H200, WG_ROWS, MlaMgpuTuning, reso
 __all__ = ["mla_attention_mgpu", "mla_attention_reference"]
 
 def _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun: MlaMgpuTuning):
-    """Rows node * H + head padded to whole tiles; in-flight entries padded to whole blocks; the mask
+    """Rows node * H + head padded to whole tiles; in-flight entries padded to whole tiles; the mask
     as a float32 bias over packed rows [B, Rq, Tn] (0 seen, MASK_VALUE not)."""
     b, t, h, c = q_latent.shape
-    rq, tn = tun.row_tiles * WG_ROWS, tun.new_blocks * tun.block_k
+    rq, tn = tun.row_tiles * WG_ROWS, tun.new_tiles * tun.tile_k
 
     def rows(x):
         return jnp.pad(x.reshape(b, t * h, x.shape[-1]), ((0, 0), (0, rq - t * h), (0, 0)))
@@ -78,7 +78,7 @@ def _mla_attention_kernel(
     out_refs, (ql_smem, qr_smem, slots, p_smem, stats, barriers) = refs[:n_out], refs[n_out:]
     q_bar, full, free, p_full, p_free = barriers
     (c_smem, kr_smem), staging = slots
-    bk, stages, splits = tun.block_k, tun.stages, tun.splits
+    bk, stages, splits = tun.tile_k, tun.stages, tun.splits
     s_len, latent = c_ref.shape[1], c_ref.shape[2]
     half = latent // 2
     dtype = ql_ref.dtype
@@ -89,17 +89,17 @@ def _mla_attention_kernel(
 
     hi = jnp.minimum(len_ref[bi], s_len)
     lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
-    blk_lo = lo // bk
-    num_blocks = jnp.maximum((hi + bk - 1) // bk - blk_lo, 0)
-    per_split = (num_blocks + splits - 1) // splits
-    first = jnp.minimum(split * per_split, num_blocks)
-    last = jnp.minimum(first + per_split, num_blocks)
+    tile_lo = lo // bk
+    num_tiles = jnp.maximum((hi + bk - 1) // bk - tile_lo, 0)
+    per_split = (num_tiles + splits - 1) // splits
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
     n_cache = last - first
-    n_new = jnp.where(split == splits - 1, tun.new_blocks, 0) if splits > 1 else jnp.int32(tun.new_blocks)
+    n_new = jnp.where(split == splits - 1, tun.new_tiles, 0) if splits > 1 else jnp.int32(tun.new_tiles)
     n_steps = n_cache + n_new
 
     def cache_start(j):
-        blk = blk_lo + first + j
+        blk = tile_lo + first + j
         return jnp.minimum(blk * bk, s_len - bk), blk
 
     @pl.when(wg == 2)
@@ -220,7 +220,7 @@ def _mla_attention_kernel(
             plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
         pro = ((lo % bk != 0) & (first == 0) & (n_cache > 0)).astype(jnp.int32)
-        epi = ((hi % bk != 0) & (last == num_blocks) & (n_cache - pro > 0)).astype(jnp.int32)
+        epi = ((hi % bk != 0) & (last == num_tiles) & (n_cache - pro > 0)).astype(jnp.int32)
         carry = lax.fori_loop(0, pro, functools.partial(step, kind="masked"), carry)
         carry = lax.fori_loop(pro, n_cache - epi, functools.partial(step, kind="full"), carry)
         carry = lax.fori_loop(n_cache - epi, n_cache, functools.partial(step, kind="masked"), carry)
@@ -274,7 +274,7 @@ def _mla_attention_kernel(
 
 def _scratch(tun: MlaMgpuTuning, latent: int, rope: int, dtype) -> list:
     """Shared memory and barriers of one program (order: `_mla_attention_kernel`'s refs)."""
-    bk = tun.block_k
+    bk = tun.tile_k
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     cache = (
         plgpu.SMEM((tun.stages, bk, latent), dtype, transforms=tiled),
@@ -310,7 +310,7 @@ def _scratch(tun: MlaMgpuTuning, latent: int, rope: int, dtype) -> list:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "softmax_scale", "window", "interpret", "block_k", "stages", "splits", "mma_form", "num_sms",
+        "softmax_scale", "window", "interpret", "tile_k", "stages", "splits", "mma_form", "num_sms",
     ),
 )  # fmt: skip
 def mla_attention_mgpu(
@@ -326,7 +326,7 @@ def mla_attention_mgpu(
     softmax_scale: float,
     window: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
-    block_k: int | None = None,
+    tile_k: int | None = None,
     stages: int | None = None,
     splits: int | None = None,
     mma_form: str | None = None,
@@ -346,7 +346,7 @@ def mla_attention_mgpu(
     if interpret:
         mma_form = "smem"
     tun = resolve_mla_mgpu_tuning(
-        q_latent.shape, s, r, block_k=block_k, stages=stages, splits=splits, mma_form=mma_form,
+        q_latent.shape, s, r, tile_k=tile_k, stages=stages, splits=splits, mma_form=mma_form,
         num_sms=num_sms,
     )  # fmt: skip
     ql, qr, cn, krn, bias = _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun)

@@ -7,19 +7,19 @@ under mask [B, T, T] -> [B, T, Hq, D] in q's dtype (bf16 or f16: wgmma's 16-bit 
 
 Layout. XLA packs the G = Hq / Hkv query heads of each K/V head with the T nodes into rows
 `node * G + head` ([B, Hkv, R, D], R = T * G, padded to whole 64-row tiles: wgmma's M), moves the
-in-flight K/V to the cache's layout ([B, Hkv, Tn, D], Tn padded to whole cache blocks) and turns the
+in-flight K/V to the cache's layout ([B, Hkv, Tn, D], Tn padded to whole cache tiles) and turns the
 mask into a float32 bias over packed rows ([B, Rq, Tn]: 0 where a node sees a new token, MASK_VALUE
-elsewhere). `plgpu.kernel` grid (row tiles, B * Hkv, splits); a program (CUDA block) is
+elsewhere). `plgpu.kernel` grid (row tiles, B * Hkv, splits); a program (a CTA) is
 `compute_wgs` compute warpgroups of 64 rows each plus one memory warpgroup:
-- the memory warpgroup streams this split's share of the visible cache blocks, then (last split
-  only) the in-flight blocks, into `stages` shared-memory slots by TMA, each slot guarded by a
+- the memory warpgroup streams this split's share of the visible cache tiles, then (last split
+  only) the in-flight tiles, into `stages` shared-memory slots by TMA, each slot guarded by a
   "full" barrier (TMA bytes arrived) and a "free" barrier (every compute warpgroup done with it);
-- each compute warpgroup loads its 64 query rows once (TMA), then per block: S = Q K^T (wgmma,
+- each compute warpgroup loads its 64 query rows once (TMA), then per tile: S = Q K^T (wgmma,
   float32 accumulator), the online softmax in base 2 (finite running-max start, as the Triton
   kernel), O += P V (wgmma, P in registers), releasing K as soon as S is read and V after P V.
-  Only the first and the last block of a sequence's range are masked (window start, length end);
-  the last block of a cache whose S (a multiple of 8) is not one of block_k is read shifted back so that TMA
-  never leaves the cache, its already-seen keys masked. In-flight blocks add the bias.
+  Only the first and the last tile of a sequence's range are masked (window start, length end);
+  the last tile of a cache whose S (a multiple of 8) is not one of tile_k is read shifted back so that TMA
+  never leaves the cache, its already-seen keys masked. In-flight tiles add the bias.
 With one split the program writes the normalised output (bf16, through shared memory and TMA);
 with several, float32 partials (acc, max, sum in log2 units) that `flash.combine_splits` (the Triton
 kernel's XLA merge) combines. Splits divide each sequence's own visible range (dynamic trip counts).
@@ -75,8 +75,8 @@ def _pack_inputs(q, k_new, v_new, mask, tun: TreeMgpuTuning):
     b, t, hq, d = q.shape
     hkv = k_new.shape[2]
     g = hq // hkv
-    rq = tun.row_tiles * tun.block_q
-    tn = tun.new_blocks * tun.block_k
+    rq = tun.row_tiles * tun.tile_q
+    tn = tun.new_tiles * tun.tile_k
     qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rq - t * g), (0, 0)))
     kn, vn = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, tn - t), (0, 0))) for x in (k_new, v_new))
@@ -112,7 +112,7 @@ def _tree_attention_kernel(
     out_refs, (q_smem, slots, p_smem, barriers) = refs[:n_out], refs[n_out:]
     q_bar, k_full, v_full, k_free, v_free, sched, done = barriers
     (k_smem, v_smem), staging = slots
-    c_wgs, bk, stages, splits = tun.compute_wgs, tun.block_k, tun.stages, tun.splits
+    c_wgs, bk, stages, splits = tun.compute_wgs, tun.tile_k, tun.stages, tun.splits
     s_len, d = k_ref.shape[2], k_ref.shape[3]
     dtype = q_ref.dtype
 
@@ -120,20 +120,20 @@ def _tree_attention_kernel(
     wg = lax.axis_index("wg")
     bi, hi_ = bh // kv_heads, bh % kv_heads
 
-    # This split's share of the visible blocks [blk_lo, blk_hi) (block = bk cache rows, absolute).
+    # This split's share of the visible tiles [tile_lo, tile_hi) (tile = bk cache rows, absolute).
     hi = jnp.minimum(len_ref[bi], s_len)
     lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
-    blk_lo = lo // bk
-    num_blocks = jnp.maximum((hi + bk - 1) // bk - blk_lo, 0)
-    per_split = (num_blocks + splits - 1) // splits
-    first = jnp.minimum(split * per_split, num_blocks)
-    last = jnp.minimum(first + per_split, num_blocks)
+    tile_lo = lo // bk
+    num_tiles = jnp.maximum((hi + bk - 1) // bk - tile_lo, 0)
+    per_split = (num_tiles + splits - 1) // splits
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
     n_cache = last - first
-    n_new = jnp.where(split == splits - 1, tun.new_blocks, 0) if splits > 1 else jnp.int32(tun.new_blocks)
+    n_new = jnp.where(split == splits - 1, tun.new_tiles, 0) if splits > 1 else jnp.int32(tun.new_tiles)
 
     def cache_start(j):
-        """First cache row of step j's block (shifted back to stay inside the cache), and the block."""
-        blk = blk_lo + first + j
+        """First cache row of step j's tile (shifted back to stay inside the cache), and the tile."""
+        blk = tile_lo + first + j
         return jnp.minimum(blk * bk, s_len - bk), blk
 
     @pl.when(wg == c_wgs)
@@ -176,7 +176,7 @@ def _tree_attention_kernel(
     @pl.when(wg < c_wgs)
     def _compute_warpgroup():
         plgpu.set_max_registers(compute_registers(c_wgs), action="increase")
-        row0 = row_tile * tun.block_q + wg * WG_ROWS
+        row0 = row_tile * tun.tile_q + wg * WG_ROWS
         my_q = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi_, pl.ds(row0, WG_ROWS)], my_q, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -186,7 +186,7 @@ def _tree_attention_kernel(
             plgpu.barrier_wait(sched)
 
         def step(j, carry, kind):
-            """One block: kind "full" (no mask), "masked" (cache block at the range's ends) or "new"."""
+            """One tile: kind "full" (no mask), "masked" (cache tile at the range's ends) or "new"."""
             acc, m, l = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_full.at[slot])
@@ -243,10 +243,10 @@ def _tree_attention_kernel(
             plgpu.layout_cast(jnp.full((WG_ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
-        # Masked cache steps: the range's first block when the window start is not block-aligned,
-        # its last when the length is not; the blocks between run unmasked.
+        # Masked cache steps: the range's first tile when the window start is not tile-aligned,
+        # its last when the length is not; the tiles between run unmasked.
         pro = ((lo % bk != 0) & (first == 0) & (n_cache > 0)).astype(jnp.int32)
-        epi = ((hi % bk != 0) & (last == num_blocks) & (n_cache - pro > 0)).astype(jnp.int32)
+        epi = ((hi % bk != 0) & (last == num_tiles) & (n_cache - pro > 0)).astype(jnp.int32)
         if tun.pingpong:
             pl.when(wg == 1)(rendezvous)
         carry = lax.fori_loop(0, pro, functools.partial(step, kind="masked"), carry)
@@ -285,7 +285,7 @@ def _tree_attention_kernel(
 
 def _scratch(tun: TreeMgpuTuning, d: int, dtype) -> list:
     """Shared memory and barriers of one program (order: `_tree_attention_kernel`'s refs)."""
-    c, bk = tun.compute_wgs, tun.block_k
+    c, bk = tun.compute_wgs, tun.tile_k
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit, 128-byte rows
     q_smem = plgpu.SMEM((c, WG_ROWS, d), dtype, transforms=tiled)
     kv = tuple(plgpu.SMEM((tun.stages, bk, d), dtype, transforms=tiled) for _ in range(2))
@@ -314,7 +314,7 @@ def _scratch(tun: TreeMgpuTuning, d: int, dtype) -> list:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "window", "interpret", "block_k", "stages", "compute_wgs", "splits", "pingpong", "mma_form",
+        "window", "interpret", "tile_k", "stages", "compute_wgs", "splits", "pingpong", "mma_form",
         "num_sms",
     ),
 )  # fmt: skip
@@ -329,7 +329,7 @@ def tree_attention_mgpu(
     *,
     window: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
-    block_k: int | None = None,
+    tile_k: int | None = None,
     stages: int | None = None,
     compute_wgs: int | None = None,
     splits: int | None = None,
@@ -353,7 +353,7 @@ def tree_attention_mgpu(
     if interpret:
         mma_form = "smem"
     tun = resolve_tree_mgpu_tuning(
-        q.shape, k_cache.shape, block_k=block_k, stages=stages, compute_wgs=compute_wgs, splits=splits,
+        q.shape, k_cache.shape, tile_k=tile_k, stages=stages, compute_wgs=compute_wgs, splits=splits,
         pingpong=pingpong, mma_form=mma_form, num_sms=num_sms,
     )  # fmt: skip
     qp, kn, vn, bias = _pack_inputs(q, k_new, v_new, mask, tun)

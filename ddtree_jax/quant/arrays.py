@@ -188,7 +188,7 @@ def kernel_experts(w: Weight):
 
 def pallas_ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array, **tuning) -> jax.Array:
     """`ragged_matmul` by the Pallas Triton kernel, which reads the stored bytes of the experts that own
-    rows (`ddtree_jax.kernels.quant_matmul.grouped_matmul`; `tuning`: its block, split and interpret
+    rows (`ddtree_jax.kernels.quant_matmul.grouped_matmul`; `tuning`: its tile, split and interpret
     options)."""
     from ddtree_jax.kernels.quant_matmul import grouped_matmul
 
