@@ -59,9 +59,9 @@ def pallas_invariant(q: jax.Array, k_cache: jax.Array, *args, **kwargs) -> jax.A
     tuning = resolve_tree_tuning(q.shape, k_cache.shape)
     # The tree rule at every T, T = 1 included (9 splits at Hkv 8 for T = 1): what the H200 figures of
     # the batch-invariant mode ran (results/notes.md); the decode rule would give 17 (not measured).
-    rule = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
+    rule = {k: TREE_TUNING[k] for k in ("waves", "min_tiles_per_split")}
     splits = default_tree_splits(
-        SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["block_k"], **rule
+        SPLIT_ROWS, k_cache.shape[1], tuning["row_tiles"], LONG_CACHE, tuning["tile_k"], **rule
     )
     return tree_attention(q, k_cache, *args, splits=splits, **kwargs)
 
@@ -71,9 +71,9 @@ def mla_invariant(
 ) -> jax.Array:
     """`mla_attention` with splits that depend on neither the batch nor the cache capacity."""
     tuning = resolve_mla_tuning(q_latent.shape, latent_cache.shape[1])
-    per_sm = 2 if tuning["block_q"] <= 16 and tuning["num_warps"] <= 4 else 1  # as resolve_mla_tuning's
+    per_sm = 2 if tuning["tile_q"] <= 16 and tuning["num_warps"] <= 4 else 1  # as resolve_mla_tuning's
     programs = tuning["row_tiles"] * tuning["value_splits"]
-    splits = default_mla_splits(SPLIT_ROWS, programs, LONG_CACHE, tuning["block_k"], programs_per_sm=per_sm)
+    splits = default_mla_splits(SPLIT_ROWS, programs, LONG_CACHE, tuning["tile_k"], programs_per_sm=per_sm)
     return mla_attention(q_latent, q_rope, latent_cache, *args, splits=splits, **kwargs)
 
 

@@ -238,17 +238,17 @@ class Deadline:
 def explicit_tuning(q_shape, cache_shape, tuning: dict) -> dict:
     """The resolved tuning as `tree_attention` keywords (the rule knobs waves / mb resolved away)."""
     tun = resolve_tree_tuning(q_shape, cache_shape, **tuning)
-    return {key: tun[key] for key in ("block_q", "block_k", "splits", "num_warps", "num_stages", "merge")}
+    return {key: tun[key] for key in ("tile_q", "tile_k", "splits", "num_warps", "num_stages", "merge")}
 
 
 TUNING_KEYS = dict(
-    q="block_q", k="block_k", s="splits", w="num_warps", st="num_stages", merge="merge", waves="waves",
-    mb="min_blocks_per_split",
+    q="tile_q", k="tile_k", s="splits", w="num_warps", st="num_stages", merge="merge", waves="waves",
+    mb="min_tiles_per_split",
 )  # fmt: skip
 
 
 def parse_tunings(text: str) -> list[dict]:
-    """Specs to tunings: 'k=64,s=16;merge=xla;default' -> [{block_k: 64, splits: 16}, {merge: xla}, {}]."""
+    """Specs to tunings: 'k=64,s=16;merge=xla;default' -> [{tile_k: 64, splits: 16}, {merge: xla}, {}]."""
     out = []
     for spec in text.split(";"):
         spec = spec.strip()
@@ -381,6 +381,15 @@ def device_of(results: dict) -> str:
     return results["meta"]["device_kind"] if "meta" in results else results["device"]
 
 
+# results written before the kernels' tiles were named tiles (results/h200/bench_attention*.json, decode/)
+OLD_TUNING_KEYS = {"block_q": "tile_q", "block_k": "tile_k", "min_blocks_per_split": "min_tiles_per_split"}
+
+
+def row_tuning(row: dict) -> dict:
+    """A row's tuning with the old key names (block_q, block_k) read as today's (tile_q, tile_k)."""
+    return {OLD_TUNING_KEYS.get(k, k): v for k, v in (row.get("tuning") or {}).items()}  # None: skipped
+
+
 def print_table(results):
     print(f"\nread ceiling: {results['ceiling']['bytes_per_s'] / 1e9:.0f} GB/s  device: {device_of(results)}")
     print(
@@ -390,9 +399,9 @@ def print_table(results):
     for row in results["rows"]:
         check = row.get("check", {})
         err = f"{check.get('rel_l2', float('nan')):8.1e}" if check else "       -"
-        tun = row.get("tuning") or {}  # None: a row skipped before its tuning resolved
+        tun = row_tuning(row)
         note = (
-            f"q{tun.get('block_q')} k{tun.get('block_k')} s{tun.get('splits')} "
+            f"q{tun.get('tile_q')} k{tun.get('tile_k')} s{tun.get('splits')} "
             f"w{tun.get('num_warps')} st{tun.get('num_stages')} {tun.get('merge', '')}"
         )
         errors = [f"{key}: {row[key][:80]}" for key in row if key.endswith("error") or key == "skipped"]
@@ -416,14 +425,14 @@ def print_table(results):
         )
         best = {}
         for row in results["tuning_sweep"]:
-            tun = row.get("tuning") or {}
+            tun = row_tuning(row)
             r = row.get("kernel")
             key = (row["B"], row["S"], row["T"])
             if r and (key not in best or r["s"] < best[key]["kernel"]["s"]):
                 best[key] = row
             print(
-                f"{row['B']:>3} {row['S']:>6} {row['T']:>4} | {tun.get('block_q', '-'):>4} "
-                f"{tun.get('block_k', '-'):>4} {tun.get('splits', '-'):>4} {tun.get('num_warps', '-'):>2} "
+                f"{row['B']:>3} {row['S']:>6} {row['T']:>4} | {tun.get('tile_q', '-'):>4} "
+                f"{tun.get('tile_k', '-'):>4} {tun.get('splits', '-'):>4} {tun.get('num_warps', '-'):>2} "
                 f"{tun.get('num_stages', '-'):>2} {tun.get('merge', '-'):>6} | {fmt_us(r)} "
                 f"{fmt_frac(row.get('kernel_frac_ceiling'))}"
                 + "".join(f"  {k}: {row[k][:80]}" for k in row if k.endswith("error") or k == "skipped")
@@ -470,8 +479,8 @@ def print_decode_table(results):
         line = f"{row['B']:>3} {row['S']:>6} | {floor:6.1f} | {fmt_us(bund)[1:]} | {cell(kern)}"
         line += "".join(f" | {cell(here.get(sp, {}).get('kernel'))}" for sp in specs)
         print(line + f" | {prof(kern)} / {prof(bund)}")
-        tun = row.get("tuning") or {}
-        keys = ("block_k", "splits", "num_warps", "num_stages", "merge")
+        tun = row_tuning(row)
+        keys = ("tile_k", "splits", "num_warps", "num_stages", "merge")
         print(f"{'':>12}default = {spec_name({k: tun[k] for k in keys if k in tun})}")
         for name, r in (("default", kern), ("bundled", bund)):
             p = (r or {}).get("profile")
@@ -516,7 +525,7 @@ def main(argv=None):
         k = 2
         decode_splits = 4
         sweep_shapes = [(1, 256, 16)]
-        sweep = [dict(block_k=bk, num_warps=w, num_stages=st) for bk in (16, 32) for w in (4,) for st in (2,)]
+        sweep = [dict(tile_k=bk, num_warps=w, num_stages=st) for bk in (16, 32) for w in (4,) for st in (2,)]
         deadline = Deadline(opts.deadline_s or 600)
     else:
         batches, lengths_s, nodes = [1, 4, 16], [1024, 8192, 32768], [1, 16, 64, 128]
@@ -526,12 +535,12 @@ def main(argv=None):
         decode_splits = 16
         sweep_shapes = [(1, 32768, 64), (8, 32768, 64)]
         sweep = [
-            dict(block_k=bk, num_warps=w, num_stages=st)
+            dict(tile_k=bk, num_warps=w, num_stages=st)
             for bk in (32, 64, 128)
             for w in (4, 8)
             for st in (2, 3, 4)
         ]
-        sweep += [dict(block_q=bq, num_warps=w) for bq in (32, 128) for w in (4, 8)]
+        sweep += [dict(tile_q=bq, num_warps=w) for bq in (32, 128) for w in (4, 8)]
         deadline = Deadline(opts.deadline_s or 240)
     ref_max_bytes = 16 << 30
 

@@ -198,7 +198,7 @@ def print_table(results: dict) -> None:
             f"{row.get('kernel_x_floor', float('nan')):7.2f} | {fmt_us(row.get('reference'))} "
             f"{(f'{speedup:6.1f}' if speedup else '     -')} | "
             f"{(f'{check["rel_l2"]:8.1e}' if check else '       -')} | "
-            f"q{tun.get('block_q')} v{tun.get('value_splits')} k{tun.get('block_k')} s{tun.get('splits')} "
+            f"q{tun.get('tile_q')} v{tun.get('value_splits')} k{tun.get('tile_k')} s{tun.get('splits')} "
             f"w{tun.get('num_warps')} "
             f"st{tun.get('num_stages')} {notes}"
         )
@@ -210,31 +210,31 @@ def sweep_tunings(quick: bool) -> list[tuple[dict, list[dict]]]:
     starts with the first H200 run's default for that shape (16-row tiles at T = 1, 3 or 17 splits
     at T = 64), so the sweep also says what the new defaults gained."""
     if quick:
-        return [(dict(H=4, B=1, S=256, T=4), [dict(block_k=16), dict(block_q=32, splits=2, value_splits=2)])]
+        return [(dict(H=4, B=1, S=256, T=4), [dict(tile_k=16), dict(tile_q=32, splits=2, value_splits=2)])]
     # TP1 decode: default one 64-row tile (all heads), 8 warps, 128 splits of 8 blocks.
-    ar = [dict(block_q=16, num_warps=4, splits=33), dict(block_k=64), dict(value_splits=2)]
-    ar += [dict(splits=64), dict(block_k=64, num_stages=1)]
+    ar = [dict(tile_q=16, num_warps=4, splits=33), dict(tile_k=64), dict(value_splits=2)]
+    ar += [dict(splits=64), dict(tile_k=64, num_stages=1)]
     ar += [dict(value_splits=2, num_warps=4), dict(value_splits=4, num_warps=4), dict(num_stages=3)]
-    ar += [dict(block_k=16, num_stages=3), dict(block_q=32, num_warps=4)]
+    ar += [dict(tile_k=16, num_stages=3), dict(tile_q=32, num_warps=4)]
     # TP8 shard decode (8 heads, memory bound): default one 16-row tile, 4 warps, 256 splits of 4.
-    shard_ar = [dict(splits=128), dict(block_k=64, splits=128), dict(splits=64), dict(num_stages=3)]
-    shard_ar += [dict(value_splits=2), dict(block_k=16, num_stages=3), dict(value_splits=4)]
+    shard_ar = [dict(splits=128), dict(tile_k=64, splits=128), dict(splits=64), dict(num_stages=3)]
+    shard_ar += [dict(value_splits=2), dict(tile_k=16, num_stages=3), dict(value_splits=4)]
     # TP1 verify (compute bound): default 64-row tiles, 8 warps, 2 splits (one wave of 128).
-    verify = [dict(splits=3), dict(block_k=64), dict(block_q=128, value_splits=2), dict(num_stages=3)]
+    verify = [dict(splits=3), dict(tile_k=64), dict(tile_q=128, value_splits=2), dict(num_stages=3)]
     verify += [
-        dict(block_q=32, num_warps=4),
+        dict(tile_q=32, num_warps=4),
         dict(value_splits=2, num_warps=4),
-        dict(block_k=64, num_stages=1),
+        dict(tile_k=64, num_stages=1),
     ]
     verify += [
-        dict(block_q=32, num_warps=8),
-        dict(block_k=16, num_stages=3),
+        dict(tile_q=32, num_warps=8),
+        dict(tile_k=16, num_stages=3),
         dict(splits=4),
         dict(num_warps=4),
     ]
     # TP8 shard verify: default 64-row tiles, 8 warps, 15 splits.
-    shard_verify = [dict(splits=17), dict(block_k=64), dict(block_q=128, value_splits=2)]
-    shard_verify += [dict(num_stages=3), dict(block_q=32, num_warps=4), dict(splits=8)]
+    shard_verify = [dict(splits=17), dict(tile_k=64), dict(tile_q=128, value_splits=2)]
+    shard_verify += [dict(num_stages=3), dict(tile_q=32, num_warps=4), dict(splits=8)]
     return [
         (dict(H=64, B=1, S=32768, T=1), ar),
         (dict(H=8, B=1, S=32768, T=1), shard_ar),

@@ -250,6 +250,7 @@ def check_phase(args) -> None:
 
     from ddtree_jax.kernels import fused_experts as fe
     from ddtree_jax.models import moe
+    from ddtree_jax.quant.arrays import expert_weight
 
     phase = Phase(args, "check")
 
@@ -260,7 +261,7 @@ def check_phase(args) -> None:
             x = jax.random.normal(jax.random.key(tokens), (tokens, p["router"].shape[0]), jnp.bfloat16)
             routing = moe.route(p["router"], x, experts_per_token, True)
             here = jnp.ones(routing.experts.shape, bool)
-            w = [p[n] for n in moe.EXPERT_WEIGHTS]
+            w = [expert_weight(p[n]) for n in moe.EXPERT_WEIGHTS]
             fused = jax.jit(lambda *a: fe.fused_experts(*a, interpret=args.tiny))
             got = np.asarray(fused(x, routing.experts, here, routing.weights, *w), np.float32)
             ref = np.asarray(

@@ -577,17 +577,17 @@ def plan(quick: bool) -> dict:
             (
                 (16, 64, s32),
                 [
-                    dict(block_k=64, stages=3),
-                    dict(block_k=64, stages=4),
+                    dict(tile_k=64, stages=3),
+                    dict(tile_k=64, stages=4),
                     dict(pingpong=False),
                     dict(splits=2),
                     dict(mma_form="smem"),
                 ],
             ),
-            ((1, 1, s32), [dict(splits=8), dict(splits=32), dict(splits=64), dict(block_k=64, stages=4)]),
+            ((1, 1, s32), [dict(splits=8), dict(splits=32), dict(splits=64), dict(tile_k=64, stages=4)]),
             # T = 1, B = 1 trailed the bundled decode kernel most at 8k (55.5 vs 38.8 us); the default is
             # 16 splits (128 programs of 4 blocks): fewer, more, and 64-row blocks (more programs).
-            ((1, 1, s8), [dict(splits=4), dict(splits=8), dict(splits=32), dict(block_k=64, splits=32)]),
+            ((1, 1, s8), [dict(splits=4), dict(splits=8), dict(splits=32), dict(tile_k=64, splits=32)]),
             ((1, 64, s1), [dict(splits=1), dict(splits=2), dict(splits=4)]),
         ],  # fmt: skip
         mla_sweep=[

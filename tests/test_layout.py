@@ -20,10 +20,6 @@ FLOORS = {
     "ddtree_jax.config": 2,
     "ddtree_jax.kv_cache": 3,
     "ddtree_jax.attention": 3,
-    # The fused expert kernel takes the stored expert weights as quant.arrays holds them (Fp8Weight,
-    # Int4Weight: their layout decides the kernel's operands) and its reference is quant.arrays'
-    # slot_matmul: it stands on the quantized arrays, below the families that dispatch to it.
-    "ddtree_jax.kernels.fused_experts": 3,
     "ddtree_jax.models.*": 4,  # the family modules and their shared pieces
     "ddtree_jax.models": 5,  # the registry and the config loader
 }
@@ -72,11 +68,13 @@ def test_no_module_imports_upward():
 
 
 def test_kernels_import_no_other_package_module():
-    """Every kernel on the bottom floor imports kernels only (fused_experts, a floor above, is the one
-    kernel that reads the package's quantized arrays)."""
-    for m, path in MODULES.items():
-        if m.startswith("ddtree_jax.kernels") and floor(m) == FLOORS["ddtree_jax.kernels"]:
-            assert all(d.startswith("ddtree_jax.kernels") for d in imports(path)), (m, imports(path))
+    """Every kernel imports kernels only: the quantized weights reach them as plain arrays and scales
+    (quant.arrays' `kernel_experts`, `expert_weight`)."""
+    kernels = [m for m in MODULES if m.startswith("ddtree_jax.kernels")]
+    assert "ddtree_jax.kernels.fused_experts" in kernels
+    for m in kernels:
+        assert floor(m) == FLOORS["ddtree_jax.kernels"], m
+        assert all(d.startswith("ddtree_jax.kernels") for d in imports(MODULES[m])), (m, imports(MODULES[m]))
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

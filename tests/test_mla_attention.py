@@ -34,22 +34,22 @@ def make_inputs(seed, *, b, t, h, c, r, s, lengths, mask_kind, dtype):
 # (t, h, c, r, s, lengths, mask kind, dtype, window, tuning): a covering subset, not the product.
 CASES = [
     # Autoregressive (T = 1): 8 heads (fewer packed rows than the 16-row tile), S not a multiple of
-    # the block, splits, an empty cache; real widths (512 + 64) with a window.
-    (1, 8, 64, 16, 100, [100, 0], "ones", F32, None, {"block_k": 16, "splits": 3}),
+    # the tile, splits, an empty cache; real widths (512 + 64) with a window.
+    (1, 8, 64, 16, 100, [100, 0], "ones", F32, None, {"tile_k": 16, "splits": 3}),
     (1, 16, 512, 64, 96, [96, 40], "ones", BF16, 16, {}),
     # Chain (causal).
-    (16, 2, 64, 16, 200, [200, 123], "causal", BF16, None, {"block_q": 16, "splits": 3}),
+    (16, 2, 64, 16, 200, [200, 123], "causal", BF16, None, {"tile_q": 16, "splits": 3}),
     # Verify: ancestor masks of random trees; T * H not a multiple of the row tile; splits.
     (33, 4, 64, 16, 192, [100, 5], "tree", F32, None, {}),
-    (64, 2, 128, 32, 300, [299, 300], "tree", F32, 100, {"block_k": 16, "splits": 7}),
-    (24, 8, 64, 16, 160, [160, 17], "tree", BF16, None, {"block_q": 64, "block_k": 64, "splits": 1}),
+    (64, 2, 128, 32, 300, [299, 300], "tree", F32, 100, {"tile_k": 16, "splits": 7}),
+    (24, 8, 64, 16, 160, [160, 17], "tree", BF16, None, {"tile_q": 64, "tile_k": 64, "splits": 1}),
     # Rows that see nothing at all give zeros (length 0 and rows with an empty mask row).
     (16, 2, 64, 16, 64, [0, 40], "sparse", BF16, 8, {"splits": 2}),
     # Value splits (output columns over programs sharing a row tile): real widths, all 64 heads in
-    # one tile (the TP1 decode default), 2 parts, with cache splits, a partial last block and an
+    # one tile (the TP1 decode default), 2 parts, with cache splits, a partial last tile and an
     # empty cache; a verify with 4 parts, one split, a window, and rows past T * H.
     (1, 64, 512, 64, 80, [80, 0], "ones", BF16, None, {"splits": 2, "value_splits": 2}),
-    (12, 4, 64, 16, 96, [96, 50], "tree", F32, 40, {"block_q": 32, "value_splits": 4, "splits": 1}),
+    (12, 4, 64, 16, 96, [96, 50], "tree", F32, 40, {"tile_q": 32, "value_splits": 4, "splits": 1}),
 ]
 
 
@@ -164,17 +164,17 @@ def test_absorbed_form_matches_expanded():
 def test_default_tuning_for_kimi_k2_shapes():
     """64 heads at TP1, 8 per device at TP8: all heads of a decode in one 64-row tile, splits
     counted in waves of 132 SMs (two 16-row programs per SM, one 64-row), the fewest within 10% of
-    the least waves x blocks, at most 256 and at least 4 cache blocks each."""
-    keys = ("block_q", "block_k", "num_warps", "row_tiles", "value_splits", "splits")
+    the least waves x tiles, at most 256 and at least 4 cache tiles each."""
+    keys = ("tile_q", "tile_k", "num_warps", "row_tiles", "value_splits", "splits")
     assert [resolve_mla_tuning((1, 1, 64, 512), 32768)[k] for k in keys] == [64, 64, 8, 1, 1, 128]
     assert [resolve_mla_tuning((1, 1, 8, 512), 32768)[k] for k in keys] == [16, 32, 4, 1, 1, 256]
-    assert resolve_mla_tuning((1, 1, 8, 512), 1024)["splits"] == 8  # 4 blocks of 32 per split
+    assert resolve_mla_tuning((1, 1, 8, 512), 1024)["splits"] == 8  # 4 tiles of 32 per split
     assert [resolve_mla_tuning((1, 64, 8, 512), 32768)[k] for k in keys] == [64, 64, 8, 8, 1, 15]  # one wave
     tp1_verify = resolve_mla_tuning((1, 64, 64, 512), 32768)
     assert (tp1_verify["row_tiles"], tp1_verify["splits"]) == (64, 2)  # not 3: 192 programs, two waves
     assert resolve_mla_tuning((16, 64, 64, 512), 32768)["splits"] == 1
     assert resolve_mla_tuning((16, 1, 64, 512), 32768)["splits"] == 8  # 128 programs
-    assert resolve_mla_tuning((1, 1, 64, 512), 1024, value_splits=2)["splits"] == 4  # 16 blocks of 64
+    assert resolve_mla_tuning((1, 1, 64, 512), 1024, value_splits=2)["splits"] == 4  # 16 tiles of 64
     with pytest.raises(ValueError, match="value_splits"):
         resolve_mla_tuning((1, 1, 64, 64), 256, value_splits=8)
 
@@ -214,13 +214,13 @@ def test_lowers_for_cuda_kimi_k2_shapes(t, h):
         (33, 16, BF16, {"window": 256}),
         (128, 64, BF16, {"splits": 1}),
         (64, 8, F32, {}),
-        (64, 64, BF16, {"block_q": 64, "block_k": 64, "num_warps": 8, "num_stages": 3}),
-        (1, 64, BF16, {"block_q": 64, "block_k": 16, "splits": 64, "num_warps": 4, "num_stages": 1}),
-        (1, 64, BF16, {"block_q": 16, "value_splits": 1, "num_warps": 4}),
-        (1, 8, BF16, {"value_splits": 4, "block_k": 64, "splits": 16}),
+        (64, 64, BF16, {"tile_q": 64, "tile_k": 64, "num_warps": 8, "num_stages": 3}),
+        (1, 64, BF16, {"tile_q": 64, "tile_k": 16, "splits": 64, "num_warps": 4, "num_stages": 1}),
+        (1, 64, BF16, {"tile_q": 16, "value_splits": 1, "num_warps": 4}),
+        (1, 8, BF16, {"value_splits": 4, "tile_k": 64, "splits": 16}),
         (1, 64, BF16, {"value_splits": 2}),
-        (64, 64, BF16, {"block_q": 128, "value_splits": 2, "splits": 1}),
-        (64, 8, BF16, {"block_q": 64, "value_splits": 2, "num_warps": 4, "window": 512}),
+        (64, 64, BF16, {"tile_q": 128, "value_splits": 2, "splits": 1}),
+        (64, 8, BF16, {"tile_q": 64, "value_splits": 2, "num_warps": 4, "window": 512}),
     ],
 )
 def test_lowers_for_cuda_other_tunings(t, h, dtype, kwargs):

@@ -14,24 +14,21 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from test_mla_attention import SCALE, make_inputs
 from test_tree_attention import H200, check_close
 
-from ddtree_jax.kernels.mla_attention_mgpu import (
-    mla_attention_mgpu,
-    mla_attention_reference,
-    resolve_tuning,
-)
+from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu, mla_attention_reference
+from ddtree_jax.kernels.tuning import resolve_mla_mgpu_tuning
 
 BF16 = jnp.bfloat16
 
 # (t, h, c, s, lengths, mask kind, window, tuning): each runs 10-30 s in the interpreter. Between
 # them: one row tile and two, one split and several (float32 partials of both value halves), a
-# pipeline longer than the slots, a shifted last block, a window, an empty cache, rows that see
+# pipeline longer than the slots, a shifted last tile, a window, an empty cache, rows that see
 # nothing; Kimi-K2's latent width 512 in the first. The second runs under the race detector.
 CASES = [
-    # Decode at a TP8 shard's 8 heads, latent 512: 2 splits, a partial last block, an empty cache.
+    # Decode at a TP8 shard's 8 heads, latent 512: 2 splits, a partial last tile, an empty cache.
     (1, 8, 512, 200, [200, 0], "ones", None, {"splits": 2}),
-    # Verify, 96 rows (two tiles), 4 blocks of 64 through 2 slots (S = 240: shifted), one split.
+    # Verify, 96 rows (two tiles), 4 tiles of 64 through 2 slots (S = 240: shifted), one split.
     (12, 8, 128, 240, [230], "tree", None, {"splits": 1}),
-    # Rows that see nothing, a window inside a block, 2 splits.
+    # Rows that see nothing, a window inside a tile, 2 splits.
     (16, 4, 256, 192, [150, 40], "sparse", 70, {"splits": 2}),
 ]
 
@@ -55,9 +52,11 @@ def test_default_tuning_for_kimi_k2_shapes():
     """64 heads (TP1) and 8 (TP8 shard) at 512 + 64: one 64-row tile per program; splits fill 132 SMs."""
 
     def tun(b, t, h, s):
-        return resolve_tuning((b, t, h, 512), s, 64)
+        return resolve_mla_mgpu_tuning((b, t, h, 512), s, 64)
 
-    assert (tun(1, 1, 64, 32768).row_tiles, tun(1, 1, 64, 32768).splits) == (1, 128)
+    decode = tun(1, 1, 64, 32768)
+    assert (decode.tile_k, decode.stages, decode.mma_form) == (64, 2, "registers")
+    assert (decode.row_tiles, decode.splits) == (1, 128)
     assert (tun(1, 1, 8, 32768).out_rows, tun(1, 64, 8, 32768).row_tiles) == (8, 8)
     assert tun(1, 64, 64, 32768).splits == 2 and tun(16, 64, 64, 32768).splits == 1
 
@@ -67,14 +66,14 @@ def test_default_tuning_for_kimi_k2_shapes():
     [
         ((1, 1, 64, 576), 1024, 64, {}, "latent dim"),
         ((1, 1, 64, 512), 1024, 32, {}, "rope dim"),
-        ((1, 1, 64, 512), 32, 64, {}, "shorter than one block"),
+        ((1, 1, 64, 512), 32, 64, {}, "shorter than one tile"),
         ((1, 1, 64, 512), 1024, 64, {"stages": 3}, "shared memory"),
         ((1, 16, 8, 512), 1500, 64, {}, "not a multiple of 8"),
     ],
 )
 def test_rejects_bad_shapes_and_tunings(q_shape, s, r, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        resolve_tuning(q_shape, s, r, **kwargs)
+        resolve_mla_mgpu_tuning(q_shape, s, r, **kwargs)
 
 
 # ---- CUDA lowering on CPU ----

@@ -46,6 +46,11 @@ def _experts(fmt: str) -> tuple:
     return _expert(fmt, H, I, 1), _expert(fmt, H, I, 2), _expert(fmt, I, H, 3)
 
 
+def _kernel_weights(*ws) -> list:
+    """The package's weights as the kernel takes them (quant.arrays.expert_weight)."""
+    return [arrays.expert_weight(w) for w in ws]
+
+
 def _routing(tokens: int, seed: int) -> tuple[jax.Array, ...]:
     """x [N, H] bf16, experts [N, K] (repeats allowed: a token may choose one expert twice), held
     slots (about one in six elsewhere), routing weights."""
@@ -81,25 +86,25 @@ def _close(got, want) -> None:
 
 
 @pytest.mark.parametrize(
-    "block_t,tokens", [(8, 1), (8, 5), (16, 40), (8, 64)], ids=["decode", "few", "wide", "many"]
+    "tile_t,tokens", [(8, 1), (8, 5), (16, 40), (8, 64)], ids=["decode", "few", "wide", "many"]
 )
-def test_schedule_against_numpy(block_t, tokens):
+def test_schedule_against_numpy(tile_t, tokens):
     """Every held pair in a tile of its expert, in token order, tiles of one expert consecutive and full
     but the last; padding rows point nowhere; the tile count within `max_tiles`."""
     num_experts, k = 6, 3
     rng = np.random.default_rng(tokens)
     experts = rng.integers(0, num_experts, (tokens, k))
     here = rng.random((tokens, k)) > 0.25
-    plan = fe.schedule(jnp.asarray(experts, jnp.int32), jnp.asarray(here), num_experts, block_t)
+    plan = fe.schedule(jnp.asarray(experts, jnp.int32), jnp.asarray(here), num_experts, tile_t)
     tile_expert, row, source = (np.asarray(a) for a in plan)
-    assert tile_expert.shape == (fe.max_tiles(tokens * k, num_experts, block_t),)
+    assert tile_expert.shape == (fe.max_tiles(tokens * k, num_experts, tile_t),)
     want_rows = []  # NumPy: per expert, its held pairs in (token, slot) order packed into fresh tiles
     tile = 0
     for e in range(num_experts):
         pairs = [(t, s) for t in range(tokens) for s in range(k) if here[t, s] and experts[t, s] == e]
         for i, (t, s) in enumerate(pairs):
-            want_rows.append((t, s, (tile + i // block_t) * block_t + i % block_t))
-        tiles = -(-len(pairs) // block_t)
+            want_rows.append((t, s, (tile + i // tile_t) * tile_t + i % tile_t))
+        tiles = -(-len(pairs) // tile_t)
         assert list(tile_expert[tile : tile + tiles]) == [e] * tiles
         tile += tiles
     assert (tile_expert[tile:] == -1).all()
@@ -137,21 +142,27 @@ def test_fused_kernel_against_numpy_loop(fmt, tokens):
     gate, up, down = _experts(fmt)
     args = _routing(tokens, tokens)
     want = _numpy_loop(*args, gate, up, down)
-    _close(fe.fused_experts(*args, gate, up, down, interpret=True), want)
-    _close(fe.fused_experts_reference(*args, gate, up, down), want)
+    _close(fe.fused_experts(*args, *_kernel_weights(gate, up, down), interpret=True), want)
+    _close(fe.fused_experts_reference(*args, *_kernel_weights(gate, up, down)), want)
 
 
 def test_supported_shapes():
     """The kernel takes bf16 activations and 64-multiple weights; float32, or Qwen3-30B-A3B's 96
     columns a device under tp 8, go elsewhere (moe's fallback)."""
-    shape = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
+
+    def shape(dims, dtype):
+        return arrays.expert_weight(jax.ShapeDtypeStruct(dims, dtype))
+
     assert fe.supported(
         shape((128, 2048, 768), bf16), shape((128, 2048, 768), bf16), shape((128, 768, 2048), bf16), bf16
     )
     narrow = shape((128, 2048, 96), bf16)
     assert not fe.supported(narrow, narrow, shape((128, 96, 2048), bf16), bf16)
     assert fe.why_not(shape((4, 128, 128), jnp.float32), jnp.float32) is not None
+    assert not fe.supported(*_kernel_weights(*_experts("fp8")[:2], _experts("int4")[2]), bf16)  # mixed
+    as_int4 = arrays.as_int4(_experts("int4")[0])
+    assert "int32 words" in fe.why_not(arrays.expert_weight(as_int4), bf16)
     assert moe.FUSED_MAX_TOKENS == 0  # off as measured on the H200 (moe.py): gather, then grouped
     assert moe.choose_dispatch(1, "gpu", fused=True) == "gather"
     assert moe.choose_dispatch(moe.GPU_GATHER_MAX_TOKENS + 1, "gpu", fused=True) == "grouped"
@@ -287,8 +298,6 @@ def test_kimi_k2_shard_lowers_for_cuda(fmt, experts, width):
         spec((tokens, 8), jnp.int32),
         spec((tokens, 8), jnp.bool_),
         spec((tokens, 8), jnp.bfloat16),
-        weight(7168, width),
-        weight(7168, width),
-        weight(width, 7168),
+        *_kernel_weights(weight(7168, width), weight(7168, width), weight(width, 7168)),
     )
     assert _lowered(fe.fused_experts, *args).count("mosaic_gpu") >= 2

@@ -45,10 +45,10 @@ def test_kernel_equals_reference(fmt, sizes):
     want = grouped_matmul_reference(x, experts, group_sizes)
     # the reference against quant.arrays' own dequantisation (an independent jnp path)
     np.testing.assert_allclose(want, arrays.ragged_matmul(x, w, group_sizes), rtol=1e-6, atol=1e-5)
-    got = grouped_matmul(x, experts, group_sizes, block_n=64, interpret=True)
+    got = grouped_matmul(x, experts, group_sizes, tile_n=64, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     if sizes == [2, 0, 1]:  # K split into partial sums
-        split = grouped_matmul(x, experts, group_sizes, block_n=64, splits=2, interpret=True)
+        split = grouped_matmul(x, experts, group_sizes, tile_n=64, splits=2, interpret=True)
         np.testing.assert_allclose(np.asarray(split), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 

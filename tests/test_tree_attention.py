@@ -16,7 +16,7 @@ from ddtree_jax.kernels.tree_attention import merge_splits, tree_attention, tree
 from ddtree_jax.kernels.tuning import TREE_TUNING, default_tree_splits, resolve_tree_tuning
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-TREE_RULE = {k: TREE_TUNING[k] for k in ("waves", "min_blocks_per_split")}
+TREE_RULE = {k: TREE_TUNING[k] for k in ("waves", "min_tiles_per_split")}
 TOLERANCE = {F32: 1e-5, BF16: 1e-2}
 
 
@@ -77,24 +77,24 @@ CASES = [
     (1, 1, 64, 64, [0, 1], "ones", F32, None, {}),
     (1, 4, 128, 256, [255, 256], "ones", BF16, None, {}),
     (1, 8, 64, 100, [100, 37], "ones", F32, 16, {}),
-    # T = 1 with many one-block splits (the decode rule), more splits than a short row has blocks,
+    # T = 1 with many one-tile splits (the decode rule), more splits than a short row has tiles,
     # and both merges (Pallas kernel, XLA ops).
-    (1, 4, 64, 512, [512, 3], "ones", BF16, None, {"block_k": 16, "merge": "pallas"}),
-    (1, 4, 64, 512, [512, 0], "ones", F32, None, {"block_k": 16, "splits": 40, "merge": "xla"}),
-    (1, 5, 64, 96, [96, 50], "ones", F32, 32, {"block_k": 16, "splits": 6}),
+    (1, 4, 64, 512, [512, 3], "ones", BF16, None, {"tile_k": 16, "merge": "pallas"}),
+    (1, 4, 64, 512, [512, 0], "ones", F32, None, {"tile_k": 16, "splits": 40, "merge": "xla"}),
+    (1, 5, 64, 96, [96, 50], "ones", F32, 32, {"tile_k": 16, "splits": 6}),
     # Drafter block (all ones) and chain (causal).
     (16, 2, 64, 128, [0, 77], "ones", F32, None, {}),
     (16, 4, 128, 256, [1, 256], "causal", BF16, None, {}),
-    (16, 4, 64, 200, [200, 123], "causal", F32, None, {"block_q": 16, "splits": 3}),
+    (16, 4, 64, 200, [200, 123], "causal", F32, None, {"tile_q": 16, "splits": 3}),
     # Verify (random ancestor masks), T padded (33) and larger trees.
     (33, 4, 64, 192, [100, 5], "tree", F32, None, {}),
     (33, 2, 128, 128, [128, 0], "tree", BF16, 48, {}),
     (64, 4, 64, 512, [300, 511], "tree", F32, None, {}),
     (64, 1, 128, 256, [256, 17], "tree", BF16, 64, {"splits": 1}),
-    (64, 2, 64, 300, [299, 300], "tree", F32, 100, {"block_k": 16, "splits": 7}),
-    (64, 2, 64, 300, [299, 41], "tree", F32, None, {"block_k": 16, "splits": 5, "merge": "pallas"}),
+    (64, 2, 64, 300, [299, 300], "tree", F32, 100, {"tile_k": 16, "splits": 7}),
+    (64, 2, 64, 300, [299, 41], "tree", F32, None, {"tile_k": 16, "splits": 5, "merge": "pallas"}),
     (128, 2, 64, 128, [99, 128], "tree", F32, None, {}),
-    (128, 1, 128, 192, [191, 64], "tree", BF16, None, {"block_q": 128, "block_k": 32}),
+    (128, 1, 128, 192, [191, 64], "tree", BF16, None, {"tile_q": 128, "tile_k": 32}),
     # Rows that see nothing at all give zeros (length 0 and rows with an empty mask row).
     (16, 2, 64, 64, [0, 0], "sparse", F32, None, {}),
     (16, 2, 64, 64, [0, 40], "sparse", BF16, 8, {"splits": 2}),
@@ -136,23 +136,23 @@ def test_default_splits_fill_the_gpu():
     assert default_tree_splits(1, 8, 1, 32768, 64, **TREE_RULE) == 33  # 8 programs per split -> ~264
     assert default_tree_splits(16, 8, 1, 32768, 64, **TREE_RULE) == 3
     assert default_tree_splits(64, 8, 1, 32768, 64, **TREE_RULE) == 1
-    assert default_tree_splits(1, 8, 1, 256, 64, **TREE_RULE) == 1  # short caches: few blocks per split
+    assert default_tree_splits(1, 8, 1, 256, 64, **TREE_RULE) == 1  # short caches: few tiles per split
     assert default_tree_splits(1, 1, 1, 1 << 20, 16, **TREE_RULE) == 64  # capped
 
 
 def test_decode_tuning_fills_the_sms():
-    """T = 1 (one 16-row tile): splits aim at 4 waves of 132 programs, down to one block per split."""
+    """T = 1 (one 16-row tile): splits aim at 4 waves of 132 programs, down to one tile per split."""
 
     def splits(b, s, **kw):
         return resolve_tree_tuning((b, 1, 32, 128), (b, 8, s, 128), **kw)["splits"]
 
-    assert [splits(1, s) for s in (1024, 8192, 32768)] == [8, 64, 64]  # 1k: every split one block
+    assert [splits(1, s) for s in (1024, 8192, 32768)] == [8, 64, 64]  # 1k: every split one tile
     assert [splits(4, s) for s in (1024, 8192, 32768)] == [8, 17, 17]
     assert [splits(16, s) for s in (1024, 8192, 32768)] == [5, 5, 5]
-    assert splits(1, 1024, block_k=64) == 16 and splits(16, 32768, waves=8) == 9
+    assert splits(1, 1024, tile_k=64) == 16 and splits(16, 32768, waves=8) == 9
     assert resolve_tree_tuning((1, 1, 32, 128), (1, 8, 1024, 128))["merge"] == "pallas"
     tree = resolve_tree_tuning((1, 16, 32, 128), (1, 8, 1024, 128))  # 64 rows: the tree tuning is unchanged
-    assert (tree["block_k"], tree["num_stages"], tree["splits"], tree["merge"]) == (64, 3, 4, "xla")
+    assert (tree["tile_k"], tree["num_stages"], tree["splits"], tree["merge"]) == (64, 3, 4, "xla")
     with pytest.raises(ValueError):
         resolve_tree_tuning((1, 1, 32, 128), (1, 8, 1024, 128), merge="atomic")
 
@@ -216,9 +216,9 @@ def test_lowers_for_cuda_engine_shapes(b, t):
         (33, 4, 128, BF16, {"window": 256}),
         (512, 4, 64, BF16, {}),
         (64, 4, 128, F32, {"splits": 1}),
-        (64, 4, 128, BF16, {"block_q": 128, "block_k": 32, "num_warps": 8, "num_stages": 4}),
+        (64, 4, 128, BF16, {"tile_q": 128, "tile_k": 32, "num_warps": 8, "num_stages": 4}),
         (1, 4, 128, BF16, {"splits": 64, "merge": "pallas"}),  # the widest merge tile
-        (1, 4, 128, BF16, {"splits": 16, "block_k": 64, "merge": "xla"}),
+        (1, 4, 128, BF16, {"splits": 16, "tile_k": 64, "merge": "xla"}),
         (1, 5, 128, BF16, {"splits": 33}),
         (64, 4, 128, BF16, {"splits": 9, "merge": "pallas"}),
     ],

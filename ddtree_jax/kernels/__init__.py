@@ -1,5 +1,6 @@
 """The kernels, each file a kernel beside its pure-jnp reference of the same signature; they import jax
-and each other only (tests/test_layout.py), except `fused_experts`, which reads quant.arrays' weights.
+and each other only (tests/test_layout.py); quantized weights reach them as plain arrays and scales
+(quant.arrays' `kernel_experts` and `expert_weight`).
 
 Pallas Triton (any CUDA GPU):
   tree_attention      decode-time GQA attention over a cache prefix plus in-flight tokens under a mask
@@ -11,5 +12,6 @@ Mosaic GPU (Hopper: wgmma, TMA; `--attention mosaic`, the MoE 'fused' dispatch):
   fused_experts        the routed experts of a MoE layer (gate + up + SiLU, then down), bf16/FP8/INT4
 Shared pieces:
   flash               the cache loop and online softmax of the attention kernels, the split merges
-  tuning              the attention kernels' tuning tables and split rules, the grouped matmul's splits
+  tuning              every attention kernel's tuning tables and split rules (Triton and Mosaic GPU),
+                      the grouped matmul's splits
 """

@@ -2,8 +2,8 @@
 mask value, one online-softmax step in log2 units, the loop over a split's share of a cached prefix,
 the loop over the in-flight tokens under their mask, and the merges of partial softmaxes.
 
-A kernel supplies only its own loads and scores: `stream_cache` and `stream_new` walk the blocks and
-call the kernel's `step`, which loads a block, scores it against the program's query rows and folds
+A kernel supplies only its own loads and scores: `stream_cache` and `stream_new` walk the tiles and
+call the kernel's `step`, which loads a tile, scores it against the program's query rows and folds
 it into the carry (acc [rows, V], running max m [rows], running sum l [rows], float32).
 """
 
@@ -64,12 +64,12 @@ def empty_carry(rows: int, width: int) -> Carry:
 
 
 def load_rows(at, ok: jax.Array | None):
-    """A [K, ...] block of a ref view `at`: all rows (`ok` None), or masked rows read as 0."""
+    """A [K, ...] tile of a ref view `at`: all rows (`ok` None), or masked rows read as 0."""
     return pltriton.load(at) if ok is None else pltriton.load(at, mask=ok[:, None], other=0)
 
 
-# step(carry, start, ok) -> carry: fold cache rows [start, start + block_k) into the carry; `ok` [block_k]
-# bool marks the rows inside the visible range (None: all of them, a full block).
+# step(carry, start, ok) -> carry: fold cache rows [start, start + tile_k) into the carry; `ok` [tile_k]
+# bool marks the rows inside the visible range (None: all of them, a full tile).
 CacheStep = Callable[[Carry, jax.Array, jax.Array | None], Carry]
 
 
@@ -80,36 +80,36 @@ def stream_cache(
     step: CacheStep,
     *,
     cache_len: int,
-    block_k: int,
+    tile_k: int,
     splits: int,
     window: int | None,
 ) -> Carry:
-    """This split's share of a sequence's visible cache [max(0, len - window), len), in blocks of
-    `block_k`: the range is dynamic per sequence, so short sequences in a long cache still spread over
-    every split. Only the last block of the range can be partial: full blocks run unmasked, the tail
+    """This split's share of a sequence's visible cache [max(0, len - window), len), in tiles of
+    `tile_k`: the range is dynamic per sequence, so short sequences in a long cache still spread over
+    every split. Only the last tile of the range can be partial: full tiles run unmasked, the tail
     with masked loads."""
     hi = jnp.minimum(length, cache_len)
     lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
-    num_full = (hi - lo) // block_k
-    num_blocks = (hi - lo + block_k - 1) // block_k
-    per_split = (num_blocks + splits - 1) // splits
+    num_full = (hi - lo) // tile_k
+    num_tiles = (hi - lo + tile_k - 1) // tile_k
+    per_split = (num_tiles + splits - 1) // splits
     first = split * per_split
-    last = jnp.minimum(first + per_split, num_blocks)
+    last = jnp.minimum(first + per_split, num_tiles)
 
-    def full_block(j, carry):
-        return step(carry, lo + j * block_k, None)
+    def full_tile(j, carry):
+        return step(carry, lo + j * tile_k, None)
 
-    def tail_block(carry):
-        start = lo + num_full * block_k
-        return step(carry, start, start + jnp.arange(block_k, dtype=jnp.int32) < hi)
+    def tail_tile(carry):
+        start = lo + num_full * tile_k
+        return step(carry, start, start + jnp.arange(tile_k, dtype=jnp.int32) < hi)
 
-    carry = lax.fori_loop(first, jnp.minimum(last, num_full), full_block, carry)
-    has_tail = (num_full < num_blocks) & (first <= num_full) & (num_full < last)
-    return lax.cond(has_tail, tail_block, lambda c: c, carry)
+    carry = lax.fori_loop(first, jnp.minimum(last, num_full), full_tile, carry)
+    has_tail = (num_full < num_tiles) & (first <= num_full) & (num_full < last)
+    return lax.cond(has_tail, tail_tile, lambda c: c, carry)
 
 
-# step(carry, cols, col_ok, seen) -> carry: fold in-flight tokens `cols` [block_new] (`col_ok`: real
-# tokens) into the carry; seen() loads [rows, block_new] int8: which of them each query row's node may
+# step(carry, cols, col_ok, seen) -> carry: fold in-flight tokens `cols` [tile_new] (`col_ok`: real
+# tokens) into the carry; seen() loads [rows, tile_new] int8: which of them each query row's node may
 # see (called after the step's own loads, the order the kernels have always issued them in).
 NewStep = Callable[[Carry, jax.Array, jax.Array, Callable[[], jax.Array]], Carry]
 
@@ -122,15 +122,15 @@ def stream_new(
     row_ok: jax.Array,
     *,
     num_nodes: int,
-    block_new: int,
+    tile_new: int,
     split: jax.Array,
     splits: int,
 ) -> Carry:
     """The T in-flight tokens under the [T, T] mask `mask_ref` (rows of node `node` [rows], real where
-    `row_ok`), in blocks of `block_new`; done by the last split only (the lightest)."""
+    `row_ok`), in tiles of `tile_new`; done by the last split only (the lightest)."""
 
-    def new_block(c, carry):
-        cols = c * block_new + jnp.arange(block_new, dtype=jnp.int32)
+    def new_tile(c, carry):
+        cols = c * tile_new + jnp.arange(tile_new, dtype=jnp.int32)
         col_ok = cols < num_nodes
 
         def seen() -> jax.Array:
@@ -140,7 +140,7 @@ def stream_new(
         return step(carry, cols, col_ok, seen)
 
     def new_part(carry):
-        return lax.fori_loop(0, cdiv(num_nodes, block_new), new_block, carry)
+        return lax.fori_loop(0, cdiv(num_nodes, tile_new), new_tile, carry)
 
     return new_part(carry) if splits == 1 else lax.cond(split == splits - 1, new_part, lambda c: c, carry)
 

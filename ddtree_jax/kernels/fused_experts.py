@@ -2,23 +2,25 @@
 
 Contract of `fused_experts` and of its reference `fused_experts_reference` (same signature):
 x [N, H] (bf16 or f16), experts [N, k] int32 local expert ids, here [N, k] bool (the slot's expert is
-held on this device), weights [N, k] routing weights, gate / up [E, H, I] and down [E, I, H], each a
-plain array of x's dtype, an `Fp8Weight` (float32 scales of 128 x 128 blocks) or an `Int4Weight`
-(int32 words, bf16 scales of groups of 32) -> [N, H] in x's dtype: per token, the routing-weighted sum
-over its held slots of down(silu(x gate) * (x up)). Under shard_map the shapes are the local ones.
+held on this device), weights [N, k] routing weights, gate / up [E, H, I] and down [E, I, H], each an
+`ExpertWeight`: plain arrays in one of three formats, "plain" (x's dtype), "fp8" (e4m3 with float32
+scales of 128 x 128 blocks) or "int4" (int32 words, bf16 scales of groups of 32); quant.arrays'
+`expert_weight` makes one from the package's stored weights -> [N, H] in x's dtype: per token, the
+routing-weighted sum over its held slots of down(silu(x gate) * (x up)). Under shard_map the shapes
+are the local ones.
 
-Layout. The (token, slot) pairs are grouped by expert into tiles of `block_t` rows (a tile never spans
-two experts; at most min(E, N k) + N k // block_t tiles, the rest empty: `schedule`); an XLA gather
-puts each tile's token rows into x_rows [tiles * block_t, H], zero rows padding a tile. Two launches:
+Layout. The (token, slot) pairs are grouped by expert into tiles of `tile_t` rows (a tile never spans
+two experts; at most min(E, N k) + N k // tile_t tiles, the rest empty: `schedule`); an XLA gather
+puts each tile's token rows into x_rows [tiles * tile_t, H], zero rows padding a tile. Two launches:
   gate_up  grid (tiles, I / 64): program (t, c) streams the 64 columns c of its expert's gate and up
            over H and writes act[tile t rows, c] = silu(x g) * (x u) in x's dtype
   down     grid (tiles, H / 64): streams the 64 columns c of down over I -> y^T[c, tile t rows] (float32;
            Mosaic GPU stores 32-bit tiles only in the accumulator's orientation)
 then the combine (XLA): out[n] = sum over held slots s of weights[n, s] * y[row(n, s)]. A program of an
-empty tile exits at once, so only the chosen experts are read, each column block once per tile.
+empty tile exits at once, so only the chosen experts are read, each 64-column slice once per tile.
 
 A program: one warpgroup; the expert's 64 columns are the wgmma M operand (read from shared memory
-transposed), the tile's tokens its N (block_t, a multiple of 8), a float32 accumulator [64, block_t].
+transposed), the tile's tokens its N (tile_t, a multiple of 8), a float32 accumulator [64, tile_t].
 Each K step's boxes arrive by TMA into `stages` buffers, one barrier per buffer. bf16 / f16 weights
 feed wgmma as they arrive; FP8 and INT4 are dequantised in registers into a shared-memory tile first:
   FP8   steps of 128 rows; one float32 scale per 128 x 128 block, i.e. one scalar per (step, program).
@@ -46,29 +48,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ddtree_jax.quant.arrays import Fp8Weight, Int4Weight, Weight, slot_matmul
-
-BLOCK_N = 64  # output columns per program: the M of one warpgroup's wgmma
+TILE_N = 64  # output columns per program: the M of one warpgroup's wgmma
 INT4_STEP = 512  # K rows per INT4 step: 64 word rows, stacked from 4 boxes
 INT4_BOX = 16  # word rows per INT4 box (16 groups of 32 rows)
-SMEM_BYTES = 200 * 1024  # of the H100 / H200's 227 KiB per block, leaving room for Mosaic's own
+SMEM_BYTES = 200 * 1024  # of the H100 / H200's 227 KiB per program (CTA), leaving room for Mosaic's own
 MAX_STAGES = 4
+FORMATS = ("plain", "fp8", "int4")
 
 
 class Schedule(NamedTuple):
-    """Where the (token, slot) pairs go: tiles of `block_t` rows, one expert each."""
+    """Where the (token, slot) pairs go: tiles of `tile_t` rows, one expert each."""
 
     tile_expert: jax.Array  # [tiles] int32: the local expert of each tile, -1 for an empty tile
     row: jax.Array  # [N, k] int32: each slot's row in the tile layout (meaningless where not held)
-    source: jax.Array  # [tiles * block_t] int32: the token of each row, -1 for a padding row
+    source: jax.Array  # [tiles * tile_t] int32: the token of each row, -1 for a padding row
 
 
-def max_tiles(pairs: int, num_experts: int, block_t: int) -> int:
+def max_tiles(pairs: int, num_experts: int, tile_t: int) -> int:
     """Tiles enough for any routing of `pairs` pairs: one partial tile per expert present, plus full ones."""
-    return max(1, min(num_experts, pairs) + pairs // block_t)
+    return max(1, min(num_experts, pairs) + pairs // tile_t)
 
 
-def schedule(experts: jax.Array, here: jax.Array, num_experts: int, block_t: int) -> Schedule:
+def schedule(experts: jax.Array, here: jax.Array, num_experts: int, tile_t: int) -> Schedule:
     """The tile layout of experts [N, k] (held slots only), built on the device; pairs keep token order
     within an expert."""
     n, k = experts.shape
@@ -76,33 +77,53 @@ def schedule(experts: jax.Array, here: jax.Array, num_experts: int, block_t: int
     key = jnp.where(here, experts, num_experts).reshape(-1)  # absent slots sort past every expert
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts]
-    tiles = (sizes + block_t - 1) // block_t
+    tiles = (sizes + tile_t - 1) // tile_t
     tile_end = jnp.cumsum(tiles)
     tile_first = tile_end - tiles
-    t = jnp.arange(max_tiles(pairs, num_experts, block_t), dtype=jnp.int32)
+    t = jnp.arange(max_tiles(pairs, num_experts, tile_t), dtype=jnp.int32)
     owner = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
     tile_expert = jnp.where(owner < num_experts, owner, -1)
     held = key < num_experts
     e = jnp.minimum(key, num_experts - 1)
     position = jnp.zeros((pairs,), jnp.int32).at[order].set(jnp.arange(pairs, dtype=jnp.int32))
     rank = position - (jnp.cumsum(sizes) - sizes)[e]  # the pair's place among its expert's pairs
-    row = (tile_first[e] + rank // block_t) * block_t + rank % block_t
-    num_rows = t.shape[0] * block_t
+    row = (tile_first[e] + rank // tile_t) * tile_t + rank % tile_t
+    num_rows = t.shape[0] * tile_t
     token = jnp.arange(pairs, dtype=jnp.int32) // k
     source = jnp.full((num_rows,), -1, jnp.int32).at[jnp.where(held, row, num_rows)].set(token, mode="drop")
     return Schedule(tile_expert, row.astype(jnp.int32).reshape(n, k), source)
 
 
-def default_block_t(pairs: int, num_experts: int) -> int:
+def default_tile_t(pairs: int, num_experts: int) -> int:
     """Rows per tile: the power of two in [8, 64] at or above the mean pairs per chosen expert."""
     mean = -(-pairs // max(1, min(num_experts, pairs)))
-    block = 8
-    while block < min(mean, 64):
-        block *= 2
-    return block
+    tile = 8
+    while tile < min(mean, 64):
+        tile *= 2
+    return tile
 
 
 # ---- the weights as the kernel reads them ---------------------------------------------------------
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["w", "scale"],
+    meta_fields=["fmt", "block", "group", "width"],
+)
+@dataclasses.dataclass(frozen=True)
+class ExpertWeight:
+    """One stacked expert weight [E, K, N] as plain arrays and its format's constants (the kernel's
+    input; `quant.arrays.expert_weight` builds it from an Fp8Weight, an Int4Weight or a plain array)."""
+
+    fmt: str  # one of FORMATS
+    # plain: [E, K, N] in x's dtype; fp8: float8_e4m3fn [E, K_pad, N_pad] (zero-padded to whole blocks);
+    # int4: int32 words [E, K / 8, N], nibble b (bits 4b..4b+3) of word row r = row 8r + b, stored + 8
+    w: jax.Array
+    scale: jax.Array | None = None  # fp8: float32 [E, K_pad / bi, N_pad / bo]; int4: [E, K / group, N]
+    block: tuple[int, int] = (1, 1)  # fp8: the scale block (rows bi, columns bo)
+    group: int = 1  # int4: rows per scale
+    width: int = 0  # fp8: the logical N before the block padding; 0: N as stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,49 +148,51 @@ class Operand:
         return self.steps * self.step_k
 
 
-def why_not(w: Weight, dtype: jnp.dtype) -> str | None:
+def why_not(w: ExpertWeight, dtype: jnp.dtype) -> str | None:
     """Why the kernel cannot stream expert weight w [E, K, N] against activations of `dtype` (local
     shapes), or None when it can."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"activations must be bfloat16 or float16 for wgmma, not {jnp.dtype(dtype)}"
-    if isinstance(w, Int4Weight):
-        if w.q.dtype != jnp.int32 or w.group != 32:
+    if w.fmt not in FORMATS:
+        return f"expert weight format {w.fmt!r} not one of {FORMATS}"
+    if w.fmt == "int4":
+        if w.w.dtype != jnp.int32 or w.group != 32:
             return "INT4 weights must be int32 words with groups of 32"
-        k, n = w.q.shape[-2] * 8, w.q.shape[-1]
-    elif isinstance(w, Fp8Weight):
+        k, n = w.w.shape[-2] * 8, w.w.shape[-1]
+    elif w.fmt == "fp8":
         bi, bo = w.block
-        if bi % 128 or bo % BLOCK_N:
-            return f"FP8 blocks {w.block} must nest 128-row steps and {BLOCK_N}-column programs"
+        if bi % 128 or bo % TILE_N:
+            return f"FP8 blocks {w.block} must nest 128-row steps and {TILE_N}-column programs"
         k, n = w.w.shape[-2:]
     else:
-        if w.dtype != dtype:
-            return f"plain expert weights must have the activations' dtype {jnp.dtype(dtype)}, not {w.dtype}"
-        k, n = w.shape[-2:]
-    if k % BLOCK_N or n % BLOCK_N:
-        return f"expert weight rows {k} and columns {n} must be multiples of {BLOCK_N} (TMA tiles)"
+        if w.w.dtype != dtype:
+            want = jnp.dtype(dtype)
+            return f"plain expert weights must have the activations' dtype {want}, not {w.w.dtype}"
+        k, n = w.w.shape[-2:]
+    if k % TILE_N or n % TILE_N:
+        return f"expert weight rows {k} and columns {n} must be multiples of {TILE_N} (TMA tiles)"
     return None
 
 
-def supported(gate: Weight, up: Weight, down: Weight, dtype: jnp.dtype) -> bool:
+def supported(gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight, dtype: jnp.dtype) -> bool:
     """Whether the kernel takes these experts (same format for all three) and activations."""
-    same = type(gate) is type(up) is type(down)
+    same = gate.fmt == up.fmt == down.fmt
     return same and all(why_not(w, dtype) is None for w in (gate, up, down))
 
 
-def operand(w: Weight, dtype: jnp.dtype) -> Operand:
+def operand(w: ExpertWeight, dtype: jnp.dtype) -> Operand:
     """The kernel's view of expert weight w [E, K, N] (no copy: the INT4 view is a reshape)."""
     reason = why_not(w, dtype)
     if reason is not None:
         raise ValueError(f"fused experts kernel: {reason}")
-    if isinstance(w, Int4Weight):
-        e, kw, n = w.q.shape
-        view = w.q.reshape(e, kw // 4, 4 * n)
+    if w.fmt == "int4":
+        e, kw, n = w.w.shape
+        view = w.w.reshape(e, kw // 4, 4 * n)
         return Operand("int4", (view, w.scale), kw * 8, n, INT4_STEP, scale_dtype=w.scale.dtype)
-    if isinstance(w, Fp8Weight):
-        k, n = w.w.shape[-2:]
+    k, n = w.w.shape[-2:]
+    if w.fmt == "fp8":
         return Operand("fp8", (w.w, w.scale), k, n, 128, w.block)
-    k, n = w.shape[-2:]
-    return Operand("plain", (w,), k, n, 128 if k % 128 == 0 else BLOCK_N)
+    return Operand("plain", (w.w,), k, n, 128 if k % 128 == 0 else TILE_N)
 
 
 def int4_permutation(columns: int) -> np.ndarray:
@@ -200,33 +223,33 @@ def _buffers(op: Operand, stages: int, dtype) -> list:
     if op.fmt == "int4":
         rows = 4 * INT4_BOX
         return [
-            plgpu.SMEM((stages, rows, BLOCK_N), jnp.int32),
-            plgpu.SMEM((stages, rows, BLOCK_N), op.scale_dtype),
+            plgpu.SMEM((stages, rows, TILE_N), jnp.int32),
+            plgpu.SMEM((stages, rows, TILE_N), op.scale_dtype),
         ]
-    return [plgpu.SMEM((stages, op.step_k, BLOCK_N), op.arrays[0].dtype)]
+    return [plgpu.SMEM((stages, op.step_k, TILE_N), op.arrays[0].dtype)]
 
 
 def _copies(op: Operand) -> int:
     return 8 if op.fmt == "int4" else 1
 
 
-def _stage_bytes(ops: tuple[Operand, ...], block_t: int, dtype) -> int:
+def _stage_bytes(ops: tuple[Operand, ...], tile_t: int, dtype) -> int:
     step_k = ops[0].step_k
-    total = block_t * step_k * jnp.dtype(dtype).itemsize
+    total = tile_t * step_k * jnp.dtype(dtype).itemsize
     for op in ops:
         if op.fmt == "int4":
-            total += 4 * INT4_BOX * BLOCK_N * (4 + jnp.dtype(op.scale_dtype).itemsize)
+            total += 4 * INT4_BOX * TILE_N * (4 + jnp.dtype(op.scale_dtype).itemsize)
         else:
-            total += op.step_k * BLOCK_N * op.arrays[0].dtype.itemsize
+            total += op.step_k * TILE_N * op.arrays[0].dtype.itemsize
     return total
 
 
-def choose_stages(ops: tuple[Operand, ...], block_t: int, dtype) -> int:
+def choose_stages(ops: tuple[Operand, ...], tile_t: int, dtype) -> int:
     """Pipeline depth that fits shared memory beside the dequantised tile and the output tile."""
-    fixed = block_t * BLOCK_N * 4
+    fixed = tile_t * TILE_N * 4
     if ops[0].fmt != "plain":
-        fixed += ops[0].step_k * BLOCK_N * jnp.dtype(dtype).itemsize
-    fit = (SMEM_BYTES - fixed) // _stage_bytes(ops, block_t, dtype)
+        fixed += ops[0].step_k * TILE_N * jnp.dtype(dtype).itemsize
+    fit = (SMEM_BYTES - fixed) // _stage_bytes(ops, tile_t, dtype)
     return int(max(1, min(MAX_STAGES, ops[0].steps, fit)))
 
 
@@ -237,13 +260,13 @@ def _issue(op: Operand, refs: tuple, bufs: list, e, c, step, slot, barrier) -> N
         rows = pl.ds(step * INT4_BOX, INT4_BOX)
         for i in range(4):
             stacked = pl.ds(i * INT4_BOX, INT4_BOX)
-            cols = pl.ds(i * op.n + c * BLOCK_N, BLOCK_N)
+            cols = pl.ds(i * op.n + c * TILE_N, TILE_N)
             plgpu.copy_gmem_to_smem(words.at[e, rows, cols], bufs[0].at[slot, stacked], barrier)
             plgpu.copy_gmem_to_smem(
-                scale.at[e, rows, pl.ds(c * BLOCK_N, BLOCK_N)], bufs[1].at[slot, stacked], barrier
+                scale.at[e, rows, pl.ds(c * TILE_N, TILE_N)], bufs[1].at[slot, stacked], barrier
             )
         return
-    box = refs[0].at[e, pl.ds(step * op.step_k, op.step_k), pl.ds(c * BLOCK_N, BLOCK_N)]
+    box = refs[0].at[e, pl.ds(step * op.step_k, op.step_k), pl.ds(c * TILE_N, TILE_N)]
     plgpu.copy_gmem_to_smem(box, bufs[0].at[slot], barrier)
 
 
@@ -254,7 +277,7 @@ def _weight_tile(op: Operand, refs: tuple, bufs: list, deq, e, c, step, slot, dt
         return bufs[0].at[slot]
     if op.fmt == "fp8":
         bi, bo = op.block
-        scale = refs[1][e, (step * op.step_k) // bi, (c * BLOCK_N) // bo]
+        scale = refs[1][e, (step * op.step_k) // bi, (c * TILE_N) // bo]
         deq[...] = (bufs[0][slot].astype(jnp.float32) * scale).astype(dtype)
     else:
         words = plgpu.load(bufs[0].at[slot], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -268,8 +291,8 @@ def _weight_tile(op: Operand, refs: tuple, bufs: list, deq, e, c, step, slot, dt
     return deq
 
 
-def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
-    """One (tile, 64-column block) program: stream K, multiply, write the tile's rows of the output."""
+def _program(tile_ref, x_ref, *refs, ops, tile_t, stages, dtype, out_dtype):
+    """One (tile, 64 output columns) program: stream K, multiply, write the tile's rows of the output."""
     out_ref = refs[-1]
     sizes = [len(op.arrays) for op in ops]
     weight_refs = [tuple(refs[sum(sizes[:i]) : sum(sizes[: i + 1])]) for i in range(len(ops))]
@@ -277,16 +300,16 @@ def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
     e = tile_ref[t]
     steps, step_k = ops[0].steps, ops[0].step_k
     copies = 1 + sum(_copies(op) for op in ops)
-    scratch = [plgpu.SMEM((stages, block_t, step_k), dtype)]
+    scratch = [plgpu.SMEM((stages, tile_t, step_k), dtype)]
     for op in ops:
         scratch += _buffers(op, stages, dtype)
     rows_first = jnp.dtype(out_dtype).itemsize == 2  # else [N, rows]: Mosaic stores 32-bit tiles unturned
-    out_tile = (block_t, BLOCK_N) if rows_first else (BLOCK_N, block_t)
-    scratch += [plgpu.SMEM((step_k, BLOCK_N), dtype), plgpu.SMEM(out_tile, out_dtype)]
+    out_tile = (tile_t, TILE_N) if rows_first else (TILE_N, tile_t)
+    scratch += [plgpu.SMEM((step_k, TILE_N), dtype), plgpu.SMEM(out_tile, out_dtype)]
     scratch.append(plgpu.Barrier(num_arrivals=copies, num_barriers=stages))
 
     def issue(step, slot, xs, bufs, barrier):
-        rows = pl.ds(t * block_t, block_t)
+        rows = pl.ds(t * tile_t, tile_t)
         plgpu.copy_gmem_to_smem(x_ref.at[rows, pl.ds(step * step_k, step_k)], xs.at[slot], barrier.at[slot])
         for op, r, b in zip(ops, weight_refs, bufs, strict=True):
             _issue(op, r, b, e, c, step, slot, barrier.at[slot])
@@ -313,12 +336,12 @@ def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
         def accumulate(acc):
             # one accumulator, a 64-row slice per weight: the GPU interpreter keeps one register
             # allocation per program apart from other devices' (two raced under shard_map)
-            accs = [acc.at[pl.ds(i * BLOCK_N, BLOCK_N)] for i in range(len(ops))]
+            accs = [acc.at[pl.ds(i * TILE_N, TILE_N)] for i in range(len(ops))]
 
             def step(s, carry):
                 slot = lax.rem(s, stages)
                 plgpu.barrier_wait(barrier.at[slot])
-                tokens = xs.at[slot].T  # [step_k, block_t]
+                tokens = xs.at[slot].T  # [step_k, tile_t]
                 for op, r, b, acc in zip(ops, weight_refs, bufs, accs, strict=True):
                     tile = _weight_tile(op, r, b, deq, e, c, s, slot, dtype)
                     plgpu.wgmma(acc, tile.T, tokens)
@@ -333,13 +356,13 @@ def _program(tile_ref, x_ref, *refs, ops, block_t, stages, dtype, out_dtype):
             lax.fori_loop(0, steps, step, None)
             out = acc[...]
             if len(accs) == 2:  # gate, up -> silu(gate) * up
-                g = lax.slice(out, (0, 0), (BLOCK_N, block_t))
-                u = lax.slice(out, (BLOCK_N, 0), (2 * BLOCK_N, block_t))
+                g = lax.slice(out, (0, 0), (TILE_N, tile_t))
+                u = lax.slice(out, (TILE_N, 0), (2 * TILE_N, tile_t))
                 return g / (1.0 + jnp.exp(-g)) * u
             return out
 
-        out = pl.run_scoped(accumulate, plgpu.ACC((len(ops) * BLOCK_N, block_t), jnp.float32))
-        rows, cols = pl.ds(t * block_t, block_t), pl.ds(c * BLOCK_N, BLOCK_N)
+        out = pl.run_scoped(accumulate, plgpu.ACC((len(ops) * TILE_N, tile_t), jnp.float32))
+        rows, cols = pl.ds(t * tile_t, tile_t), pl.ds(c * TILE_N, TILE_N)
         if rows_first:
             o_smem.T[...] = out.astype(out_dtype)
             dst = out_ref.at[rows, cols]
@@ -358,30 +381,30 @@ def expert_matmul(
     tile_expert: jax.Array,
     ops: tuple[Operand, ...],
     *,
-    block_t: int,
+    tile_t: int,
     out_dtype,
     interpret: bool = False,
 ) -> jax.Array:
-    """x_rows [tiles * block_t, K padded] (kernel column order) times each tile's expert of every
-    weight in `ops` (one, or gate and up: then silu(x g) * (x u)) -> [tiles * block_t, N] in out_dtype
-    of 16 bits, or its transpose [N, tiles * block_t] in float32."""
+    """x_rows [tiles * tile_t, K padded] (kernel column order) times each tile's expert of every
+    weight in `ops` (one, or gate and up: then silu(x g) * (x u)) -> [tiles * tile_t, N] in out_dtype
+    of 16 bits, or its transpose [N, tiles * tile_t] in float32."""
     num_rows, width = x_rows.shape
     n = ops[0].n
     if any(op.n != n or op.k != ops[0].k or op.fmt != ops[0].fmt for op in ops):
         raise ValueError("fused experts kernel: gate and up must have one shape and format")
-    if width != ops[0].k_padded or num_rows % block_t or block_t % 8:
-        raise ValueError(f"x rows {x_rows.shape} do not fit K {ops[0].k_padded} / block_t {block_t}")
+    if width != ops[0].k_padded or num_rows % tile_t or tile_t % 8:
+        raise ValueError(f"x rows {x_rows.shape} do not fit K {ops[0].k_padded} / tile_t {tile_t}")
     dtype = x_rows.dtype
-    stages = choose_stages(ops, block_t, dtype)
+    stages = choose_stages(ops, tile_t, dtype)
     body = functools.partial(
-        _program, ops=ops, block_t=block_t, stages=stages, dtype=dtype, out_dtype=jnp.dtype(out_dtype)
+        _program, ops=ops, tile_t=tile_t, stages=stages, dtype=dtype, out_dtype=jnp.dtype(out_dtype)
     )
     call = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(
             (num_rows, n) if jnp.dtype(out_dtype).itemsize == 2 else (n, num_rows), out_dtype
         ),
-        grid=(num_rows // block_t, n // BLOCK_N),
+        grid=(num_rows // tile_t, n // TILE_N),
         grid_names=("tile", "col"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
@@ -399,31 +422,31 @@ def combine(y_t: jax.Array, row: jax.Array, here: jax.Array, weights: jax.Array)
 
 # jitted: a forward's layers share one trace and one lowering of it (Mosaic's layout inference runs
 # once, not once per layer: ~1 s a layer on the CPU otherwise)
-@functools.partial(jax.jit, static_argnames=("block_t", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile_t", "interpret"))
 def fused_experts(
     x: jax.Array,
     experts: jax.Array,
     here: jax.Array,
     weights: jax.Array,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
+    gate: ExpertWeight,
+    up: ExpertWeight,
+    down: ExpertWeight,
     *,
-    block_t: int | None = None,
+    tile_t: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """The routed experts' weighted mix for x [N, H] (module docstring) through the two kernels."""
     n, k = experts.shape
     g, u, d = (operand(w, x.dtype) for w in (gate, up, down))
     num_local = g.arrays[0].shape[0]
-    block_t = block_t or default_block_t(n * k, num_local)
-    plan = schedule(experts, here, num_local, block_t)
+    tile_t = tile_t or default_tile_t(n * k, num_local)
+    plan = schedule(experts, here, num_local, tile_t)
     rows = jnp.where((plan.source >= 0)[:, None], x[jnp.maximum(plan.source, 0)], jnp.zeros((), x.dtype))
     act = expert_matmul(
         kernel_columns(rows, g),
         plan.tile_expert,
         (g, u),
-        block_t=block_t,
+        tile_t=tile_t,
         out_dtype=x.dtype,
         interpret=interpret,
     )
@@ -431,12 +454,12 @@ def fused_experts(
         kernel_columns(act, d),
         plan.tile_expert,
         (d,),
-        block_t=block_t,
+        tile_t=tile_t,
         out_dtype=jnp.float32,
         interpret=interpret,
     )
     out = combine(y_t, plan.row, here, weights)
-    width = down.shape[1] if isinstance(down, Fp8Weight) else out.shape[1]  # fp8: drop the block padding
+    width = down.width or out.shape[1]  # fp8: drop the block padding
     return out[:, :width].astype(x.dtype)
 
 
@@ -445,16 +468,42 @@ def fused_experts_reference(
     experts: jax.Array,
     here: jax.Array,
     weights: jax.Array,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
+    gate: ExpertWeight,
+    up: ExpertWeight,
+    down: ExpertWeight,
     *,
-    block_t: int | None = None,
+    tile_t: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """`fused_experts` in jnp: each slot gathers its expert's matrices (quant.arrays.slot_matmul)."""
-    del block_t, interpret
-    act = jax.nn.silu(slot_matmul(x, gate, experts)) * slot_matmul(x, up, experts)
-    out = slot_matmul(act, down, experts)  # [N, k, H]
+    """`fused_experts` in jnp: each slot gathers its expert's dequantised matrices."""
+    del tile_t, interpret
+    act = jax.nn.silu(_slot_matmul(x, gate, experts)) * _slot_matmul(x, up, experts)  # [N, k, I]
+    out = _slot_matmul(act, down, experts)  # [N, k, H]
     weighted = jnp.where(here[..., None], out * weights[..., None], jnp.zeros((), out.dtype))
     return jnp.sum(weighted, axis=1)
+
+
+def _dequantized(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
+    """The stored [..., K (fp8: padded), N] weight's values in `dtype` as its format defines them: fp8
+    value x block scale, int4 (nibble - 8) x group scale rounded to the scale's dtype (float32 math)."""
+    if w.fmt == "fp8":
+        (bi, bo), (kp, n_pad), lead = w.block, w.w.shape[-2:], w.w.shape[:-2]
+        blocked = w.w.astype(jnp.float32).reshape(*lead, kp // bi, bi, n_pad // bo, bo)
+        return (blocked * w.scale[..., :, None, :, None]).reshape(w.w.shape).astype(dtype)
+    if w.fmt == "int4":
+        shifts = jnp.arange(8, dtype=jnp.uint32)[:, None] * 4
+        nibbles = (w.w[..., :, None, :].view(jnp.uint32) >> shifts) & 0xF  # [..., K/8, 8, N]
+        q = nibbles.astype(jnp.float32).reshape(*w.w.shape[:-2], -1, w.group, w.w.shape[-1]) - 8
+        values = q * w.scale.astype(jnp.float32)[..., :, None, :]
+        return values.reshape(*w.w.shape[:-2], -1, w.w.shape[-1]).astype(w.scale.dtype).astype(dtype)
+    return w.w.astype(dtype)
+
+
+def _slot_matmul(x: jax.Array, w: ExpertWeight, experts: jax.Array) -> jax.Array:
+    """x [N, K'] (shared by the slots) or [N, k, K'] (one row per slot), K' <= K, times each slot's expert
+    of w [E, K, N_w] -> [N, k, N] (fp8: the logical N, the block padding dropped)."""
+    chosen = jax.tree.map(lambda a: a[experts], w)  # [N, k, ...] of the stored form
+    full = _dequantized(chosen, x.dtype)  # [N, k, K, N_w]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, full.shape[-2] - x.shape[-1])])
+    out = jnp.einsum("ni,nkio->nko" if x.ndim == 2 else "nki,nkio->nko", x, full)
+    return out[..., : w.width or None]

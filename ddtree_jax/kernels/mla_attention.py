@@ -18,8 +18,8 @@ mscale changes it (DeepSeek-V3: 192**-0.5 * mscale**2).
 
 Kernel layout (`mla_attention`): grid (row tiles x value splits, B, splits). Every head shares one
 cache entry, so a program packs heads and nodes into rows `node * H + head` (q_latent reshaped to
-[B, T * H, C] for free) and takes a tile of `block_q` of them; it streams its share of the visible cache in
-blocks of `block_k` entries (C + R = 576 values each), using the latent part of each block twice:
+[B, T * H, C] for free) and takes a tile of `tile_q` of them; it streams its share of the visible cache in
+tiles of `tile_k` entries (C + R = 576 values each), using the latent part of each tile twice:
 as key (with q_latent) and as value. Online softmax in float32, base 2, as in `tree_attention`; the last split
 also attends to the in-flight tokens under `mask`. Several splits write float32 partials (acc, max,
 sum) that the jnp combine of kernels/flash.py merges (the cache loop, the in-flight loop and the
@@ -107,10 +107,10 @@ def _mla_attention_kernel(
     num_nodes: int,
     heads: int,
     cache_len: int,
-    block_q: int,
+    tile_q: int,
     value_splits: int,
-    block_k: int,
-    block_new: int,
+    tile_k: int,
+    tile_new: int,
     splits: int,
     window: int | None,
     scale_log2: float,
@@ -121,7 +121,7 @@ def _mla_attention_kernel(
     value_dim = latent_dim // value_splits  # output columns of this program: [v0, v0 + value_dim)
     v0 = part * value_dim
     masked = MASK_VALUE / scale_log2  # a raw score that scales to MASK_VALUE
-    rows = row_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    rows = row_tile * tile_q + jnp.arange(tile_q, dtype=jnp.int32)
     row_ok = rows < num_nodes * heads
     node = rows // heads
     ccol = jnp.arange(latent_dim, dtype=jnp.int32)
@@ -131,19 +131,19 @@ def _mla_attention_kernel(
     qr = pltriton.load(qr_ref.at[rows[:, None], rcol[None, :]], mask=row_ok[:, None], other=0)
 
     def scores(c, kr):
-        """Raw scores [block_q, K] of the tile's rows against K latents [K, C] and RoPE keys [K, R]."""
+        """Raw scores [tile_q, K] of the tile's rows against K latents [K, C] and RoPE keys [K, R]."""
         return qk(ql, c) + qk(qr, kr)
 
-    def cache_block(carry, start, ok):
-        c = load_rows(c_ref.at[pl.ds(start, block_k), :], ok)
-        kr = load_rows(kr_ref.at[pl.ds(start, block_k), :], ok)
+    def cache_tile(carry, start, ok):
+        c = load_rows(c_ref.at[pl.ds(start, tile_k), :], ok)
+        kr = load_rows(kr_ref.at[pl.ds(start, tile_k), :], ok)
         raw = scores(c, kr) if ok is None else jnp.where(ok[None, :], scores(c, kr), masked)
-        # The value tile [K, value_dim]: the whole latent block itself, or this part's columns of it,
-        # loaded again (from L1/L2: the block was just read for the scores).
-        v = c if value_splits == 1 else load_rows(c_ref.at[pl.ds(start, block_k), pl.ds(v0, value_dim)], ok)
+        # The value tile [K, value_dim]: the whole latent tile itself, or this part's columns of it,
+        # loaded again (from L1/L2: the tile was just read for the scores).
+        v = c if value_splits == 1 else load_rows(c_ref.at[pl.ds(start, tile_k), pl.ds(v0, value_dim)], ok)
         return online_softmax_step(carry, raw, v, scale_log2)
 
-    def new_block(carry, cols, col_ok, seen):
+    def new_tile(carry, cols, col_ok, seen):
         cn = pltriton.load(cn_ref.at[cols[:, None], ccol[None, :]], mask=col_ok[:, None], other=0)
         krn = pltriton.load(krn_ref.at[cols[:, None], rcol[None, :]], mask=col_ok[:, None], other=0)
         raw = jnp.where(seen() != 0, scores(cn, krn), masked)
@@ -151,25 +151,25 @@ def _mla_attention_kernel(
             cn = pltriton.load(cn_ref.at[cols[:, None], vcol[None, :]], mask=col_ok[:, None], other=0)
         return online_softmax_step(carry, raw, cn, scale_log2)
 
-    carry = empty_carry(block_q, value_dim)
+    carry = empty_carry(tile_q, value_dim)
     carry = stream_cache(
         carry,
         len_ref[...],
         split,
-        cache_block,
+        cache_tile,
         cache_len=cache_len,
-        block_k=block_k,
+        tile_k=tile_k,
         splits=splits,
         window=window,
     )
     carry = stream_new(
         carry,
-        new_block,
+        new_tile,
         mask_ref,
         node,
         row_ok,
         num_nodes=num_nodes,
-        block_new=block_new,
+        tile_new=tile_new,
         split=split,
         splits=splits,
     )
@@ -214,8 +214,8 @@ def _check_shapes(q_latent, q_rope, latent_cache, rope_cache, latent_new, rope_n
         "softmax_scale",
         "window",
         "interpret",
-        "block_q",
-        "block_k",
+        "tile_q",
+        "tile_k",
         "splits",
         "num_warps",
         "num_stages",
@@ -236,8 +236,8 @@ def mla_attention(
     softmax_scale: float,
     window: int | None = None,
     interpret: bool = False,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    tile_q: int | None = None,
+    tile_k: int | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -246,8 +246,8 @@ def mla_attention(
 ) -> jax.Array:
     """Pallas (Triton) absorbed MLA attention; same contract as `mla_attention_reference`.
 
-    Tuning (static; None = the default of `resolve_mla_tuning`): block_q packed rows (node * H + head)
-    per program, block_k cache rows per step (both powers of two >= 16), splits of each sequence's
+    Tuning (static; None = the default of `resolve_mla_tuning`): tile_q packed rows (node * H + head)
+    per program, tile_k cache rows per step (both powers of two >= 16), splits of each sequence's
     visible cache range, Triton num_warps / num_stages, value_splits programs sharing a row tile,
     each computing the scores and 1 / value_splits of the output columns, num_sms for the split
     heuristic.
@@ -258,8 +258,8 @@ def mla_attention(
     tuning = resolve_mla_tuning(
         q_latent.shape,
         s,
-        block_q=block_q,
-        block_k=block_k,
+        tile_q=tile_q,
+        tile_k=tile_k,
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -267,23 +267,23 @@ def mla_attention(
         num_sms=num_sms,
     )
     splits = tuning["splits"]
-    block_new = min(max(16, next_pow2(t)), 64)
+    tile_new = min(max(16, next_pow2(t)), 64)
     kernel = functools.partial(
         _mla_attention_kernel,
         num_nodes=t,
         heads=h,
         cache_len=s,
-        block_q=tuning["block_q"],
+        tile_q=tuning["tile_q"],
         value_splits=tuning["value_splits"],
-        block_k=tuning["block_k"],
-        block_new=block_new,
+        tile_k=tuning["tile_k"],
+        tile_new=tile_new,
         splits=splits,
         window=window,
         scale_log2=softmax_scale * LOG2E,
     )
 
     def whole(*dims):
-        """A block holding all of sequence b's `dims`-shaped slice of a [B, *dims] input."""
+        """A BlockSpec holding all of sequence b's `dims`-shaped slice of a [B, *dims] input."""
         return pl.BlockSpec((None, *dims), lambda rt, bi, sp: (bi,) + (0,) * len(dims))
 
     in_specs = [

@@ -10,7 +10,7 @@ Layout. Every head reads the same cache entry, so rows `node * H + head` (q_late
 free to [B, T * H, C]) are packed into 64-row tiles (wgmma's M). The float32 accumulator of a tile,
 64 x 512, is too big for one warpgroup's registers, so a program runs two compute warpgroups that
 split the value columns (as FlashMLA does) plus a memory warpgroup:
-- the memory warpgroup streams the split's cache blocks (block_k entries of C + R values) and then
+- the memory warpgroup streams the split's cache tiles (tile_k entries of C + R values) and then
   (last split) the in-flight ones into `stages` slots by TMA;
 - the score warpgroup (0) computes S = Q_latent C^T + Q_rope K_rope^T (wgmma, contraction C + R),
   masks, runs the online softmax (base 2, finite start, as the Triton kernel), publishes P (bf16)
@@ -18,7 +18,7 @@ split the value columns (as FlashMLA does) plus a memory warpgroup:
   [0, C/2);
 - the value warpgroup (1) waits for P, rescales its accumulator by alpha and accumulates P V on
   columns [C/2, C).
-The cache block is used twice, as key and as value, from the same slot. Splits, masking, the
+The cache tile is used twice, as key and as value, from the same slot. Splits, masking, the
 in-flight part (a float32 bias over packed rows) and the outputs follow `tree_attention_mgpu`.
 `mma_form` as there: "registers" (GPU) feeds the score warpgroup's P from registers and accumulates
 in place, "smem" (what jax's CPU interpreter runs) reads P from shared memory and adds fresh
@@ -27,7 +27,6 @@ accumulators.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -36,129 +35,18 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, cdiv, combine_splits
+from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, combine_splits
 from ddtree_jax.kernels.mla_attention import _check_shapes, mla_attention_reference
-from ddtree_jax.kernels.tree_attention_mgpu import (
-    MEMORY_REGISTERS,
-    MMA_FORMS,
-    SMEM_LIMIT,
-    TMA_ROW_TILE,
-    TMA_ROW_TILE_WHY,
-    WG_ROWS,
-    compute_registers,
-    interpret_params,
-)
-from ddtree_jax.kernels.tuning import NUM_SMS_H200
+from ddtree_jax.kernels.tree_attention_mgpu import MEMORY_REGISTERS, compute_registers, interpret_params
+from ddtree_jax.kernels.tuning import NUM_SMS_H200, WG_ROWS, MlaMgpuTuning, resolve_mla_mgpu_tuning
 
-__all__ = ["mla_attention_mgpu", "mla_attention_reference", "resolve_tuning", "Tuning"]
+__all__ = ["mla_attention_mgpu", "mla_attention_reference"]
 
-MAX_SPLITS = 256
-SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 kB
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Static shape of one call: see `resolve_tuning`."""
-
-    block_k: int  # cache entries per pipeline step
-    stages: int  # shared-memory slots in flight
-    splits: int  # programs per (row tile, sequence) along the cache
-    mma_form: str  # "registers" | "smem"
-    row_tiles: int
-    rows: int  # packed rows T * H
-    out_rows: int  # rows of the outputs: T * H rounded up to 8 in one tile, else whole tiles
-    new_blocks: int  # in-flight blocks of block_k entries
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
-
-
-def smem_bytes(tun: Tuning, latent: int, rope: int, itemsize: int = 2) -> int:
-    """Shared memory of one program (each buffer 1 kB-aligned, barriers 1 kB)."""
-    q = _aligned(WG_ROWS * latent * itemsize) + _aligned(WG_ROWS * rope * itemsize)
-    slots = tun.stages * (_aligned(tun.block_k * latent * itemsize) + _aligned(tun.block_k * rope * itemsize))
-    staging = 2 * _aligned(WG_ROWS * latent // 2 * (4 if tun.splits > 1 else itemsize))
-    p = _aligned(WG_ROWS * tun.block_k * itemsize)
-    stats = _aligned(2 * WG_ROWS * 4)
-    return q + max(slots, staging) + p + stats + SMEM_ALIGN
-
-
-def default_splits(
-    programs: int, num_blocks: int, *, overhead_blocks: int = 3, num_sms: int = NUM_SMS_H200
-) -> int:
-    """Cache splits: the fewest within 10% of the least waves x (blocks per split + overhead).
-
-    One program per SM (~225 kB of shared memory). `overhead_blocks` charges a program's query load
-    (72 kB at Kimi-K2 widths, one block's bytes) and its float32 partial (128 kB, written and read
-    again by the merge) in units of one block's time.
-    """
-    cap = max(1, min(MAX_SPLITS, num_blocks))
-    cost = {
-        sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + overhead_blocks)
-        for sp in range(1, cap + 1)
-    }
-    least = min(cost.values())
-    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
-
-
-def resolve_tuning(
-    q_shape: tuple[int, ...],
-    cache_len: int,
-    rope_dim: int,
-    *,
-    block_k: int | None = None,
-    stages: int | None = None,
-    splits: int | None = None,
-    mma_form: str | None = None,
-    num_sms: int = NUM_SMS_H200,
-) -> Tuning:
-    """The tuning of q_latent [B, T, H, C] over a cache of `cache_len` entries; None = default.
-
-    Defaults: 64-entry blocks in 2 stages (2 x 72 kB at C = 512, R = 64: with the 72 kB query tile
-    and P, 226 kB of the 227 kB a block may hold), P from registers; splits from `default_splits`.
-    """
-    b, t, h, c = q_shape
-    if c % 128 or c > 512:
-        raise ValueError(f"latent dim {c} must be a multiple of 128 up to 512 (two value halves)")
-    if rope_dim % 64:
-        raise ValueError(f"rope dim {rope_dim} must be a multiple of 64 (TMA tiles of 64 columns)")
-    block_k = block_k or 64
-    if block_k % 64 or block_k > 256:
-        raise ValueError(f"block_k = {block_k} must be a multiple of 64 up to 256")
-    if cache_len < block_k:
-        raise ValueError(f"cache length {cache_len} is shorter than one block of {block_k} entries")
-    if cache_len % TMA_ROW_TILE:
-        raise ValueError(f"cache length {cache_len} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
-    stages = stages or 2
-    mma_form = mma_form or "registers"
-    if mma_form not in MMA_FORMS:
-        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
-    rows = t * h
-    row_tiles = cdiv(rows, WG_ROWS)
-    out_rows = -(-rows // 8) * 8 if row_tiles == 1 else row_tiles * WG_ROWS
-    if splits is None:
-        splits = default_splits(row_tiles * b, cdiv(cache_len, block_k), num_sms=num_sms)
-    tun = Tuning(
-        block_k=block_k,
-        stages=stages,
-        splits=splits,
-        mma_form=mma_form,
-        row_tiles=row_tiles,
-        rows=rows,
-        out_rows=out_rows,
-        new_blocks=cdiv(t, block_k),
-    )
-    if (need := smem_bytes(tun, c, rope_dim)) > SMEM_LIMIT:
-        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
-    return tun
-
-
-def _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun: Tuning):
-    """Rows node * H + head padded to whole tiles; in-flight entries padded to whole blocks; the mask
+def _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun: MlaMgpuTuning):
+    """Rows node * H + head padded to whole tiles; in-flight entries padded to whole tiles; the mask
     as a float32 bias over packed rows [B, Rq, Tn] (0 seen, MASK_VALUE not)."""
     b, t, h, c = q_latent.shape
-    rq, tn = tun.row_tiles * WG_ROWS, tun.new_blocks * tun.block_k
+    rq, tn = tun.row_tiles * WG_ROWS, tun.new_tiles * tun.tile_k
 
     def rows(x):
         return jnp.pad(x.reshape(b, t * h, x.shape[-1]), ((0, 0), (0, rq - t * h), (0, 0)))
@@ -181,7 +69,7 @@ def _mla_attention_kernel(
     krn_ref,  # [B, Tn, R]
     bias_ref,  # [B, Rq, Tn] float32
     *refs,
-    tun: Tuning,
+    tun: MlaMgpuTuning,
     window: int | None,
     scale_log2: float,
 ):
@@ -190,7 +78,7 @@ def _mla_attention_kernel(
     out_refs, (ql_smem, qr_smem, slots, p_smem, stats, barriers) = refs[:n_out], refs[n_out:]
     q_bar, full, free, p_full, p_free = barriers
     (c_smem, kr_smem), staging = slots
-    bk, stages, splits = tun.block_k, tun.stages, tun.splits
+    bk, stages, splits = tun.tile_k, tun.stages, tun.splits
     s_len, latent = c_ref.shape[1], c_ref.shape[2]
     half = latent // 2
     dtype = ql_ref.dtype
@@ -201,17 +89,17 @@ def _mla_attention_kernel(
 
     hi = jnp.minimum(len_ref[bi], s_len)
     lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
-    blk_lo = lo // bk
-    num_blocks = jnp.maximum((hi + bk - 1) // bk - blk_lo, 0)
-    per_split = (num_blocks + splits - 1) // splits
-    first = jnp.minimum(split * per_split, num_blocks)
-    last = jnp.minimum(first + per_split, num_blocks)
+    tile_lo = lo // bk
+    num_tiles = jnp.maximum((hi + bk - 1) // bk - tile_lo, 0)
+    per_split = (num_tiles + splits - 1) // splits
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
     n_cache = last - first
-    n_new = jnp.where(split == splits - 1, tun.new_blocks, 0) if splits > 1 else jnp.int32(tun.new_blocks)
+    n_new = jnp.where(split == splits - 1, tun.new_tiles, 0) if splits > 1 else jnp.int32(tun.new_tiles)
     n_steps = n_cache + n_new
 
     def cache_start(j):
-        blk = blk_lo + first + j
+        blk = tile_lo + first + j
         return jnp.minimum(blk * bk, s_len - bk), blk
 
     @pl.when(wg == 2)
@@ -332,7 +220,7 @@ def _mla_attention_kernel(
             plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
         pro = ((lo % bk != 0) & (first == 0) & (n_cache > 0)).astype(jnp.int32)
-        epi = ((hi % bk != 0) & (last == num_blocks) & (n_cache - pro > 0)).astype(jnp.int32)
+        epi = ((hi % bk != 0) & (last == num_tiles) & (n_cache - pro > 0)).astype(jnp.int32)
         carry = lax.fori_loop(0, pro, functools.partial(step, kind="masked"), carry)
         carry = lax.fori_loop(pro, n_cache - epi, functools.partial(step, kind="full"), carry)
         carry = lax.fori_loop(n_cache - epi, n_cache, functools.partial(step, kind="masked"), carry)
@@ -384,9 +272,9 @@ def _mla_attention_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(tun: Tuning, latent: int, rope: int, dtype) -> list:
+def _scratch(tun: MlaMgpuTuning, latent: int, rope: int, dtype) -> list:
     """Shared memory and barriers of one program (order: `_mla_attention_kernel`'s refs)."""
-    bk = tun.block_k
+    bk = tun.tile_k
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     cache = (
         plgpu.SMEM((tun.stages, bk, latent), dtype, transforms=tiled),
@@ -422,7 +310,7 @@ def _scratch(tun: Tuning, latent: int, rope: int, dtype) -> list:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "softmax_scale", "window", "interpret", "block_k", "stages", "splits", "mma_form", "num_sms",
+        "softmax_scale", "window", "interpret", "tile_k", "stages", "splits", "mma_form", "num_sms",
     ),
 )  # fmt: skip
 def mla_attention_mgpu(
@@ -438,7 +326,7 @@ def mla_attention_mgpu(
     softmax_scale: float,
     window: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
-    block_k: int | None = None,
+    tile_k: int | None = None,
     stages: int | None = None,
     splits: int | None = None,
     mma_form: str | None = None,
@@ -446,7 +334,7 @@ def mla_attention_mgpu(
 ) -> jax.Array:
     """Mosaic GPU absorbed MLA attention; same contract as `mla_attention_reference` (16-bit inputs).
 
-    Tuning (static; None = `resolve_tuning`'s default). `interpret` (True or the interpreter's
+    Tuning (static; None = `resolve_mla_mgpu_tuning`'s default). `interpret` (True or the interpreter's
     parameters) runs jax's GPU interpreter on the CPU (the "smem" mma form).
     """
     _check_shapes(q_latent, q_rope, latent_cache, rope_cache, latent_new, rope_new, mask)
@@ -457,8 +345,8 @@ def mla_attention_mgpu(
         raise ValueError(f"queries, caches and new entries must share a 16-bit dtype, got {dtypes}")
     if interpret:
         mma_form = "smem"
-    tun = resolve_tuning(
-        q_latent.shape, s, r, block_k=block_k, stages=stages, splits=splits, mma_form=mma_form,
+    tun = resolve_mla_mgpu_tuning(
+        q_latent.shape, s, r, tile_k=tile_k, stages=stages, splits=splits, mma_form=mma_form,
         num_sms=num_sms,
     )  # fmt: skip
     ql, qr, cn, krn, bias = _pack_inputs(q_latent, q_rope, latent_new, rope_new, mask, tun)

@@ -6,10 +6,10 @@ dtype (rows past sum(group_sizes) are zeros). `ddtree_jax.quant.arrays.kernel_ex
 quantized weight out as `Experts`; `quant.arrays.pallas_ragged_matmul` is this kernel under the
 contract of `quant.arrays.ragged_matmul` (a weight in, the same result out).
 
-Kernel layout: a host-free tile schedule cuts every expert's rows into tiles of `block_m` (a tile
-never spans two experts; at most min(E, P) + P // block_m tiles, the rest empty); the grid is
-(tiles, N / block_n, splits of K). A program loads its tile's rows of x once per K step, dequantises
-its [block_k, block_n] slab of the tile's expert in registers (INT4: nibble j of word row r is weight
+Kernel layout: a host-free tile schedule cuts every expert's rows into tiles of `tile_m` (a tile
+never spans two experts; at most min(E, P) + P // tile_m tiles, the rest empty); the grid is
+(tiles, N / tile_n, splits of K). A program loads its tile's rows of x once per K step, dequantises
+its [tile_k, tile_n] slab of the tile's expert in registers (INT4: nibble j of word row r is weight
 row 8r + j, so the slab is 8 dots of the x columns 8r + j against nibble j; scales gathered per row)
 and accumulates in float32. Only the experts that own rows are read, each slab once per tile. Splits
 of K write float32 partials that a jnp sum merges (more programs for one-token decode).
@@ -88,19 +88,19 @@ def grouped_matmul_reference(x: jax.Array, experts: Experts, group_sizes: jax.Ar
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32))[:, : experts.cols]
 
 
-def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, ...]:
+def tile_schedule(group_sizes: jax.Array, num_rows: int, tile_m: int) -> tuple[jax.Array, ...]:
     """(expert, first row, end row) int32 [tiles] of every row tile; empty tiles have first == end."""
     num_experts = group_sizes.shape[0]
-    max_tiles = max(1, min(num_experts, num_rows) + num_rows // block_m)
+    max_tiles = max(1, min(num_experts, num_rows) + num_rows // tile_m)
     sizes = group_sizes.astype(jnp.int32)
-    tiles = (sizes + block_m - 1) // block_m
+    tiles = (sizes + tile_m - 1) // tile_m
     cum = jnp.cumsum(tiles)
     offsets = jnp.cumsum(sizes) - sizes
     t = jnp.arange(max_tiles, dtype=jnp.int32)
     owner = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)
     e = jnp.minimum(owner, num_experts - 1)
-    start = offsets[e] + (t - (cum[e] - tiles[e])) * block_m
-    end = jnp.minimum(start + block_m, offsets[e] + sizes[e])
+    start = offsets[e] + (t - (cum[e] - tiles[e])) * tile_m
+    end = jnp.minimum(start + tile_m, offsets[e] + sizes[e])
     valid = owner < num_experts
     return e, jnp.where(valid, start, 0), jnp.where(valid, end, 0)
 
@@ -116,28 +116,28 @@ def _kernel(
     *,
     fmt: str,
     k_rows: int,
-    block_m: int,
-    block_n: int,
-    block_k: int,
+    tile_m: int,
+    tile_n: int,
+    tile_k: int,
     steps: int,
     group: tuple[int, int],
     scale_dtype,
 ):
-    """One (tile, column block, K split): acc [block_m, block_n] over `steps` K blocks."""
-    n0 = pl.program_id(1) * block_n
+    """One (tile, column tile, K split): acc [tile_m, tile_n] over `steps` K tiles."""
+    n0 = pl.program_id(1) * tile_n
     k_first = pl.program_id(2) * steps
     e, start, end = e_ref[...], start_ref[...], end_ref[...]
-    rows = start + jnp.arange(block_m, dtype=jnp.int32)
+    rows = start + jnp.arange(tile_m, dtype=jnp.int32)
     row_ok = rows < end
-    cols = n0 + jnp.arange(block_n, dtype=jnp.int32)
+    cols = n0 + jnp.arange(tile_n, dtype=jnp.int32)
 
-    def x_cols(k_index):  # [block_m, len(k_index)]
+    def x_cols(k_index):  # [tile_m, len(k_index)]
         return pltriton.load(x_ref.at[rows[:, None], k_index[None, :]], mask=row_ok[:, None], other=0)
 
     def step(kb, acc):
-        k0 = kb * block_k
+        k0 = kb * tile_k
         if fmt == "int4":
-            r = jnp.arange(block_k // 8, dtype=jnp.int32)
+            r = jnp.arange(tile_k // 8, dtype=jnp.int32)
             words = pltriton.load(w_ref.at[(e * (k_rows // 8) + k0 // 8 + r)[:, None], cols[None, :]])
             srow = e * (k_rows // group[0]) + (k0 + 8 * r) // group[0]
             scale = pltriton.load(s_ref.at[srow[:, None], cols[None, :]]).astype(jnp.float32)
@@ -146,7 +146,7 @@ def _kernel(
                 w = (nib.astype(jnp.float32) * scale).astype(scale_dtype).astype(x_ref.dtype)
                 acc += jnp.dot(x_cols(k0 + 8 * r + j), w, preferred_element_type=jnp.float32)
             return acc
-        k = k0 + jnp.arange(block_k, dtype=jnp.int32)
+        k = k0 + jnp.arange(tile_k, dtype=jnp.int32)
         w = pltriton.load(w_ref.at[(e * k_rows + k)[:, None], cols[None, :]])
         if fmt == "fp8":
             srow = e * (k_rows // group[0]) + k // group[0]
@@ -155,22 +155,22 @@ def _kernel(
         return acc + jnp.dot(x_cols(k), w.astype(x_ref.dtype), preferred_element_type=jnp.float32)
 
     count = jnp.clip(end - start, 0, 1) * steps  # 0 for an empty tile (arithmetic: Triton-safe)
-    acc = lax.fori_loop(k_first, k_first + count, step, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = lax.fori_loop(k_first, k_first + count, step, jnp.zeros((tile_m, tile_n), jnp.float32))
     pltriton.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "splits", "num_warps", "num_stages", "interpret"),
+    static_argnames=("tile_m", "tile_n", "tile_k", "splits", "num_warps", "num_stages", "interpret"),
 )
 def grouped_matmul(
     x: jax.Array,
     experts: Experts,
     group_sizes: jax.Array,
     *,
-    block_m: int = 16,
-    block_n: int = 128,
-    block_k: int | None = None,
+    tile_m: int = 16,
+    tile_n: int = 128,
+    tile_k: int | None = None,
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -182,25 +182,25 @@ def grouped_matmul(
     fmt, w2, s2, k_rows, group = experts.fmt, experts.w, experts.scale, experts.rows, experts.block
     n = w2.shape[-1]
     p, k = x.shape
-    block_k = block_k or (256 if fmt == "int4" else 128)
-    if fmt == "fp8" and (group[0] % block_k and block_k % group[0]):
-        raise ValueError(f"block_k {block_k} and the fp8 block {group[0]} must nest")
-    if k_rows % block_k or n % block_n:
-        raise ValueError(f"K {k_rows} / N {n} must be multiples of block_k {block_k} / block_n {block_n}")
+    tile_k = tile_k or (256 if fmt == "int4" else 128)
+    if fmt == "fp8" and (group[0] % tile_k and tile_k % group[0]):
+        raise ValueError(f"tile_k {tile_k} and the fp8 block {group[0]} must nest")
+    if k_rows % tile_k or n % tile_n:
+        raise ValueError(f"K {k_rows} / N {n} must be multiples of tile_k {tile_k} / tile_n {tile_n}")
     x = jnp.pad(x, ((0, 0), (0, k_rows - k))) if k_rows > k else x
-    e, start, end = tile_schedule(group_sizes, p, block_m)
-    k_blocks = k_rows // block_k
-    splits = splits or default_grouped_splits(e.shape[0] * (n // block_n), k_blocks)
-    if k_blocks % splits:
-        raise ValueError(f"splits {splits} must divide the {k_blocks} K blocks")
+    e, start, end = tile_schedule(group_sizes, p, tile_m)
+    k_tiles = k_rows // tile_k
+    splits = splits or default_grouped_splits(e.shape[0] * (n // tile_n), k_tiles)
+    if k_tiles % splits:
+        raise ValueError(f"splits {splits} must divide the {k_tiles} K tiles")
     kernel = functools.partial(
         _kernel,
         fmt=fmt,
         k_rows=k_rows,
-        block_m=block_m,
-        block_n=block_n,
-        block_k=block_k,
-        steps=k_blocks // splits,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        tile_k=tile_k,
+        steps=k_tiles // splits,
         group=group,
         scale_dtype=s2.dtype,
     )
@@ -209,7 +209,7 @@ def grouped_matmul(
     out_dtype = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(
         kernel,
-        grid=(e.shape[0], n // block_n, splits),
+        grid=(e.shape[0], n // tile_n, splits),
         in_specs=[tile, tile, tile, *whole],
         out_specs=pl.BlockSpec((None, p, n), lambda t, j, s: (s, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((splits, p, n), out_dtype),

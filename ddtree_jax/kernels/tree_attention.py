@@ -10,9 +10,9 @@ of each sequence); k_new, v_new [B, T, Hkv, D]; mask [B, T, T] bool/int8 (node i
 -> [B, T, Hq, D] in q's dtype. Hq = G * Hkv (GQA: query head h reads K/V head h // G).
 
 Kernel layout (`tree_attention`): grid (row tiles, B * Hkv, splits). A program packs the G query
-heads of one K/V head with the T nodes into packed rows `node * G + head` (a tile of `block_q` of
+heads of one K/V head with the T nodes into packed rows `node * G + head` (a tile of `tile_q` of
 them, loaded with a gather straight from q, no transpose), streams its share of the visible cache
-[max(0, len - window), len) in blocks of `block_k` (full blocks unmasked, the one partial block
+[max(0, len - window), len) in tiles of `tile_k` (full tiles unmasked, the one partial tile
 with masked loads), and runs an online softmax in float32 (base 2, finite running-max start).
 The last split also attends to the T in-flight keys under `mask`. With one split the program
 writes the normalised output; with several it writes float32 partials (acc, max, sum) that a
@@ -108,9 +108,9 @@ def _tree_attention_kernel(
     num_nodes: int,
     group: int,
     cache_len: int,
-    block_q: int,
-    block_k: int,
-    block_new: int,
+    tile_q: int,
+    tile_k: int,
+    tile_new: int,
     splits: int,
     window: int | None,
     scale_log2: float,
@@ -118,44 +118,44 @@ def _tree_attention_kernel(
     row_tile, split = pl.program_id(0), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     masked = MASK_VALUE / scale_log2  # a raw score that scales to MASK_VALUE
-    rows = row_tile * block_q + jnp.arange(block_q, dtype=jnp.int32)  # packed row = node*G + head
+    rows = row_tile * tile_q + jnp.arange(tile_q, dtype=jnp.int32)  # packed row = node*G + head
     node, head = rows // group, rows % group
     row_ok = rows < num_nodes * group
     dcol = jnp.arange(head_dim, dtype=jnp.int32)
     q = pltriton.load(q_ref.at[node[:, None], head[:, None], dcol[None, :]], mask=row_ok[:, None], other=0)
 
-    def cache_block(carry, start, ok):
-        # (pltriton.load, not ref[...]: in interpret mode it also traces when block_k > S.)
-        k = load_rows(k_ref.at[pl.ds(start, block_k), :], ok)
-        v = load_rows(v_ref.at[pl.ds(start, block_k), :], ok)
+    def cache_tile(carry, start, ok):
+        # (pltriton.load, not ref[...]: in interpret mode it also traces when tile_k > S.)
+        k = load_rows(k_ref.at[pl.ds(start, tile_k), :], ok)
+        v = load_rows(v_ref.at[pl.ds(start, tile_k), :], ok)
         raw = qk(q, k) if ok is None else jnp.where(ok[None, :], qk(q, k), masked)
         return online_softmax_step(carry, raw, v, scale_log2)
 
-    def new_block(carry, cols, col_ok, seen):
+    def new_tile(carry, cols, col_ok, seen):
         kn = pltriton.load(kn_ref.at[cols[:, None], dcol[None, :]], mask=col_ok[:, None], other=0)
         vn = pltriton.load(vn_ref.at[cols[:, None], dcol[None, :]], mask=col_ok[:, None], other=0)
         raw = jnp.where(seen() != 0, qk(q, kn), masked)
         return online_softmax_step(carry, raw, vn, scale_log2)
 
-    carry = empty_carry(block_q, head_dim)
+    carry = empty_carry(tile_q, head_dim)
     carry = stream_cache(
         carry,
         len_ref[...],
         split,
-        cache_block,
+        cache_tile,
         cache_len=cache_len,
-        block_k=block_k,
+        tile_k=tile_k,
         splits=splits,
         window=window,
     )
     carry = stream_new(
         carry,
-        new_block,
+        new_tile,
         mask_ref,
         node,
         row_ok,
         num_nodes=num_nodes,
-        block_new=block_new,
+        tile_new=tile_new,
         split=split,
         splits=splits,
     )
@@ -181,8 +181,8 @@ def _tree_attention_kernel(
     static_argnames=(
         "window",
         "interpret",
-        "block_q",
-        "block_k",
+        "tile_q",
+        "tile_k",
         "splits",
         "num_warps",
         "num_stages",
@@ -201,8 +201,8 @@ def tree_attention(
     *,
     window: int | None = None,
     interpret: bool = False,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    tile_q: int | None = None,
+    tile_k: int | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -211,8 +211,8 @@ def tree_attention(
 ) -> jax.Array:
     """Pallas (Triton) tree attention; same contract as `tree_attention_reference`.
 
-    Tuning (static; None = the default of `resolve_tree_tuning`): block_q packed query rows per
-    program, block_k cache rows per step (both powers of two >= 16), splits of each sequence's
+    Tuning (static; None = the default of `resolve_tree_tuning`): tile_q packed query rows per
+    program, tile_k cache rows per step (both powers of two >= 16), splits of each sequence's
     visible cache range, Triton num_warps / num_stages, merge of the split partials ("pallas" or
     "xla"), num_sms for the split heuristic.
     """
@@ -223,25 +223,25 @@ def tree_attention(
     tuning = resolve_tree_tuning(
         q.shape,
         k_cache.shape,
-        block_q=block_q,
-        block_k=block_k,
+        tile_q=tile_q,
+        tile_k=tile_k,
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
         merge=merge,
         num_sms=num_sms,
     )
-    block_q, block_k, splits = tuning["block_q"], tuning["block_k"], tuning["splits"]
-    block_new = min(max(16, next_pow2(t)), 64)
+    tile_q, tile_k, splits = tuning["tile_q"], tuning["tile_k"], tuning["splits"]
+    tile_new = min(max(16, next_pow2(t)), 64)
 
     kernel = functools.partial(
         _tree_attention_kernel,
         num_nodes=t,
         group=g,
         cache_len=s,
-        block_q=block_q,
-        block_k=block_k,
-        block_new=block_new,
+        tile_q=tile_q,
+        tile_k=tile_k,
+        tile_new=tile_new,
         splits=splits,
         window=window,
         scale_log2=d**-0.5 * LOG2E,
@@ -310,15 +310,15 @@ MERGE_TILE = 4096  # f32 elements of one partial tile (splits x outputs) that a 
 
 
 def _merge_splits_kernel(
-    acc_ref, m_ref, l_ref, o_ref, *, splits: int, group: int, head_dim: int, size: int, block: int
+    acc_ref, m_ref, l_ref, o_ref, *, splits: int, group: int, head_dim: int, size: int, tile: int
 ):
-    """One program merges `block` outputs (flat over node, head, d) of one (sequence, K/V head).
+    """One program merges `tile` outputs (flat over node, head, d) of one (sequence, K/V head).
 
     acc_ref [splits, T, G, D], m_ref / l_ref [splits, T, G] (log2 units) -> o_ref [T, G, D]. All
-    splits load at once as a [splits (padded), block] tile: no loop, one memory round trip.
+    splits load at once as one [splits (padded), tile] array: no loop, one memory round trip.
     """
     sp_pad = next_pow2(splits)
-    flat = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
+    flat = pl.program_id(0) * tile + jnp.arange(tile, dtype=jnp.int32)
     ok = flat < size
     node, head, dcol = flat // (group * head_dim), (flat // head_dim) % group, flat % head_dim
     sp = jnp.arange(sp_pad, dtype=jnp.int32)[:, None]
@@ -343,9 +343,9 @@ def merge_splits(
     if splits > MERGE_TILE:
         raise ValueError(f"{splits} splits exceed the merge tile {MERGE_TILE}")
     size = t * g * d
-    block = min(MERGE_TILE // next_pow2(splits), next_pow2(size))
+    tile = min(MERGE_TILE // next_pow2(splits), next_pow2(size))
     kernel = functools.partial(
-        _merge_splits_kernel, splits=splits, group=g, head_dim=d, size=size, block=block
+        _merge_splits_kernel, splits=splits, group=g, head_dim=d, size=size, tile=tile
     )
 
     def per_seq(bh):
@@ -358,7 +358,7 @@ def merge_splits(
     full = pl.BlockSpec((splits, None, t, None, g, d), lambda i, bh: (0, per_seq(bh), 0, per_head(bh), 0, 0))
     return pl.pallas_call(
         kernel,
-        grid=(cdiv(size, block), b * hkv),
+        grid=(cdiv(size, tile), b * hkv),
         in_specs=[full, part, part],
         out_specs=pl.BlockSpec((None, t, None, g, d), lambda i, bh: (per_seq(bh), 0, per_head(bh), 0, 0)),
         out_shape=jax.ShapeDtypeStruct((b, t, hkv, g, d), out_dtype),

@@ -7,19 +7,19 @@ under mask [B, T, T] -> [B, T, Hq, D] in q's dtype (bf16 or f16: wgmma's 16-bit 
 
 Layout. XLA packs the G = Hq / Hkv query heads of each K/V head with the T nodes into rows
 `node * G + head` ([B, Hkv, R, D], R = T * G, padded to whole 64-row tiles: wgmma's M), moves the
-in-flight K/V to the cache's layout ([B, Hkv, Tn, D], Tn padded to whole cache blocks) and turns the
+in-flight K/V to the cache's layout ([B, Hkv, Tn, D], Tn padded to whole cache tiles) and turns the
 mask into a float32 bias over packed rows ([B, Rq, Tn]: 0 where a node sees a new token, MASK_VALUE
-elsewhere). `plgpu.kernel` grid (row tiles, B * Hkv, splits); a program (CUDA block) is
+elsewhere). `plgpu.kernel` grid (row tiles, B * Hkv, splits); a program (a CTA) is
 `compute_wgs` compute warpgroups of 64 rows each plus one memory warpgroup:
-- the memory warpgroup streams this split's share of the visible cache blocks, then (last split
-  only) the in-flight blocks, into `stages` shared-memory slots by TMA, each slot guarded by a
+- the memory warpgroup streams this split's share of the visible cache tiles, then (last split
+  only) the in-flight tiles, into `stages` shared-memory slots by TMA, each slot guarded by a
   "full" barrier (TMA bytes arrived) and a "free" barrier (every compute warpgroup done with it);
-- each compute warpgroup loads its 64 query rows once (TMA), then per block: S = Q K^T (wgmma,
+- each compute warpgroup loads its 64 query rows once (TMA), then per tile: S = Q K^T (wgmma,
   float32 accumulator), the online softmax in base 2 (finite running-max start, as the Triton
   kernel), O += P V (wgmma, P in registers), releasing K as soon as S is read and V after P V.
-  Only the first and the last block of a sequence's range are masked (window start, length end);
-  the last block of a cache whose S (a multiple of 8) is not one of block_k is read shifted back so that TMA
-  never leaves the cache, its already-seen keys masked. In-flight blocks add the bias.
+  Only the first and the last tile of a sequence's range are masked (window start, length end);
+  the last tile of a cache whose S (a multiple of 8) is not one of tile_k is read shifted back so that TMA
+  never leaves the cache, its already-seen keys masked. In-flight tiles add the bias.
 With one split the program writes the normalised output (bf16, through shared memory and TMA);
 with several, float32 partials (acc, max, sum in log2 units) that `flash.combine_splits` (the Triton
 kernel's XLA merge) combines. Splits divide each sequence's own visible range (dynamic trip counts).
@@ -33,7 +33,6 @@ register operand and no accumulator initialised from a value. Both run on the GP
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -42,141 +41,25 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, cdiv, combine_splits
+from ddtree_jax.kernels.flash import LOG2E, M_INIT, MASK_VALUE, combine_splits
 from ddtree_jax.kernels.tree_attention import tree_attention_reference
-from ddtree_jax.kernels.tuning import NUM_SMS_H200
+from ddtree_jax.kernels.tuning import (
+    NUM_SMS_H200,
+    TMA_ROW_TILE,
+    WG_ROWS,
+    TreeMgpuTuning,
+    resolve_tree_mgpu_tuning,
+)
 
-__all__ = ["tree_attention_mgpu", "tree_attention_reference", "resolve_tuning", "Tuning"]
+__all__ = ["tree_attention_mgpu", "tree_attention_reference", "TMA_ROW_TILE"]
 
-WG_ROWS = 64  # rows of one wgmma (M) = query rows of one compute warpgroup
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory of one H100/H200 block
-SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
-MAX_SPLITS = 64
-MMA_FORMS = ("registers", "smem")
 MEMORY_REGISTERS = 40  # per thread: the TMA warpgroup gives its registers to the compute ones
-# Mosaic GPU (jax 0.11.2) copies a cache block into its (8, 64)-tiled shared-memory slot by a TMA over
-# the cache viewed as 8-row tiles: the cache's length must be a multiple of 8 (else lowering fails:
-# "dimension 2 must have size smaller or a multiple of its tiling 8"), and so must every block's first
-# row, the shifted-back last block's S - block_k included (else layout inference fails on an
-# AssertionError in its own error path). attention.py sends such caches to the Triton kernel.
-TMA_ROW_TILE = 8
-TMA_ROW_TILE_WHY = "Mosaic GPU's TMA reads the cache in tiles of 8 rows (use the Triton kernel)"
 
 
 def compute_registers(compute_wgs: int) -> int:
     """Registers per thread of a compute warpgroup: the rule of Pallas's warp-specialised pipeline
     (64k registers less the memory warpgroup's, shared evenly, at most 256, a multiple of 8)."""
     return min(256, (512 - MEMORY_REGISTERS) // compute_wgs) // 8 * 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Static shape of one call: see `resolve_tuning`."""
-
-    block_k: int  # cache rows per pipeline step (TMA box, wgmma N of Q K^T, K of P V)
-    stages: int  # shared-memory slots of K and V in flight
-    compute_wgs: int  # 64-row compute warpgroups per program (block_q = 64 * compute_wgs)
-    splits: int  # programs per (row tile, sequence, K/V head) along the cache
-    pingpong: bool  # FA3's schedule barrier between two compute warpgroups
-    mma_form: str  # "registers" | "smem" (see the module docstring)
-    row_tiles: int
-    rows: int  # packed rows R = T * G
-    out_rows: int  # rows of the outputs: R rounded up to 8 in one 64-row tile, else whole tiles
-    new_blocks: int  # in-flight blocks of block_k rows
-
-    @property
-    def block_q(self) -> int:
-        return WG_ROWS * self.compute_wgs
-
-
-def smem_bytes(tun: Tuning, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one program: Q tiles, K/V slots (aliased by the float32 partial staging),
-    P tiles in the "smem" form."""
-    c = tun.compute_wgs
-    q = c * WG_ROWS * head_dim * itemsize
-    slots = 2 * tun.stages * tun.block_k * head_dim * itemsize
-    staging = c * WG_ROWS * (head_dim + 2) * 4 if tun.splits > 1 else 0
-    p = c * WG_ROWS * tun.block_k * itemsize if tun.mma_form == "smem" else 0
-    return q + max(slots, staging) + p
-
-
-def default_splits(programs: int, num_blocks: int, *, num_sms: int = NUM_SMS_H200) -> int:
-    """Cache splits: the fewest within 10% of the least (waves x (blocks per split + 1)).
-
-    One program per SM (a program holds ~100-200 kB of shared memory); `programs` counts those of
-    one split. The +1 charges each program's fixed prologue and epilogue (Q load, pipeline fill,
-    partial write) one block's time.
-    """
-    cap = max(1, min(MAX_SPLITS, num_blocks))
-    cost = {sp: cdiv(programs * sp, num_sms) * (cdiv(num_blocks, sp) + 1) for sp in range(1, cap + 1)}
-    least = min(cost.values())
-    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
-
-
-def resolve_tuning(
-    q_shape: tuple[int, ...],
-    cache_shape: tuple[int, ...],
-    *,
-    block_k: int | None = None,
-    stages: int | None = None,
-    compute_wgs: int | None = None,
-    splits: int | None = None,
-    pingpong: bool | None = None,
-    mma_form: str | None = None,
-    num_sms: int = NUM_SMS_H200,
-) -> Tuning:
-    """The tuning of q [B, T, Hq, D] over a cache [B, Hkv, S, D]; None picks the default.
-
-    Defaults: 128-row cache blocks (a [128, 128] bf16 TMA box, wgmma N = 128 for Q K^T), 2 stages
-    (2 x 64 kB of K/V slots), one compute warpgroup up to 64 packed rows (T = 1 decode, T = 16 at
-    G = 4), two above (128-row tiles: each cache block read once per 128 rows), FA3's ping-pong with
-    two, P from registers. Blocks of 64 rows where the cache is shorter than 128.
-    """
-    b, t, hq, d = q_shape
-    hkv, s = cache_shape[1], cache_shape[2]
-    g = hq // hkv
-    if hq != g * hkv:
-        raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
-    if d % 64 or d > 256:
-        raise ValueError(f"head dim {d} must be a multiple of 64 up to 256 (TMA tiles of 64 columns)")
-    rows = t * g
-    block_k = block_k or (128 if s >= 128 else 64)
-    if block_k % 64 or block_k > 256:
-        raise ValueError(f"block_k = {block_k} must be 64, 128, 192 or 256")
-    if s < block_k:
-        raise ValueError(f"cache length {s} is shorter than one block of {block_k} rows")
-    if s % TMA_ROW_TILE:
-        raise ValueError(f"cache length {s} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
-    stages = stages or 2
-    compute_wgs = compute_wgs or (1 if rows <= WG_ROWS else 2)
-    if compute_wgs not in (1, 2):
-        raise ValueError(f"compute_wgs = {compute_wgs} must be 1 or 2")
-    pingpong = (compute_wgs == 2) if pingpong is None else pingpong
-    if pingpong and compute_wgs != 2:
-        raise ValueError("pingpong needs two compute warpgroups")
-    mma_form = mma_form or "registers"
-    if mma_form not in MMA_FORMS:
-        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
-    block_q = WG_ROWS * compute_wgs
-    row_tiles = cdiv(rows, block_q)
-    out_rows = -(-rows // 8) * 8 if row_tiles == 1 and compute_wgs == 1 else row_tiles * block_q
-    if splits is None:
-        splits = default_splits(row_tiles * b * hkv, cdiv(s, block_k), num_sms=num_sms)
-    tun = Tuning(
-        block_k=block_k,
-        stages=stages,
-        compute_wgs=compute_wgs,
-        splits=splits,
-        pingpong=pingpong,
-        mma_form=mma_form,
-        row_tiles=row_tiles,
-        rows=rows,
-        out_rows=out_rows,
-        new_blocks=cdiv(t, block_k),
-    )
-    if (need := smem_bytes(tun, d)) > SMEM_LIMIT - SMEM_RESERVE:
-        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
-    return tun
 
 
 def interpret_params(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.InterpretGPUParams | bool:
@@ -186,14 +69,14 @@ def interpret_params(interpret: bool | plgpu.InterpretGPUParams) -> plgpu.Interp
     return plgpu.InterpretGPUParams() if interpret else False
 
 
-def _pack_inputs(q, k_new, v_new, mask, tun: Tuning):
+def _pack_inputs(q, k_new, v_new, mask, tun: TreeMgpuTuning):
     """q -> [B, Hkv, Rq, D] (row = node * G + head, zero rows past R); k_new, v_new ->
     [B, Hkv, Tn, D] (zero rows past T); mask -> float32 bias [B, Rq, Tn] (0 seen, MASK_VALUE not)."""
     b, t, hq, d = q.shape
     hkv = k_new.shape[2]
     g = hq // hkv
-    rq = tun.row_tiles * tun.block_q
-    tn = tun.new_blocks * tun.block_k
+    rq = tun.row_tiles * tun.tile_q
+    tn = tun.new_tiles * tun.tile_k
     qp = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
     qp = jnp.pad(qp, ((0, 0), (0, 0), (0, rq - t * g), (0, 0)))
     kn, vn = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, tn - t), (0, 0))) for x in (k_new, v_new))
@@ -219,7 +102,7 @@ def _tree_attention_kernel(
     vn_ref,  # [B, Hkv, Tn, D]
     bias_ref,  # [B, Rq, Tn] float32
     *refs,
-    tun: Tuning,
+    tun: TreeMgpuTuning,
     kv_heads: int,
     window: int | None,
     scale_log2: float,
@@ -229,7 +112,7 @@ def _tree_attention_kernel(
     out_refs, (q_smem, slots, p_smem, barriers) = refs[:n_out], refs[n_out:]
     q_bar, k_full, v_full, k_free, v_free, sched, done = barriers
     (k_smem, v_smem), staging = slots
-    c_wgs, bk, stages, splits = tun.compute_wgs, tun.block_k, tun.stages, tun.splits
+    c_wgs, bk, stages, splits = tun.compute_wgs, tun.tile_k, tun.stages, tun.splits
     s_len, d = k_ref.shape[2], k_ref.shape[3]
     dtype = q_ref.dtype
 
@@ -237,20 +120,20 @@ def _tree_attention_kernel(
     wg = lax.axis_index("wg")
     bi, hi_ = bh // kv_heads, bh % kv_heads
 
-    # This split's share of the visible blocks [blk_lo, blk_hi) (block = bk cache rows, absolute).
+    # This split's share of the visible tiles [tile_lo, tile_hi) (tile = bk cache rows, absolute).
     hi = jnp.minimum(len_ref[bi], s_len)
     lo = jnp.maximum(hi - window, 0) if window is not None else jnp.int32(0)
-    blk_lo = lo // bk
-    num_blocks = jnp.maximum((hi + bk - 1) // bk - blk_lo, 0)
-    per_split = (num_blocks + splits - 1) // splits
-    first = jnp.minimum(split * per_split, num_blocks)
-    last = jnp.minimum(first + per_split, num_blocks)
+    tile_lo = lo // bk
+    num_tiles = jnp.maximum((hi + bk - 1) // bk - tile_lo, 0)
+    per_split = (num_tiles + splits - 1) // splits
+    first = jnp.minimum(split * per_split, num_tiles)
+    last = jnp.minimum(first + per_split, num_tiles)
     n_cache = last - first
-    n_new = jnp.where(split == splits - 1, tun.new_blocks, 0) if splits > 1 else jnp.int32(tun.new_blocks)
+    n_new = jnp.where(split == splits - 1, tun.new_tiles, 0) if splits > 1 else jnp.int32(tun.new_tiles)
 
     def cache_start(j):
-        """First cache row of step j's block (shifted back to stay inside the cache), and the block."""
-        blk = blk_lo + first + j
+        """First cache row of step j's tile (shifted back to stay inside the cache), and the tile."""
+        blk = tile_lo + first + j
         return jnp.minimum(blk * bk, s_len - bk), blk
 
     @pl.when(wg == c_wgs)
@@ -293,7 +176,7 @@ def _tree_attention_kernel(
     @pl.when(wg < c_wgs)
     def _compute_warpgroup():
         plgpu.set_max_registers(compute_registers(c_wgs), action="increase")
-        row0 = row_tile * tun.block_q + wg * WG_ROWS
+        row0 = row_tile * tun.tile_q + wg * WG_ROWS
         my_q = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi_, pl.ds(row0, WG_ROWS)], my_q, q_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
@@ -303,7 +186,7 @@ def _tree_attention_kernel(
             plgpu.barrier_wait(sched)
 
         def step(j, carry, kind):
-            """One block: kind "full" (no mask), "masked" (cache block at the range's ends) or "new"."""
+            """One tile: kind "full" (no mask), "masked" (cache tile at the range's ends) or "new"."""
             acc, m, l = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_full.at[slot])
@@ -360,10 +243,10 @@ def _tree_attention_kernel(
             plgpu.layout_cast(jnp.full((WG_ROWS,), M_INIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
-        # Masked cache steps: the range's first block when the window start is not block-aligned,
-        # its last when the length is not; the blocks between run unmasked.
+        # Masked cache steps: the range's first tile when the window start is not tile-aligned,
+        # its last when the length is not; the tiles between run unmasked.
         pro = ((lo % bk != 0) & (first == 0) & (n_cache > 0)).astype(jnp.int32)
-        epi = ((hi % bk != 0) & (last == num_blocks) & (n_cache - pro > 0)).astype(jnp.int32)
+        epi = ((hi % bk != 0) & (last == num_tiles) & (n_cache - pro > 0)).astype(jnp.int32)
         if tun.pingpong:
             pl.when(wg == 1)(rendezvous)
         carry = lax.fori_loop(0, pro, functools.partial(step, kind="masked"), carry)
@@ -400,9 +283,9 @@ def _tree_attention_kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(tun: Tuning, d: int, dtype) -> list:
+def _scratch(tun: TreeMgpuTuning, d: int, dtype) -> list:
     """Shared memory and barriers of one program (order: `_tree_attention_kernel`'s refs)."""
-    c, bk = tun.compute_wgs, tun.block_k
+    c, bk = tun.compute_wgs, tun.tile_k
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # 16-bit, 128-byte rows
     q_smem = plgpu.SMEM((c, WG_ROWS, d), dtype, transforms=tiled)
     kv = tuple(plgpu.SMEM((tun.stages, bk, d), dtype, transforms=tiled) for _ in range(2))
@@ -431,7 +314,7 @@ def _scratch(tun: Tuning, d: int, dtype) -> list:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "window", "interpret", "block_k", "stages", "compute_wgs", "splits", "pingpong", "mma_form",
+        "window", "interpret", "tile_k", "stages", "compute_wgs", "splits", "pingpong", "mma_form",
         "num_sms",
     ),
 )  # fmt: skip
@@ -446,7 +329,7 @@ def tree_attention_mgpu(
     *,
     window: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
-    block_k: int | None = None,
+    tile_k: int | None = None,
     stages: int | None = None,
     compute_wgs: int | None = None,
     splits: int | None = None,
@@ -456,7 +339,7 @@ def tree_attention_mgpu(
 ) -> jax.Array:
     """Mosaic GPU tree attention; same contract as `tree_attention_reference` (16-bit q and cache).
 
-    Tuning (static; None = `resolve_tuning`'s default). `interpret` (True or the interpreter's
+    Tuning (static; None = `resolve_tree_mgpu_tuning`'s default). `interpret` (True or the interpreter's
     parameters, e.g. with race detection) runs jax's GPU interpreter on the CPU (the "smem" mma form).
     """
     b, t, hq, d = q.shape
@@ -469,8 +352,8 @@ def tree_attention_mgpu(
         raise ValueError(f"q, caches and new K/V must share a 16-bit dtype, got {q.dtype}, {k_cache.dtype}")
     if interpret:
         mma_form = "smem"
-    tun = resolve_tuning(
-        q.shape, k_cache.shape, block_k=block_k, stages=stages, compute_wgs=compute_wgs, splits=splits,
+    tun = resolve_tree_mgpu_tuning(
+        q.shape, k_cache.shape, tile_k=tile_k, stages=stages, compute_wgs=compute_wgs, splits=splits,
         pingpong=pingpong, mma_form=mma_form, num_sms=num_sms,
     )  # fmt: skip
     qp, kn, vn, bias = _pack_inputs(q, k_new, v_new, mask, tun)

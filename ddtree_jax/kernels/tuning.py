@@ -1,12 +1,19 @@
 """How each kernel tiles and splits its work by default: the tuning tables and the rules that apply them,
-in one place (issue 22 item 2: scripts/h200_decode.sh sweeps around DECODE_TUNING).
+in one place (issue 22 item 2: results/h200/decode/run.sh sweeps around DECODE_TUNING).
 
 Splits are flash-decoding's: a sequence's visible cache range cut into pieces that separate programs
 stream, their float32 partials merged afterwards. How many pays depends on how many programs the
 other grid axes already give (batch x heads x row tiles) against the SMs.
+
+Sections: the Triton kernels (`tree_attention`, `mla_attention`: dict tables, `resolve_*_tuning` -> dict),
+the grouped expert matmul, then the Mosaic GPU kernels (`tree_attention_mgpu`, `mla_attention_mgpu`:
+frozen `*MgpuTuning` records, `resolve_*_mgpu_tuning`, their shared-memory counts and one split rule,
+`default_mgpu_splits`, for both).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from ddtree_jax.kernels.flash import cdiv, next_pow2
 
@@ -14,11 +21,11 @@ NUM_SMS_H200 = 132
 
 # -- tree attention (`tree_attention`) --------------------------------------------------------------
 # `waves`: programs to aim for, in units of num_sms (splits fill the grid up to waves * num_sms
-# programs); `min_blocks_per_split`: block_k blocks a split streams at least.
+# programs); `min_tiles_per_split`: tile_k tiles a split streams at least.
 # DECODE_TUNING applies when the packed query rows G * T fit one 16-row tile (T = 1 decode): short
-# programs (one block each at 1k context) fill the SMs, and a Pallas merge replaces XLA's fusions.
-DECODE_TUNING = dict(block_k=128, num_warps=4, num_stages=2, waves=4, min_blocks_per_split=1, merge="pallas")
-TREE_TUNING = dict(block_k=64, num_warps=4, num_stages=3, waves=2, min_blocks_per_split=4, merge="xla")
+# programs (one tile each at 1k context) fill the SMs, and a Pallas merge replaces XLA's fusions.
+DECODE_TUNING = dict(tile_k=128, num_warps=4, num_stages=2, waves=4, min_tiles_per_split=1, merge="pallas")
+TREE_TUNING = dict(tile_k=64, num_warps=4, num_stages=3, waves=2, min_tiles_per_split=4, merge="xla")
 MERGES = ("pallas", "xla")
 TREE_MAX_SPLITS = 64
 
@@ -28,15 +35,15 @@ def default_tree_splits(
     kv_heads: int,
     row_tiles: int,
     cache_len: int,
-    block_k: int,
+    tile_k: int,
     *,
     num_sms: int = NUM_SMS_H200,
-    min_blocks_per_split: int,
+    min_tiles_per_split: int,
     waves: int,
 ) -> int:
-    """Cache splits so that about `waves` programs run per SM, each with a few blocks to stream."""
+    """Cache splits so that about `waves` programs run per SM, each with a few tiles to stream."""
     want = cdiv(waves * num_sms, batch * kv_heads * row_tiles)
-    cap = max(1, cdiv(cache_len, block_k * min_blocks_per_split))
+    cap = max(1, cdiv(cache_len, tile_k * min_tiles_per_split))
     return max(1, min(want, cap, TREE_MAX_SPLITS))
 
 
@@ -44,14 +51,14 @@ def resolve_tree_tuning(
     q_shape: tuple[int, ...],
     cache_shape: tuple[int, ...],
     *,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    tile_q: int | None = None,
+    tile_k: int | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     merge: str | None = None,
     waves: int | None = None,
-    min_blocks_per_split: int | None = None,
+    min_tiles_per_split: int | None = None,
     num_sms: int = NUM_SMS_H200,
 ) -> dict:
     """The tuning `tree_attention` uses for q [B, T, Hq, D] over a cache [B, Hkv, S, D]; None picks the
@@ -60,8 +67,8 @@ def resolve_tree_tuning(
     Defaults by packed rows G * T: one tile of up to 128 rows; a single 16-row tile (AR decode)
     takes `DECODE_TUNING`, larger trees `TREE_TUNING` and tile the rows over the grid's first axis.
     TREE_TUNING comes from the H200 sweep (results/h200/bench_attention.json, read in
-    results/h200/README.md): 4 warps beat 8 everywhere, 3 stages beat 2 with 64-row K blocks, and
-    128-row query tiles halve the K/V re-reads of big trees. `waves` and `min_blocks_per_split` only
+    results/h200/README.md): 4 warps beat 8 everywhere, 3 stages beat 2 with 64-row K tiles, and
+    128-row query tiles halve the K/V re-reads of big trees. `waves` and `min_tiles_per_split` only
     steer the default splits.
     """
     b, t, hq, d = q_shape
@@ -69,34 +76,34 @@ def resolve_tree_tuning(
     g = hq // hkv
     if hq != g * hkv:
         raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
-    block_q = block_q or min(max(16, next_pow2(g * t)), 128)
+    tile_q = tile_q or min(max(16, next_pow2(g * t)), 128)
     base = DECODE_TUNING if g * t <= 16 else TREE_TUNING
-    block_k = block_k or base["block_k"]
+    tile_k = tile_k or base["tile_k"]
     num_warps = num_warps or base["num_warps"]
-    # An explicit block_k keeps the sweep's rule: 2 stages with 128-row blocks, 3 below.
+    # An explicit tile_k keeps the sweep's rule: 2 stages with 128-row tiles, 3 below.
     if num_stages is None:
-        num_stages = base["num_stages"] if block_k == base["block_k"] else (2 if block_k >= 128 else 3)
+        num_stages = base["num_stages"] if tile_k == base["tile_k"] else (2 if tile_k >= 128 else 3)
     merge = merge or base["merge"]
     if merge not in MERGES:
         raise ValueError(f"merge {merge!r} not one of {MERGES}")
-    for name, v in (("block_q", block_q), ("block_k", block_k), ("head dim", d)):
+    for name, v in (("tile_q", tile_q), ("tile_k", tile_k), ("head dim", d)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two >= 16")
-    row_tiles = cdiv(g * t, block_q)
+    row_tiles = cdiv(g * t, tile_q)
     if splits is None:
         splits = default_tree_splits(
             b,
             hkv,
             row_tiles,
             s,
-            block_k,
+            tile_k,
             num_sms=num_sms,
-            min_blocks_per_split=min_blocks_per_split or base["min_blocks_per_split"],
+            min_tiles_per_split=min_tiles_per_split or base["min_tiles_per_split"],
             waves=waves or base["waves"],
         )
     return dict(
-        block_q=block_q,
-        block_k=block_k,
+        tile_q=tile_q,
+        tile_k=tile_k,
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -112,14 +119,14 @@ def resolve_tree_tuning(
 # - up to 16 (a TP8 shard's decode, 8 heads): MLA_DECODE_TUNING, one 16-row tile, 4 warps (the float32
 #   accumulator, 16 x 512, is 64 registers per thread), two programs per SM.
 # - above: MLA_TREE_TUNING, 64-row tiles with 8 warps (the configuration the first run compiled and
-#   measured at T = 64): at TP1 decode (64 heads) ALL rows in ONE tile, so each cache block is loaded
+#   measured at T = 64): at TP1 decode (64 heads) ALL rows in ONE tile, so each cache tile is loaded
 #   once per sequence and split where 16-row tiles loaded it 4 times, and a loop step does 4x the work
 #   in the same measured time.
-# Cache blocks of 576 keys: 64 rows (72 kB of bf16 per stage, 2 stages) behind 64-row tiles, where the
+# Cache tiles of 576 keys: 64 rows (72 kB of bf16 per stage, 2 stages) behind 64-row tiles, where the
 # H200 sweep measured them 1.1x / 1.4x / 1.3x faster than 32 (64 heads T = 1, 64 heads T = 64, 8 heads
 # T = 64, all at 32k); 32 rows behind 16-row tiles (8 heads, T = 1: 50.8 us against 64.2).
-MLA_DECODE_TUNING = dict(block_q=16, block_k=32, num_warps=4, num_stages=2)
-MLA_TREE_TUNING = dict(block_q=64, block_k=64, num_warps=8, num_stages=2)
+MLA_DECODE_TUNING = dict(tile_q=16, tile_k=32, num_warps=4, num_stages=2)
+MLA_TREE_TUNING = dict(tile_q=64, tile_k=64, num_warps=8, num_stages=2)
 MLA_MAX_SPLITS = 256
 
 
@@ -127,16 +134,16 @@ def default_mla_splits(
     batch: int,
     row_tiles: int,
     cache_len: int,
-    block_k: int,
+    tile_k: int,
     *,
     num_sms: int = NUM_SMS_H200,
-    min_blocks_per_split: int = 4,
+    min_tiles_per_split: int = 4,
     programs_per_sm: int = 1,
 ) -> int:
-    """Cache splits (flash-decoding): the fewest within 10% of the least waves x blocks per program.
+    """Cache splits (flash-decoding): the fewest within 10% of the least waves x tiles per program.
 
     `row_tiles` counts the programs of one sequence and split (row tiles x value splits). The first
-    H200 run fits time = waves x blocks per program x 3.2 us (+ ~30 us of launches and combine) on
+    H200 run fits time = waves x tiles per program x 3.2 us (+ ~30 us of launches and combine) on
     every row, whatever the tile (16 or 64 rows, 4 or 8 warps): a program's loop step has a fixed
     latency, so what counts is the steps of the longest program, not bytes or FLOPs. Hence splits
     until the programs fill the SMs' slots (`programs_per_sm`: 2 for 4-warp 16-row tiles, 1 for the
@@ -144,10 +151,10 @@ def default_mla_splits(
     192 programs, two waves of a third of the cache each (2.2 ms measured), 2 splits one wave of
     half. A split's float32 partial is 2 kB per row, written and re-read: ties go to fewer splits.
     """
-    num_blocks = cdiv(cache_len, block_k)
-    cap = max(1, min(MLA_MAX_SPLITS, cdiv(num_blocks, min_blocks_per_split)))
+    num_tiles = cdiv(cache_len, tile_k)
+    cap = max(1, min(MLA_MAX_SPLITS, cdiv(num_tiles, min_tiles_per_split)))
     slots = num_sms * programs_per_sm
-    cost = {sp: cdiv(batch * row_tiles * sp, slots) * cdiv(num_blocks, sp) for sp in range(1, cap + 1)}
+    cost = {sp: cdiv(batch * row_tiles * sp, slots) * cdiv(num_tiles, sp) for sp in range(1, cap + 1)}
     least = min(cost.values())
     return min(sp for sp in cost if cost[sp] <= 1.1 * least)
 
@@ -156,8 +163,8 @@ def resolve_mla_tuning(
     q_shape: tuple[int, ...],
     cache_len: int,
     *,
-    block_q: int | None = None,
-    block_k: int | None = None,
+    tile_q: int | None = None,
+    tile_k: int | None = None,
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -167,31 +174,31 @@ def resolve_mla_tuning(
     """The tuning `mla_attention` uses for q_latent's shape [B, T, H, C]; None picks the default.
 
     The row tile comes from the packed rows (MLA_DECODE_TUNING up to 16, else MLA_TREE_TUNING); the
-    tile's table then gives block_k, warps and stages. `value_splits` (default 1) splits the C output
+    tile's table then gives tile_k, warps and stages. `value_splits` (default 1) splits the C output
     columns over programs sharing a row tile, each recomputing the scores: smaller accumulators at the
     price of the score matmul done again; C / value_splits must be a power of two >= 16.
     """
     b, t, h, c = q_shape
     rows = t * h
-    block_q = block_q or (MLA_DECODE_TUNING if rows <= 16 else MLA_TREE_TUNING)["block_q"]
-    base = MLA_DECODE_TUNING if block_q <= 16 else MLA_TREE_TUNING
-    block_k = block_k or base["block_k"]
+    tile_q = tile_q or (MLA_DECODE_TUNING if rows <= 16 else MLA_TREE_TUNING)["tile_q"]
+    base = MLA_DECODE_TUNING if tile_q <= 16 else MLA_TREE_TUNING
+    tile_k = tile_k or base["tile_k"]
     value_splits = value_splits or 1
     num_warps = num_warps or base["num_warps"]
     num_stages = num_stages or base["num_stages"]
-    for name, v in (("block_q", block_q), ("block_k", block_k), ("C / value_splits", c // value_splits)):
+    for name, v in (("tile_q", tile_q), ("tile_k", tile_k), ("C / value_splits", c // value_splits)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} = {v} must be a power of two >= 16")
     if c % value_splits:
         raise ValueError(f"value_splits = {value_splits} must divide the latent width {c}")
-    row_tiles = cdiv(rows, block_q)
+    row_tiles = cdiv(rows, tile_q)
     if splits is None:
-        per_sm = 2 if block_q <= 16 and num_warps <= 4 else 1
+        per_sm = 2 if tile_q <= 16 and num_warps <= 4 else 1
         programs = row_tiles * value_splits
-        splits = default_mla_splits(b, programs, cache_len, block_k, num_sms=num_sms, programs_per_sm=per_sm)
+        splits = default_mla_splits(b, programs, cache_len, tile_k, num_sms=num_sms, programs_per_sm=per_sm)
     return dict(
-        block_q=block_q,
-        block_k=block_k,
+        tile_q=tile_q,
+        tile_k=tile_k,
         splits=splits,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -204,11 +211,242 @@ def resolve_mla_tuning(
 
 
 def default_grouped_splits(
-    programs: int, k_blocks: int, num_sms: int = NUM_SMS_H200, min_steps: int = 4
+    programs: int, k_tiles: int, num_sms: int = NUM_SMS_H200, min_steps: int = 4
 ) -> int:
-    """K splits so that about two programs run per SM, each streaming at least `min_steps` K blocks."""
+    """K splits so that about two programs run per SM, each streaming at least `min_steps` K tiles."""
     want = max(1, -(-2 * num_sms // programs))
-    for s in range(min(want, max(1, k_blocks // min_steps)), 0, -1):
-        if k_blocks % s == 0:
+    for s in range(min(want, max(1, k_tiles // min_steps)), 0, -1):
+        if k_tiles % s == 0:
             return s
     return 1
+
+
+# -- tree attention on Mosaic GPU (`tree_attention_mgpu`) -------------------------------------------
+# A program is one or two 64-row compute warpgroups plus a TMA warpgroup; the rules count shared memory
+# (about 100-227 kB a program, so one program per SM) and cut the cache into whole waves of programs.
+WG_ROWS = 64  # rows of one wgmma (M) = query rows of one compute warpgroup
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory of one H100/H200 program (CTA)
+SMEM_RESERVE = 4 * 1024  # barriers, reduction scratch, alignment
+TREE_MGPU_MAX_SPLITS = 64
+MMA_FORMS = ("registers", "smem")
+# Mosaic GPU (jax 0.11.2) copies a cache tile into its (8, 64)-tiled shared-memory slot by a TMA over
+# the cache viewed as 8-row tiles: the cache's length must be a multiple of 8 (else lowering fails:
+# "dimension 2 must have size smaller or a multiple of its tiling 8"), and so must every tile's first
+# row, the shifted-back last tile's S - tile_k included (else layout inference fails on an
+# AssertionError in its own error path). attention.py sends such caches to the Triton kernel.
+TMA_ROW_TILE = 8
+TMA_ROW_TILE_WHY = "Mosaic GPU's TMA reads the cache in tiles of 8 rows (use the Triton kernel)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMgpuTuning:
+    """Static shape of one `tree_attention_mgpu` call: see `resolve_tree_mgpu_tuning`."""
+
+    tile_k: int  # cache rows per pipeline step (TMA box, wgmma N of Q K^T, K of P V)
+    stages: int  # shared-memory slots of K and V in flight
+    compute_wgs: int  # 64-row compute warpgroups per program (tile_q = 64 * compute_wgs)
+    splits: int  # programs per (row tile, sequence, K/V head) along the cache
+    pingpong: bool  # FA3's schedule barrier between two compute warpgroups
+    mma_form: str  # "registers" | "smem" (see the module docstring)
+    row_tiles: int
+    rows: int  # packed rows R = T * G
+    out_rows: int  # rows of the outputs: R rounded up to 8 in one 64-row tile, else whole tiles
+    new_tiles: int  # in-flight tiles of tile_k rows
+
+    @property
+    def tile_q(self) -> int:
+        return WG_ROWS * self.compute_wgs
+
+
+def tree_mgpu_smem_bytes(tun: TreeMgpuTuning, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of one program: Q tiles, K/V slots (aliased by the float32 partial staging),
+    P tiles in the "smem" form."""
+    c = tun.compute_wgs
+    q = c * WG_ROWS * head_dim * itemsize
+    slots = 2 * tun.stages * tun.tile_k * head_dim * itemsize
+    staging = c * WG_ROWS * (head_dim + 2) * 4 if tun.splits > 1 else 0
+    p = c * WG_ROWS * tun.tile_k * itemsize if tun.mma_form == "smem" else 0
+    return q + max(slots, staging) + p
+
+
+def default_mgpu_splits(
+    programs: int, num_tiles: int, *, overhead_tiles: int, max_splits: int, num_sms: int = NUM_SMS_H200
+) -> int:
+    """Cache splits of both Mosaic kernels: the fewest within 10% of the least
+    waves x (tiles per split + `overhead_tiles`).
+
+    One program per SM (a program holds ~100-225 kB of shared memory); `programs` counts those of one
+    split. `overhead_tiles` charges each program's fixed prologue and epilogue in units of one
+    tile's time: 1 for the tree kernel (Q load, pipeline fill, partial write), 3 for MLA (a query
+    load of 72 kB at Kimi-K2 widths, one tile's bytes, and a float32 partial of 128 kB written and
+    read again by the merge).
+    """
+    cap = max(1, min(max_splits, num_tiles))
+    cost = {
+        sp: cdiv(programs * sp, num_sms) * (cdiv(num_tiles, sp) + overhead_tiles)
+        for sp in range(1, cap + 1)
+    }
+    least = min(cost.values())
+    return min(sp for sp in cost if cost[sp] <= 1.1 * least)
+
+
+def resolve_tree_mgpu_tuning(
+    q_shape: tuple[int, ...],
+    cache_shape: tuple[int, ...],
+    *,
+    tile_k: int | None = None,
+    stages: int | None = None,
+    compute_wgs: int | None = None,
+    splits: int | None = None,
+    pingpong: bool | None = None,
+    mma_form: str | None = None,
+    num_sms: int = NUM_SMS_H200,
+) -> TreeMgpuTuning:
+    """The tuning `tree_attention_mgpu` uses for q [B, T, Hq, D] over a cache [B, Hkv, S, D]; None picks
+    the default.
+
+    Defaults: 128-row cache tiles (a [128, 128] bf16 TMA box, wgmma N = 128 for Q K^T), 2 stages
+    (2 x 64 kB of K/V slots), one compute warpgroup up to 64 packed rows (T = 1 decode, T = 16 at
+    G = 4), two above (128-row tiles: each cache tile read once per 128 rows), FA3's ping-pong with
+    two, P from registers. Blocks of 64 rows where the cache is shorter than 128.
+    """
+    b, t, hq, d = q_shape
+    hkv, s = cache_shape[1], cache_shape[2]
+    g = hq // hkv
+    if hq != g * hkv:
+        raise ValueError(f"query heads {hq} not a multiple of K/V heads {hkv}")
+    if d % 64 or d > 256:
+        raise ValueError(f"head dim {d} must be a multiple of 64 up to 256 (TMA tiles of 64 columns)")
+    rows = t * g
+    tile_k = tile_k or (128 if s >= 128 else 64)
+    if tile_k % 64 or tile_k > 256:
+        raise ValueError(f"tile_k = {tile_k} must be 64, 128, 192 or 256")
+    if s < tile_k:
+        raise ValueError(f"cache length {s} is shorter than one tile of {tile_k} rows")
+    if s % TMA_ROW_TILE:
+        raise ValueError(f"cache length {s} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
+    stages = stages or 2
+    compute_wgs = compute_wgs or (1 if rows <= WG_ROWS else 2)
+    if compute_wgs not in (1, 2):
+        raise ValueError(f"compute_wgs = {compute_wgs} must be 1 or 2")
+    pingpong = (compute_wgs == 2) if pingpong is None else pingpong
+    if pingpong and compute_wgs != 2:
+        raise ValueError("pingpong needs two compute warpgroups")
+    mma_form = mma_form or "registers"
+    if mma_form not in MMA_FORMS:
+        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
+    tile_q = WG_ROWS * compute_wgs
+    row_tiles = cdiv(rows, tile_q)
+    out_rows = -(-rows // 8) * 8 if row_tiles == 1 and compute_wgs == 1 else row_tiles * tile_q
+    if splits is None:
+        programs = row_tiles * b * hkv
+        splits = default_mgpu_splits(
+            programs, cdiv(s, tile_k), overhead_tiles=1, max_splits=TREE_MGPU_MAX_SPLITS, num_sms=num_sms
+        )
+    tun = TreeMgpuTuning(
+        tile_k=tile_k,
+        stages=stages,
+        compute_wgs=compute_wgs,
+        splits=splits,
+        pingpong=pingpong,
+        mma_form=mma_form,
+        row_tiles=row_tiles,
+        rows=rows,
+        out_rows=out_rows,
+        new_tiles=cdiv(t, tile_k),
+    )
+    if (need := tree_mgpu_smem_bytes(tun, d)) > SMEM_LIMIT - SMEM_RESERVE:
+        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
+    return tun
+
+
+# -- absorbed MLA attention on Mosaic GPU (`mla_attention_mgpu`) --------------------------------------
+# One 64-row tile of packed rows per program (two compute warpgroups split the value columns), the
+# shared memory nearly full at Kimi-K2 widths; the constants above (WG_ROWS, SMEM_LIMIT, TMA_ROW_TILE,
+# MMA_FORMS) hold for it too.
+MLA_MGPU_MAX_SPLITS = 256
+SMEM_ALIGN = 1024  # Mosaic GPU aligns every shared-memory buffer to 1 kB
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaMgpuTuning:
+    """Static shape of one `mla_attention_mgpu` call: see `resolve_mla_mgpu_tuning`."""
+
+    tile_k: int  # cache entries per pipeline step
+    stages: int  # shared-memory slots in flight
+    splits: int  # programs per (row tile, sequence) along the cache
+    mma_form: str  # "registers" | "smem"
+    row_tiles: int
+    rows: int  # packed rows T * H
+    out_rows: int  # rows of the outputs: T * H rounded up to 8 in one tile, else whole tiles
+    new_tiles: int  # in-flight tiles of tile_k entries
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+
+
+def mla_mgpu_smem_bytes(tun: MlaMgpuTuning, latent: int, rope: int, itemsize: int = 2) -> int:
+    """Shared memory of one program (each buffer 1 kB-aligned, barriers 1 kB)."""
+    q = _aligned(WG_ROWS * latent * itemsize) + _aligned(WG_ROWS * rope * itemsize)
+    slots = tun.stages * (_aligned(tun.tile_k * latent * itemsize) + _aligned(tun.tile_k * rope * itemsize))
+    staging = 2 * _aligned(WG_ROWS * latent // 2 * (4 if tun.splits > 1 else itemsize))
+    p = _aligned(WG_ROWS * tun.tile_k * itemsize)
+    stats = _aligned(2 * WG_ROWS * 4)
+    return q + max(slots, staging) + p + stats + SMEM_ALIGN
+
+
+def resolve_mla_mgpu_tuning(
+    q_shape: tuple[int, ...],
+    cache_len: int,
+    rope_dim: int,
+    *,
+    tile_k: int | None = None,
+    stages: int | None = None,
+    splits: int | None = None,
+    mma_form: str | None = None,
+    num_sms: int = NUM_SMS_H200,
+) -> MlaMgpuTuning:
+    """The tuning `mla_attention_mgpu` uses for q_latent [B, T, H, C] over a cache of `cache_len` entries;
+    None = default.
+
+    Defaults: 64-entry tiles in 2 stages (2 x 72 kB at C = 512, R = 64: with the 72 kB query tile
+    and P, 226 kB of the 227 kB a program may hold), P from registers; splits from `default_mgpu_splits`.
+    """
+    b, t, h, c = q_shape
+    if c % 128 or c > 512:
+        raise ValueError(f"latent dim {c} must be a multiple of 128 up to 512 (two value halves)")
+    if rope_dim % 64:
+        raise ValueError(f"rope dim {rope_dim} must be a multiple of 64 (TMA tiles of 64 columns)")
+    tile_k = tile_k or 64
+    if tile_k % 64 or tile_k > 256:
+        raise ValueError(f"tile_k = {tile_k} must be a multiple of 64 up to 256")
+    if cache_len < tile_k:
+        raise ValueError(f"cache length {cache_len} is shorter than one tile of {tile_k} entries")
+    if cache_len % TMA_ROW_TILE:
+        raise ValueError(f"cache length {cache_len} is not a multiple of {TMA_ROW_TILE}: {TMA_ROW_TILE_WHY}")
+    stages = stages or 2
+    mma_form = mma_form or "registers"
+    if mma_form not in MMA_FORMS:
+        raise ValueError(f"mma_form {mma_form!r} not one of {MMA_FORMS}")
+    rows = t * h
+    row_tiles = cdiv(rows, WG_ROWS)
+    out_rows = -(-rows // 8) * 8 if row_tiles == 1 else row_tiles * WG_ROWS
+    if splits is None:
+        num_tiles = cdiv(cache_len, tile_k)
+        splits = default_mgpu_splits(
+            row_tiles * b, num_tiles, overhead_tiles=3, max_splits=MLA_MGPU_MAX_SPLITS, num_sms=num_sms
+        )
+    tun = MlaMgpuTuning(
+        tile_k=tile_k,
+        stages=stages,
+        splits=splits,
+        mma_form=mma_form,
+        row_tiles=row_tiles,
+        rows=rows,
+        out_rows=out_rows,
+        new_tiles=cdiv(t, tile_k),
+    )
+    if (need := mla_mgpu_smem_bytes(tun, c, rope_dim)) > SMEM_LIMIT:
+        raise ValueError(f"tuning {tun} needs {need} bytes of shared memory (limit {SMEM_LIMIT})")
+    return tun

@@ -18,7 +18,7 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
   grouped  the same sort, grouped matmuls by the Pallas Triton kernel of kernels/quant_matmul.py
            (`quant.arrays.pallas_ragged_matmul`; CUDA GPUs; reads only the experts that own
            rows, K split over programs for few rows); `grouped_split` the same with more K splits
-           (block_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
+           (tile_k 64, up to 8 splits) for one-token decode; with `_interpret` appended they run
            in interpret mode (tests, any backend)
   sorted_mgpu  the sort with JAX's bundled Hopper kernel (Mosaic GPU, H100/H200, plain arrays only)
   fused    tiles of (token, slot) pairs of one chosen expert each, through two Mosaic GPU kernels
@@ -51,6 +51,7 @@ from ddtree_jax.quant.arrays import (
     Int4Weight,
     Weight,
     dequantize,
+    expert_weight,
     num_experts,
     pallas_ragged_matmul,
     ragged_matmul,
@@ -69,8 +70,8 @@ EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Pallas `grouped` kernel on a GPU. H200 figures (results/notes.md): gather 5.6x / 2.9x the
 # distinct-expert floor at 1 / 8 tokens, sort + ragged_dot 18.2x / 3.0x; the grouped kernel 3.5x / 4.1x
 # / 24x faster than ragged_dot at 16 / 64 / 512 tokens but 1.7x slower than gather at one token (Kimi
-# expert shape). GPU_GATHER_MAX_TOKENS is the GPU's threshold, which scripts/h200_moe.sh's one-token
-# rows (gather, grouped, grouped_split) decide for the Qwen3-30B-A3B shape.
+# expert shape). GPU_GATHER_MAX_TOKENS is the GPU's threshold, which the one-token rows (gather, grouped,
+# grouped_split) of results/h200/moe-dispatch/run.sh decide for the Qwen3-30B-A3B shape.
 GATHER_MAX_TOKENS = 4
 GPU_GATHER_MAX_TOKENS = 4
 # On a Hopper GPU, token counts up to FUSED_MAX_TOKENS use `fused`, above it the rule above; 0 turns it
@@ -260,7 +261,7 @@ def _mgpu_ragged_dot(lhs: jax.Array, rhs: Weight, sizes: jax.Array) -> jax.Array
     )
 
 
-def _power_of_two_block(size: int, largest: int) -> int | None:
+def _power_of_two_tile(size: int, largest: int) -> int | None:
     """The largest power of two in [16, largest] dividing `size` (Triton: loads of 2^n elements, dots
     of at least 16), or None."""
     block = largest
@@ -278,20 +279,20 @@ def _stored_rows(w: Weight) -> int:
 
 
 def grouped_blocks(w: Weight, largest_k: int = 128) -> tuple[int, int] | None:
-    """(block_k, block_n) of the Pallas grouped kernel for this expert weight [E, in, out] (local
+    """(tile_k, tile_n) of the Pallas grouped kernel for this expert weight [E, in, out] (local
     shapes under shard_map), or None where no legal pair exists (the dispatch then uses ragged_dot).
     Qwen3-30B-A3B: (128, 128) for gate / up [128, 2048, 768] and down [128, 768, 2048]; 768 / tp columns
     under "tp" experts give block 128 / 64 / 32 at tp 2 / 4 / 8."""
     rows, n = _stored_rows(w), stored(w).shape[-1]
-    if isinstance(w, Int4Weight):  # the kernel reads int32 words, 8 dots of block_k / 8 >= 16 rows
+    if isinstance(w, Int4Weight):  # the kernel reads int32 words, 8 dots of tile_k / 8 >= 16 rows
         ok = w.q.dtype == jnp.int32
-        block_k = (256 if rows % 256 == 0 else 128 if rows % 128 == 0 else None) if ok else None
+        tile_k = (256 if rows % 256 == 0 else 128 if rows % 128 == 0 else None) if ok else None
     elif isinstance(w, Fp8Weight):
-        block_k = _power_of_two_block(rows, min(largest_k, w.block[0]))  # nests in the scale block
+        tile_k = _power_of_two_tile(rows, min(largest_k, w.block[0]))  # nests in the scale block
     else:
-        block_k = _power_of_two_block(rows, largest_k)
-    block_n = _power_of_two_block(n, 128)
-    return None if block_k is None or block_n is None else (block_k, block_n)
+        tile_k = _power_of_two_tile(rows, largest_k)
+    tile_n = _power_of_two_tile(n, 128)
+    return None if tile_k is None or tile_n is None else (tile_k, tile_n)
 
 
 def pallas_grouped(dispatch: str) -> Grouped:
@@ -304,17 +305,17 @@ def pallas_grouped(dispatch: str) -> Grouped:
         blocks = grouped_blocks(w, 64 if split else 128)
         if blocks is None:
             return ragged_matmul(x, w, sizes)
-        block_k, block_n = blocks
+        tile_k, tile_n = blocks
         splits = None
         if split:  # up to 8 splits of K: more programs for a few rows
-            k_blocks = _stored_rows(w) // block_k
-            splits = max(s for s in range(1, 9) if k_blocks % s == 0)
+            k_tiles = _stored_rows(w) // tile_k
+            splits = max(s for s in range(1, 9) if k_tiles % s == 0)
         return pallas_ragged_matmul(
             x,
             w,
             sizes,
-            block_k=block_k,
-            block_n=block_n,
+            tile_k=tile_k,
+            tile_n=tile_n,
             splits=splits,
             interpret=dispatch.endswith("_interpret"),
         )
@@ -388,7 +389,7 @@ def _fused(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
     from ddtree_jax.kernels import fused_experts
 
     interpret = dispatch.endswith("_interpret")
-    gate, up, down = (p[name] for name in EXPERT_WEIGHTS)
+    gate, up, down = (expert_weight(p[name]) for name in EXPERT_WEIGHTS)  # plain arrays + scales
     if not fused_experts.supported(gate, up, down, x.dtype):
         grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
         return _combine(_sorted(p, x, experts, here, grouped), weights, here)

@@ -188,11 +188,24 @@ def kernel_experts(w: Weight):
 
 def pallas_ragged_matmul(x: jax.Array, w: Weight, group_sizes: jax.Array, **tuning) -> jax.Array:
     """`ragged_matmul` by the Pallas Triton kernel, which reads the stored bytes of the experts that own
-    rows (`ddtree_jax.kernels.quant_matmul.grouped_matmul`; `tuning`: its block, split and interpret
+    rows (`ddtree_jax.kernels.quant_matmul.grouped_matmul`; `tuning`: its tile, split and interpret
     options)."""
     from ddtree_jax.kernels.quant_matmul import grouped_matmul
 
     return grouped_matmul(x, kernel_experts(w), group_sizes, **tuning)
+
+
+def expert_weight(w: Weight):
+    """A stacked expert weight [E, in, out] as the fused expert kernel reads it
+    (`ddtree_jax.kernels.fused_experts.ExpertWeight`: the stored arrays, the scales and the format's
+    constants; no copy)."""
+    from ddtree_jax.kernels.fused_experts import ExpertWeight
+
+    if isinstance(w, Int4Weight):
+        return ExpertWeight("int4", w.q, w.scale, group=w.group)
+    if isinstance(w, Fp8Weight):
+        return ExpertWeight("fp8", w.w, w.scale, block=w.block, width=w.shape[1])
+    return ExpertWeight("plain", w)
 
 
 def slot_matmul(x: jax.Array, w: Weight, experts: jax.Array) -> jax.Array:
