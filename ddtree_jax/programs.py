@@ -1,6 +1,8 @@
 """The device programs of a run over a typed batch of requests (`Requests`), each compiled once.
 
   start     a new decode state of B rows: the requests prefilled into their rows, the others done
+  empty     a new decode state of B rows, every row done, without a prefill: what a continuous batch
+            starts from, so that its only prefill program is `refill`'s (one compilation, not two)
   refill    the requests prefilled into rows of a running state (rows freed by finished prompts)
   rounds    decoding rounds (engine.decode_round) until `until` rows are done, or every row is, or
             `most` rounds ran (a host that checks stop strings after each round)
@@ -21,13 +23,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax import engine, models, prefill
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan, on_mesh, param_specs, state_specs
 from ddtree_jax.kv_cache import KVCache
 from ddtree_jax.sampling import SamplingArrays
-from ddtree_jax.sharding import DATA
+from ddtree_jax.sharding import DATA, make_mesh
 from ddtree_jax.weights import Params
 
 
@@ -150,6 +154,27 @@ def start(
     return place_rows(empty_rows(new, shape.rows), new, req.rows)
 
 
+def empty(
+    params, draft_params, req: Requests, stop_ids, *, plan: Plan, shape: Shape, chunk: int, attention: str
+):
+    """A new state of shape.rows rows, every row done, shaped as `start`'s (the prefill is traced for its
+    shapes only, `req` read for its shapes only): `refill` then fills its rows as `start` would have."""
+    new = jax.eval_shape(
+        lambda: _prefill_on_mesh(
+            params, draft_params, req, stop_ids, plan, shape.rows, shape.capacity, chunk, attention
+        )
+    )
+    state = dataclasses.replace(empty_rows(new, shape.rows), stop_ids=stop_ids)
+    if plan.tp * plan.dp == 1:
+        return state
+    # laid out as refill's state is (by rows over "data"), so that refill compiles once for both
+    mesh = make_mesh(plan.tp, plan.dp)
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), state_specs(plan), is_leaf=lambda x: isinstance(x, P)
+    )
+    return jax.lax.with_sharding_constraint(state, shardings)
+
+
 def refill(
     params, draft_params, state: DecodeState, req: Requests, *, plan: Plan, chunk: int, attention: str
 ):
@@ -205,6 +230,7 @@ def stage_programs(plan: Plan) -> dict[str, Any]:
 
 JITTED = {
     "start": jax.jit(start, static_argnames=("plan", "shape", "chunk", "attention")),
+    "empty": jax.jit(empty, static_argnames=("plan", "shape", "chunk", "attention")),
     "refill": jax.jit(refill, static_argnames=("plan", "chunk", "attention"), donate_argnums=(2,)),
     "rounds": jax.jit(rounds, static_argnames=("plan",), donate_argnums=(2,)),
     "generate": jax.jit(generate, static_argnames=("plan", "shape", "chunk", "attention")),
@@ -255,6 +281,10 @@ class Programs:
     def start(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
         """A new state of `shape` holding the requests."""
         return self._call("start", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
+
+    def empty(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
+        """A new state of `shape`, every row done, for `refill` to fill (req: for its shapes only)."""
+        return self._call("empty", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
 
     def refill(self, state: DecodeState, req: Requests) -> DecodeState:
         """The state (donated) with the requests in their rows."""

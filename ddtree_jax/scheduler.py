@@ -273,12 +273,9 @@ class Generator:
             rows = free[g : g + len(group)]  # fewer prompts than "data" devices: padding requests
             req = self._requests(run, group, rows, dp, run.shape)
             admitted = (time.perf_counter(), self.compile_seconds)
-            if run.state is None:
-                run.state = self.stepper.prefill(
-                    lambda req=req: self.programs.start(req, self._stop_array(), run.shape)
-                )
-            else:
-                run.state = self.stepper.prefill(lambda req=req: self.programs.refill(run.state, req))
+            if run.state is None:  # every row done: the refill below fills the first ones
+                run.state = self.programs.empty(req, self._stop_array(), run.shape)
+            run.state = self.stepper.prefill(lambda req=req: self.programs.refill(run.state, req))
             for r, i in zip(rows, group, strict=True):
                 self._admit(run, r, i, admitted)
             self.occupancy.refills += 1
