@@ -14,18 +14,17 @@ TINY += ["--ceiling-bytes", "1048576"]
 def test_bench_tiny_writes_every_configuration(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = [*TINY, "--methods", "ar,ddtree", "--budgets", "3", "--batch-sizes", "2", "--stages"]
-    argv += ["--sampling", "greedy,0.7:5:0.9", "--out", str(out)]
+    # sampled (greedy, the default, runs in the tensor-parallel test below)
+    argv += ["--sampling", "0.7:5:0.9", "--out", str(out)]
     assert main(argv) == 0
     err = capsys.readouterr().err  # progress: each configuration as it starts and ends
-    assert "[1/4] ar batch 2 context 32 reference greedy ..." in err
-    assert "[4/4] ddtree 3 batch 2 context 32 reference sampled: " in err and " ms per round (" in err
+    assert "[1/2] ar batch 2 context 32 reference sampled ..." in err
+    assert "[2/2] ddtree 3 batch 2 context 32 reference sampled: " in err and " ms per round (" in err
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [(r["method"], r["sampling"] is None) for r in rows] == [
-        ("ar", True),
-        ("ar", False),
-        ("ddtree", True),
-        ("ddtree", False),
+    assert [(r["method"], r["sampling"]) for r in rows] == [
+        ("ar", {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 0}),
+        ("ddtree", {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 0}),
     ]
     for r in rows:
         assert "error" not in r, r.get("error")
@@ -182,12 +181,9 @@ def test_bench_moe_shape_and_its_floor(tmp_path):
     from ddtree_jax.models import moe
 
     moe_tiny = [a if a != "tiny" else "tiny-moe" for a in TINY]
-    # the floor of the experts chosen compiles each round twice: on the expert-parallel mesh only
-    for extra in (
-        ["--no-chosen-floor"],
-        ["--tp", "4", "--moe-sharding", "ep"],
-        ["--tp", "2", "--moe-sharding", "tp", "--no-chosen-floor"],
-    ):
+    # the floor of the experts chosen compiles each round twice: on the expert-parallel mesh only (the
+    # experts split by columns, --moe-sharding tp, run in tests/test_families.py's MoE meshes)
+    for extra in (["--no-chosen-floor"], ["--tp", "4", "--moe-sharding", "ep"]):
         out = tmp_path / "bench.json"
         argv = [*moe_tiny, "--methods", "ar,ddtree", "--budgets", "3,15", "--batch-sizes", "1", *extra]
         assert main([*argv, "--out", str(out)]) == 0
