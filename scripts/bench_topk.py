@@ -1,4 +1,4 @@
-"""Time `jax.lax.top_k` against `collectives.chunked_top_k` (same values and ids) on vocabulary rows.
+"""Time `jax.lax.top_k` against `collectives.tiled_top_k` (same values and ids) on vocabulary rows.
 
 python scripts/bench_topk.py --out topk.json
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
 from ddtree_jax.bench.timing import median_seconds  # noqa: E402
-from ddtree_jax.collectives import chunked_top_k  # noqa: E402
+from ddtree_jax.collectives import tiled_top_k  # noqa: E402
 
 
 def median_us(fn, x, reps: int = 50) -> float:
@@ -38,13 +38,13 @@ def main() -> None:
         n, k = map(int, case.split(":"))
         x = jax.random.normal(jax.random.key(0), (n, args.vocab), jnp.float32)
         lax_fn = jax.jit(lambda a, k=k: jax.lax.top_k(a, k))
-        chunk_fn = jax.jit(lambda a, k=k: chunked_top_k(a, k))
+        tiled_fn = jax.jit(lambda a, k=k: tiled_top_k(a, k))
         ties = jax.random.randint(jax.random.key(1), x.shape, 0, 8).astype(jnp.float32)  # ids decide ties
         same = all(
-            bool(jnp.all(a == b)) for y in (x, ties) for a, b in zip(lax_fn(y), chunk_fn(y), strict=True)
+            bool(jnp.all(a == b)) for y in (x, ties) for a, b in zip(lax_fn(y), tiled_fn(y), strict=True)
         )
         row = {"rows": n, "k": k, "vocab": args.vocab, "lax_top_k_us": median_us(lax_fn, x)}
-        row |= {"chunked_top_k_us": median_us(chunk_fn, x), "identical": same}
+        row |= {"tiled_top_k_us": median_us(tiled_fn, x), "identical": same}
         rows.append(row)
         print(json.dumps(row), flush=True)
         write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})

@@ -117,7 +117,7 @@ def main() -> None:
     staged = [r for r in (load_rows(args.stage_bench) if args.stage_bench else rows) if r.get("stages_ms")]
     if staged:
         fig, ax = plt.subplots(figsize=(7, 4))
-        labels = [f"{r['method']} {r['budget']} B={r['batch']}" for r in staged]
+        labels = [f"{r['method']} {r['budget']} B={r['batch_size']}" for r in staged]
         bottom = [0.0] * len(staged)
         for stage in ("draft", "build", "verify", "walk", "commit"):  # engine.STAGES
             # each stage alone in a device loop; commit is the rest of the round (clipped at 0); files

@@ -81,9 +81,12 @@ def _run_in_own_process(item) -> None:
     """Run `item` alone in a fresh process (the suite's settings and environment); a process killed by
     a signal runs once more, a failure is reported with the process's output, a skip as a skip."""
     config = item.config
-    nodeid = item.nodeid.rsplit("@", 1)[0] if item.get_closest_marker("xdist_group") else item.nodeid
+    nodeid = item.nodeid  # without the "@group" pytest-xdist's loadgroup appends (after the params' "]")
+    if item.get_closest_marker("xdist_group") and nodeid.rfind("@") > nodeid.rfind("]"):
+        nodeid = nodeid.rsplit("@", 1)[0]
     argv = [sys.executable, "-m", "pytest", str(config.rootpath / nodeid), "-q", "-rs"]
-    argv += ["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:rerunfailures"]
+    # (pytest-xdist stays loaded: pyproject's addopts name its --dist, and without -n it distributes nothing)
+    argv += ["-p", "no:cacheprovider", "-p", "no:rerunfailures"]
     argv += ["--rootdir", str(config.rootpath)] + (["-c", str(config.inipath)] if config.inipath else [])
     env = os.environ | {OWN_PROCESS: "1"}
     for _ in range(2):

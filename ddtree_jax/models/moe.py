@@ -74,12 +74,12 @@ EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # grouped_split) of results/h200/moe-dispatch/run.sh decide for the Qwen3-30B-A3B shape.
 GATHER_MAX_TOKENS = 4
 GPU_GATHER_MAX_TOKENS = 4
-# On a Hopper GPU, token counts up to FUSED_MAX_TOKENS use `fused`, above it the rule above; 0 turns it
-# off. Off, as measured: on the H200 (2026-12-02, results/h200/2026-12-02/moe-fused.log) the fused kernel
+# On a Hopper GPU, token counts up to FUSED_MAX_TOKENS use `fused`, above it the rule above; 0 turns it off.
+# Off, as measured: on the H200 (2026-12-02, results/h200/2026-12-02/moe-fused/moe_fused.log) the fused kernel
 # is right in every format but never faster than the better of `gather` and `grouped`. Milliseconds per
-# Qwen3-30B-A3B expert layer (bf16) at 1 / 4 / 8 / 16 / 32 / 64 / 128 tokens: fused 0.292 / 0.358 /
-# 0.347 / 0.434 / 0.460 / 0.539 / 0.622; gather 0.170 / 0.291 / 0.462 / 0.768 (1-16 only); grouped
-# 0.309 / 0.333 / 0.322 / 0.421 / 0.458 / 0.509 / 0.523. The forced `fused` dispatch still runs it.
+# Qwen3-30B-A3B expert layer (bf16) at 1 / 4 / 8 / 16 / 32 / 64 / 128 tokens: fused 0.292 / 0.358 / 0.347 /
+# 0.434 / 0.460 / 0.539 / 0.622; gather 0.170 / 0.291 / 0.462 / 0.768 (1-16 only); grouped 0.309 / 0.333 /
+# 0.322 / 0.421 / 0.458 / 0.509 / 0.523. The forced `fused` dispatch still runs it.
 FUSED_MAX_TOKENS = 0
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 

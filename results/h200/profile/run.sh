@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/profile} PY=${PY:-python3}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 P="$PY -m ddtree_jax.bench profile --shape qwen3-8b --attention pallas --programs verify,round --rounds 4 --iters 3"
-$P --batch-size 1 --context 1024 --methods ar,ddtree --budget 63 --deadline-s 70 --out "$OUT/b1_1k.json" \
+$P --batch-size 1 --context 1024 --methods ar,ddtree --budgets 63 --deadline-s 70 --out "$OUT/b1_1k.json" \
   > "$OUT/b1_1k.log" 2>&1
-$P --batch-size 16 --context 32768 --methods ar,ddtree --budget 63,7 --deadline-s 100 --out "$OUT/b16_32k.json" \
+$P --batch-size 16 --context 32768 --methods ar,ddtree --budgets 63,7 --deadline-s 100 --out "$OUT/b16_32k.json" \
   > "$OUT/b16_32k.log" 2>&1

@@ -27,5 +27,5 @@ $B --shape tiny --contexts 1024 --attention pallas --rounds 64 --deadline-s 60 -
 $B --shape default-pair --contexts 1024 --attention pallas --rounds 64 --deadline-s 60 \
   --out "$OUT/rows_default_pair.json" >> "$OUT/tiny_rows.log" 2>&1
 $PY -m ddtree_jax.bench profile --shape default-pair --draft-layers 2 --block-size 16 --batch-size 16 --context 1024 \
-  --methods ar,ddtree --budget 7 --attention pallas --programs round --rounds 16 --deadline-s 60 \
+  --methods ar,ddtree --budgets 7 --attention pallas --programs round --rounds 16 --deadline-s 60 \
   --out "$OUT/profile_default_pair_b16.json" > "$OUT/tiny_profile.log" 2>&1
