@@ -44,31 +44,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "own_process: run the test alone in a fresh Python process")
 
 
-# Modules whose tests share what a module-scoped fixture or a cached function builds (loaded pairs,
-# runs, their compiled programs): under `--dist loadgroup` (pyproject) all of a module's tests run on one
-# pytest-xdist worker, so what they share is built once, not once per worker; test_families.py's tests
-# go by family (one family's reference runs are every case's of that family).
-SHARED_BY_MODULE = {
-    "test_bench_moe_fused", "test_compare_external", "test_default_pair", "test_logprobs", "test_outputs",
-    "test_sampling", "test_scheduling", "test_sharding", "test_stops", "test_torch_reference",
-    "test_vocab_padding",
-}  # fmt: skip
-
-
-def _worker_group(item) -> str | None:
-    """The xdist_group of a test: its family in test_families.py, its module where SHARED_BY_MODULE."""
-    module, callspec = item.module.__name__, getattr(item, "callspec", None)
-    if module == "test_families" and callspec is not None and "family" in callspec.params:
-        return f"family-{callspec.params['family']}"
-    return module if module in SHARED_BY_MODULE else None
-
-
-def pytest_itemcollected(item):
-    group = _worker_group(item)  # marked as collected, before pytest-xdist's worker reads the marks
-    if group is not None:
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(OWN_PROCESS):
         return
@@ -81,12 +56,8 @@ def _run_in_own_process(item) -> None:
     """Run `item` alone in a fresh process (the suite's settings and environment); a process killed by
     a signal runs once more, a failure is reported with the process's output, a skip as a skip."""
     config = item.config
-    nodeid = item.nodeid  # without the "@group" pytest-xdist's loadgroup appends (after the params' "]")
-    if item.get_closest_marker("xdist_group") and nodeid.rfind("@") > nodeid.rfind("]"):
-        nodeid = nodeid.rsplit("@", 1)[0]
-    argv = [sys.executable, "-m", "pytest", str(config.rootpath / nodeid), "-q", "-rs"]
-    # (pytest-xdist stays loaded: pyproject's addopts name its --dist, and without -n it distributes nothing)
-    argv += ["-p", "no:cacheprovider", "-p", "no:rerunfailures"]
+    argv = [sys.executable, "-m", "pytest", str(config.rootpath / item.nodeid), "-q", "-rs"]
+    argv += ["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:rerunfailures"]
     argv += ["--rootdir", str(config.rootpath)] + (["-c", str(config.inipath)] if config.inipath else [])
     env = os.environ | {OWN_PROCESS: "1"}
     for _ in range(2):
