@@ -96,6 +96,16 @@ def assemble(specs: Iterable[WeightSpec], make: Callable[[WeightSpec], Any]) -> 
     return tree
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _random_weight(key: jax.Array, shape: tuple[int, ...], is_norm: bool, scale: float, dtype) -> jax.Array:
+    """One random weight: normal * scale, or 1 + 0.1 * normal for a norm (one program per shape, kept
+    across calls)."""
+    # Noise in float32, except for tensors over 2^30 elements (Kimi-K2's stacked experts: 5.6 G), drawn
+    # in `dtype` so that a float32 copy does not double the peak memory.
+    noise = jax.random.normal(key, shape, jnp.float32 if math.prod(shape) <= 1 << 30 else dtype)
+    return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
+
+
 def random_params(
     specs: list[WeightSpec],
     seed: int,
@@ -109,15 +119,9 @@ def random_params(
     """
     key = jax.random.key(seed)
 
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-    def make_one(key: jax.Array, shape: tuple[int, ...], is_norm: bool, dtype) -> jax.Array:
-        # Noise in float32, except for tensors over 2^30 elements (Kimi-K2's stacked experts: 5.6 G),
-        # drawn in `dtype` so that a float32 copy does not double the peak memory.
-        noise = jax.random.normal(key, shape, jnp.float32 if math.prod(shape) <= 1 << 30 else dtype)
-        return (1.0 + 0.1 * noise if is_norm else scale * noise).astype(dtype)
-
     def make(spec: WeightSpec) -> jax.Array:
-        whole = make_one(next(keys), spec.shape, spec.is_norm, jnp.float32 if spec.float32 else dtype)
+        kind = jnp.float32 if spec.float32 else dtype
+        whole = _random_weight(next(keys), spec.shape, spec.is_norm, scale, kind)
         return whole if place is None else place(spec, whole)
 
     keys = iter(jax.random.split(key, len(specs)))
