@@ -4,11 +4,12 @@ loading helpers; tests marked own_process run in a process of their own."""
 import os
 import tempfile
 
-# XLA's CPU backend at its default optimisation level: level 0 compiled ~20% faster (test_sampling's
-# seed-exact cases without the compilation cache: 172 s against 214 s, 2026-12-02), but with it two
-# workers of one local CI run crashed in executable.serialize() (below); at the default level one a
-# run crashed.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU backend at optimisation level 0 (LLVM's cheapest code generation): the suite is bound by
+# compiling programs, and at level 0 its 878 tests took 0.73x the CPU seconds of the default level on
+# the 2-core development VM (2026-12-03, docs/job-cost.md "The test suite"); the tests' float32
+# comparisons hold at either level. (Workers crashed in executable.serialize(), below, at both alike.)
+XLA_OPTIMISATION = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {XLA_OPTIMISATION}")
 # JAX's persistent compilation cache, shared by the pytest-xdist workers and the CLI subprocesses the
 # tests start: many tests build the same programs afresh (new jitted closures over the same fixtures).
 # pytest-xdist workers have crashed with SIGSEGV inside XLA a few times per thousand test runs (in
@@ -89,6 +90,14 @@ EXTRA_PROMPTS = [
     [200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
     [42] * 9,
 ]
+
+
+def xla_flags(devices: int, *more: str) -> str:
+    """XLA_FLAGS for a process a test starts: `devices` fake CPU devices at the suite's optimisation
+    level, and `more`."""
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", XLA_OPTIMISATION, *more])
+
+
 def fixture_id(name: str) -> str:
     """A test id for a fixture name or path that is the same in every pytest-xdist worker (a copy under
     a temporary directory, e.g. test_families.py's, is named by its folder)."""

@@ -146,7 +146,8 @@ def run_mode(case: str, method: str, mode: str, workdir: Path, reuse: bool = Fal
 def run_processes(args: list[str]) -> None:
     """ddtree-generate in two processes of two CPU devices each, joined by jax.distributed."""
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=2", *others]))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [
         subprocess.Popen(

@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, golden, golden_prompts
+from conftest import FIXTURES, golden, golden_prompts, xla_flags
 
 from ddtree_jax.cli import main
 
@@ -509,7 +509,7 @@ def test_stdout_closed_early_ends_quietly(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", records)
     argv = ["--target", str(FIXTURES / "qwen3_gqa1"), "--prompts", str(prompts), "--out", "-"]
     argv += ["--dtype", "float32", "--max-new-tokens", "4", "--batch-size", "1"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1))
     root = Path(__file__).parent.parent
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddtree_jax.cli", *argv],

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FIXTURES, golden_prompts, timeless
+from conftest import FIXTURES, golden_prompts, timeless, xla_flags
 
 from ddtree_jax.cli import main
 
@@ -46,9 +46,9 @@ def test_two_processes_match_one(tmp_path):
     port = free_port()
     # Gloo's collectives time out after 30 s by default: under a loaded CI machine one process can reach a
     # collective much later than the other (it compiled slower), and the one left behind then waits forever.
-    flags = ["--xla_force_host_platform_device_count=4", "--xla_cpu_collective_timeout_seconds=900"]
-    flags += ["--xla_cpu_collective_call_terminate_timeout_seconds=900"]
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags))
+    timeouts = ["--xla_cpu_collective_timeout_seconds=900"]
+    timeouts += ["--xla_cpu_collective_call_terminate_timeout_seconds=900"]
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4, *timeouts))
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "ddtree_jax.cli", *base, "--out", str(tmp_path / "two.jsonl")]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, golden_prompts
+from conftest import FIXTURES, golden_prompts, xla_flags
 
 from ddtree_jax.cli import main
 
@@ -196,7 +196,7 @@ def test_interrupt_then_resume(tmp_path, sig):
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     out = tmp_path / "o.jsonl"
     cmd = [sys.executable, "-m", "ddtree_jax.cli", *argv(prompts, out, "--batch-size", "1")]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(1))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
