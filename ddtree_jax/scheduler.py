@@ -120,6 +120,7 @@ class Generator:
         self.occupancy = Occupancy()
         self.stepper = HostStepper(self.programs, timed=self.schedule.host_stepped)
         self.rows_run = 0  # B of the last run
+        self.loop = "device"  # where the last run's loop ran (`_loop`)
 
     @property
     def compile_seconds(self) -> float:
