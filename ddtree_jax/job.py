@@ -7,8 +7,9 @@ One call of `run_job` is a stretch of the job: a `lax.while_loop` whose every it
   2. admits the next queued prompts into free rows when enough rows are free (`refill_at`, or no row
      is running), up to R at once in one prefill pass (prefill.py: each prompt on its own chunk
      schedule, so its tokens do not depend on its companions or its slot),
-  3. runs one decoding round (engine.decode_round) when a row is running.
-It returns to the host after `most` iterations, when the Finished buffer could not take another
+  3. runs `stride` decoding rounds (engine.decode_round; a row that finishes among them waits for
+     the next harvest, frozen).
+It returns to the host after `most` rounds, when the Finished buffer could not take another
 harvest of every row, or when the job is over; the host writes the finished lines while the next call
 runs. Where the call ends changes nothing on the device: the next call goes on from the same state,
 so the tokens are the same for any `most` (and for the host loop's refills: a prompt's tokens depend
@@ -233,13 +234,15 @@ def run_job(
     *,
     plan: Plan,
     slots: int,
+    stride: int,
     finished_size: int,
     chunk: int,
     attention: str,
 ) -> tuple[Job, Finished]:
-    """One stretch of the job (this device's rows and queue share): at most `most` iterations of
-    harvest, admit (`slots` prompts at most per prefill pass, once `refill_at` rows are free or none
-    runs) and round; `call` numbers this call (the admission stamp). Returns the job and what finished."""
+    """One stretch of the job (this device's rows and queue share): iterations of harvest, admit
+    (`slots` prompts at most per prefill pass, once `refill_at` rows are free or none runs) and
+    `stride` rounds, until `most` rounds ran; `call` numbers this call (the admission stamp). Returns
+    the job and what finished."""
     rows = job.occupant.shape[0]
     finished = empty_finished(job.state, finished_size)
 
@@ -275,23 +278,25 @@ def run_job(
             )
 
         job = jax.lax.cond(_count(n, plan) > 0, refill, lambda j: j, job)
-        live = (job.occupant >= 0) & ~job.state.done
-        running = _count(jnp.sum(live).astype(jnp.int32), plan) > 0
-        state = jax.lax.cond(
-            running, lambda s: engine.decode_round(params, draft_params, s, plan), lambda s: s, job.state
-        )
-        c_ = job.counters
-        ran = running.astype(jnp.int32)
         still_waiting = (queue.end[0] - job.next[0] > 0).astype(jnp.int32)
-        busy = jnp.sum(live).astype(jnp.int32) * ran
-        counters = dataclasses.replace(
-            c_,
-            rounds=c_.rounds + ran,
-            busy=c_.busy + busy,
-            waiting_busy=c_.waiting_busy + busy * still_waiting,
-            waiting_rounds=c_.waiting_rounds + ran * still_waiting,
-        )
-        return dataclasses.replace(job, state=state, counters=counters), finished, i + 1
+
+        def one_round(_, carry):  # (a row done mid-way waits for the next harvest: < `stride` rounds)
+            state, c = carry
+            live = jnp.sum((job.occupant >= 0) & ~state.done).astype(jnp.int32)
+            state = engine.decode_round(params, draft_params, state, plan)
+            counters = dataclasses.replace(
+                c,
+                rounds=c.rounds + 1,
+                busy=c.busy + live,
+                waiting_busy=c.waiting_busy + live * still_waiting,
+                waiting_rounds=c.waiting_rounds + still_waiting,
+            )
+            return state, counters
+
+        # `stride` rounds at a time, a loop of static length (XLA launches it as one graph, where a
+        # loop whose test is on the device returns to its host thread every iteration)
+        state, counters = jax.lax.fori_loop(0, stride, one_round, (job.state, job.counters))
+        return dataclasses.replace(job, state=state, counters=counters), finished, i + stride
 
     job, finished, _ = jax.lax.while_loop(going, body, (job, finished, jnp.int32(0)))
     occupied = jnp.sum(job.occupant >= 0).astype(jnp.int32)[None]

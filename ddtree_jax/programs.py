@@ -182,14 +182,15 @@ def job_start(
 
 def run_job(
     params, draft_params, state: job.Job, queue: job.Queue, most, refill_at, call, *,
-    plan: Plan, slots: int, finished_size: int, chunk: int, attention: str,
+    plan: Plan, slots: int, stride: int, finished_size: int, chunk: int, attention: str,
 ):  # fmt: skip
     """A stretch of a continuous job (job.run_job on every device): the job and what finished."""
     tspec, dspec = param_specs(plan)
     jspec = job.job_specs(plan)
     fn = on_mesh(
         lambda *a, plan: job.run_job(
-            *a, plan=plan, slots=slots, finished_size=finished_size, chunk=chunk, attention=attention
+            *a, plan=plan, slots=slots, stride=stride, finished_size=finished_size, chunk=chunk,
+            attention=attention,
         ),
         plan,
         (tspec, dspec, jspec, job.queue_specs(), ALL, ALL, ALL),
@@ -260,7 +261,7 @@ JITTED = {
     "job_start": jax.jit(job_start, static_argnames=("plan", "shape", "chunk", "attention")),
     "job": jax.jit(
         run_job,
-        static_argnames=("plan", "slots", "finished_size", "chunk", "attention"),
+        static_argnames=("plan", "slots", "stride", "finished_size", "chunk", "attention"),
         donate_argnums=(2,),
     ),
 }
@@ -340,12 +341,12 @@ class Programs:
 
     def job(
         self, state: job.Job, queue: job.Queue, most: int, refill_at: int, call: int, *, slots: int,
-        finished_size: int,
+        stride: int, finished_size: int,
     ) -> tuple[job.Job, job.Finished]:  # fmt: skip
         """A stretch of the continuous job (the state donated): the job and the rows that finished."""
         scalars = (jnp.int32(most), jnp.int32(refill_at), jnp.int32(call))
         return self._call(
-            "job", state, queue, *scalars, slots=slots, finished_size=finished_size,
+            "job", state, queue, *scalars, slots=slots, stride=stride, finished_size=finished_size,
             chunk=self.chunk, attention=self.attention,
         )  # fmt: skip
 

@@ -41,7 +41,7 @@ from ddtree_jax.weights import Params
 
 POLICIES = ("continuous", "static")
 QUEUE_BLOCK = 1024  # the most prompts per device one queue block holds (a larger job: several blocks)
-FIRST_MOST = 32  # the device job's iterations per call at first; then sized to ~MOST_SECONDS a call
+FIRST_MOST = 32  # the device job's rounds per call at first; then sized to ~MOST_SECONDS a call
 MOST_SECONDS = 0.25  # a call's wall time aimed at: the progress bar moves at least twice a second
 OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP)  # a prompt's own settings over the generator's
 STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
@@ -57,6 +57,7 @@ class Schedule:
     chunk: int = 256  # C: prefill tokens per row per step (a power of two); the tail runs in C / 4
     refill_at: int = 1  # continuous: refill once this many rows are free (or none runs)
     prefill_slots: int = 8  # R: prompts prefilled together in one pass (at most the rows per device)
+    stride: int = 8  # the device job's rounds between harvests (a loop of static length on the device)
     device_loop: bool = True  # continuous: the whole job in one device program (job.py)
     batch_invariant: bool = False  # fixed rows and kernel splits: tokens independent of the batch
     # "same": the plan's attention; "cudnn": cuDNN flash attention where it applies (CUDA, bf16/f16,
@@ -68,8 +69,8 @@ class Schedule:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
-        if self.batch_size < 1 or self.refill_at < 1 or self.prefill_slots < 1:
-            raise ValueError("batch_size, refill_at and prefill_slots must be >= 1")
+        if min(self.batch_size, self.refill_at, self.prefill_slots, self.stride) < 1:
+            raise ValueError("batch_size, refill_at, prefill_slots and stride must be >= 1")
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -263,8 +264,9 @@ class Generator:
         while True:
             starts[call] = time.perf_counter()
             state, finished = self.programs.job(
-                state, queue, most, self.schedule.refill_at, call, slots=slots, finished_size=size
-            )
+                state, queue, most, self.schedule.refill_at, call, slots=slots,
+                stride=self.schedule.stride, finished_size=size,
+            )  # fmt: skip
             if pending is None:  # the first call: nothing to read yet
                 pending, call = (call, finished), call + 1
                 continue
@@ -511,8 +513,8 @@ def _finished_outputs(f: job.Finished) -> dict:
 
 
 def _next_most(most: int, seconds: float) -> int:
-    """The next call's iterations: sized so that a call takes about MOST_SECONDS (tokens do not depend
-    on it), between 8 and 4096."""
+    """The next call's rounds: sized so that a call takes about MOST_SECONDS (tokens do not depend on
+    it), between 8 and 4096."""
     if seconds <= 0:
         return most
     return int(min(max(most * MOST_SECONDS / seconds, 8), 4096))

@@ -108,6 +108,7 @@ def make_generator(
         chunk=args.prefill_chunk,
         refill_at=args.refill_at,
         prefill_slots=args.prefill_slots,
+        stride=args.stride,
         device_loop=not args.host_loop,
         batch_invariant=batch_invariant,
         prefill_attention=args.prefill_attention,
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-slots", type=int, default=8, help="continuous: prompts prefilled together")
     p.add_argument("--refill-at", type=int, default=1, help="continuous: refill once this many rows are free")
     p.add_argument("--host-loop", action="store_true", help="continuous batching driven from the host")
+    p.add_argument("--stride", type=int, default=8, help="continuous: rounds between harvests on the device")
     p.add_argument("--repeats", type=int, default=1, help="continuous runs (the fastest reported)")
     p.add_argument("--stop-fraction", type=float, default=0.3)
     p.add_argument(
