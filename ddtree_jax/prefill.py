@@ -10,8 +10,8 @@ chunk schedule (`chunk_steps` of its own length): step k of the full chunks cove
 the requests that have more than k full chunks, tail step j covers [f C + j C/4, ...) of a request with
 f full chunks and more than j tail chunks; a request with no chunk at a step computes it masked and
 keeps nothing of it. So a prompt sees the same arithmetic (shapes [R, C], its own tokens, its own
-chunks) whichever prompts share its prefill and whichever slot it lands in. Each "data" device loops
-over its own requests' chunks only.
+chunks) whichever prompts share its prefill and whichever slot it lands in; a step a request has no
+chunk in leaves its caches as they were. Each "data" device loops over its own requests' chunks only.
 """
 
 from __future__ import annotations
@@ -139,10 +139,10 @@ def prefill(
             mask = causal[None] & real[:, None, :]
             seen = jnp.minimum(start, req.lengths)  # each request's cache holds its prompt before the chunk
             out = forward(tokens, positions, mask, KVCache(cache.layers, seen))
-            cache = kv_cache.write(cache, out.kv, start)  # (a chunk not kept: past the prompt, or rewritten)
+            cache = kv_cache.write(cache, out.kv, start, keep)  # (a request without this chunk: unchanged)
             if draft_cache is not None:
                 ctx = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
-                draft_cache = kv_cache.write(draft_cache, ctx, start)
+                draft_cache = kv_cache.write(draft_cache, ctx, start, keep)
             here = req.lengths - 1 - start  # the last prompt token's index in this chunk
             inside = keep & (here >= 0) & (here < size)
             picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, size - 1)]
