@@ -9,6 +9,7 @@ import pytest
 from ddtree_jax.bench.cli import SUBCOMMANDS, main
 
 HEADER = {"date", "machine", "device", "device_kind", "device_count", "jax", "python", "argv", "command"}
+HEADER |= {"ddtree_jax", "commit", "dirty", "jaxlib", "platform", "cpu"}  # provenance.provenance()
 
 # the least flags each sub-command needs at a tiny size (before --out)
 TINY = {
@@ -89,16 +90,6 @@ def test_past_deadline_skips_every_measurement_and_writes_the_header(tmp_path, c
     assert data["skipped"] == skipped
     assert not data.get("rows") and not data.get("continuous") and not data.get("seconds")
     assert "--deadline-s 1e-09 passed: skipped" in capsys.readouterr().err
-
-
-def test_compare_report_carries_the_same_run_header():
-    """ddtree-compare's report.json "meta" is the benchmarks' run header of its command, plus its own."""
-    from ddtree_jax.compare.report import run_metadata
-
-    meta = run_metadata(["lossless", "--report", "r"], 2.25)
-    assert set(meta) == HEADER | {"wall_s", "cpu"} and meta["wall_s"] == 2.2
-    assert meta["argv"] == ["ddtree-compare", "lossless", "--report", "r"]
-    assert meta["command"] == "ddtree-compare lossless --report r"
 
 
 def test_flags_without_a_subcommand_run_rounds(tmp_path):

@@ -77,23 +77,19 @@ def run_subcommand(
 
 
 def run_header(command: list[str], device: tuple[str, int] | None = None) -> dict[str, Any]:
-    """What every benchmark JSON records of its run (its "meta"): date, machine, device, jax and Python
-    versions, and the command line (`argv`, a list; `command`, the same as one shell line). `device`:
-    (kind, count) of a device jax does not run on (a torch benchmark); jax is then not asked, so it
-    claims no device memory."""
-    if device is None:
-        first = jax.devices()[0]
-        name, kind, count = str(first), first.device_kind, jax.device_count()
-    else:
-        (kind, count), name = device, device[0]
+    """What every benchmark JSON records of its run (its "meta"): date, machine, the device's name, the
+    provenance (`provenance.provenance`: package version, source commit and whether the tree is dirty,
+    jax and jaxlib, Python, platform, device kind and count) and the command line (`argv`, a list;
+    `command`, the same as one shell line). `device`: (kind, count) of a device jax does not run on (a
+    torch benchmark); jax is then not asked, so it claims no device memory."""
+    from ddtree_jax.provenance import provenance
+
+    name = str(jax.devices()[0]) if device is None else device[0]
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
         "device": name,
-        "device_kind": kind,
-        "device_count": count,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
+        **provenance(device),
         "argv": command,
         "command": shlex.join(command),
     }
