@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import shlex
@@ -69,7 +70,8 @@ def run_subcommand(
     deadline = Deadline(args.deadline_s)
     try:
         check_deadline(args.deadline_s)
-        check_out_path(args.out)
+        if args.out is not None:  # None: a sub-command's --print, which writes nothing
+            check_out_path(args.out)
         return run(args, command_line(name, argv), deadline)
     except DDTreeError as e:
         print(f"ddtree-bench {name}: error: {e}", file=sys.stderr)
@@ -110,6 +112,10 @@ class Deadline:
     skipped: list[Any] = dataclasses.field(default_factory=list)
     prog: str = "ddtree-bench"
 
+    def left(self) -> float:
+        """Seconds until the deadline: inf without one, negative once it has passed."""
+        return math.inf if self.seconds is None else self.seconds - (time.monotonic() - self.start)
+
     def allows(self, what: Any) -> bool:
         """True while the deadline has not passed; else records `what` as skipped and says so on stderr."""
         if self.seconds is None or time.monotonic() - self.start < self.seconds:
@@ -144,5 +150,5 @@ def write_json(out: str | Path, data: dict) -> None:
     complete version)."""
     path = Path(out)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")  # default: numpy scalars, dtypes
     os.replace(tmp, path)

@@ -1,21 +1,17 @@
 """Time `jax.lax.top_k` against `collectives.tiled_top_k` (same values and ids) on vocabulary rows.
 
-python scripts/bench_topk.py --out topk.json
+ddtree-bench topk --out topk.json
 """
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
-
-from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
-from ddtree_jax.bench.timing import median_seconds  # noqa: E402
-from ddtree_jax.collectives import tiled_top_k  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.bench.timing import median_seconds
+from ddtree_jax.collectives import tiled_top_k
 
 
 def median_us(fn, x, reps: int = 50) -> float:
@@ -23,15 +19,19 @@ def median_us(fn, x, reps: int = 50) -> float:
     return 1e6 * median_seconds(lambda: fn(x), reps)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--cases", default="16:32,64:64,256:64,1024:64", help="rows:k pairs")
-    add_deadline(ap)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    deadline = Deadline(args.deadline_s, prog="bench_topk.py")
-    meta, rows = run_header(sys.argv), []
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench topk`; the exit status."""
+    ap = report.parser("topk", __doc__)
+    ap.add_argument("--vocab", type=int, default=151936, help="the rows' width")
+    ap.add_argument("--cases", default="16:32,64:64,256:64,1024:64", help="rows:k pairs (k: candidates kept)")
+    report.add_deadline(ap)
+    ap.add_argument("--out", required=True, help="JSON output path")
+    return report.run_subcommand("topk", ap, argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Every case while `deadline` allows: both top-k's times and whether they agree; the JSON after each."""
+    meta, rows = report.run_header(command), []
     for case in args.cases.split(","):
         if not deadline.allows(case):
             continue
@@ -47,9 +47,6 @@ def main() -> None:
         row |= {"tiled_top_k_us": median_us(tiled_fn, x), "identical": same}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
-    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
-
-
-if __name__ == "__main__":
-    main()
+        report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    return 0
