@@ -298,9 +298,9 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 def test_topk_tiny(tmp_path):
     """`ddtree-bench topk`: one row per case, both top-k's timed, the same values and ids."""
     out = tmp_path / "topk.json"
-    assert main(["topk", "--vocab", "512", "--cases", "4:8,2:16", "--out", str(out)]) == 0
+    assert main(["topk", "--vocab-size", "512", "--cases", "4:8,2:16", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert [(r["rows"], r["k"], r["vocab"], r["identical"]) for r in data["rows"]] == [
+    assert [(r["rows"], r["k"], r["vocab_size"], r["identical"]) for r in data["rows"]] == [
         (4, 8, 512, True),
         (2, 16, 512, True),
     ]

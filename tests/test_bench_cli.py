@@ -2,6 +2,7 @@
 sub-command, and the moved benchmarks (scheduling, prefill, load) end to end at tiny sizes on the CPU."""
 
 import json
+import re
 import shlex
 
 import pytest
@@ -21,14 +22,14 @@ TINY = {
     + ["--max-new-tokens", "4", "--batch-size", "2", "--budget", "3", "--prefill-chunk", "16"]
     + ["--stop-fraction", "0"],
     "prefill": ["--shape", "tiny", "--runs", "40:16,40:64", "--attention", "reference", "--reps", "1"],
-    "load": ["--shape", "tiny", "--repeats", "1", "--evict", "fadvise"],
+    "load": ["--shape", "tiny", "--reps", "1", "--evict", "fadvise"],
     "attention": ["--quick", "--batch-sizes", "1", "--contexts", "128", "--nodes", "1,16", "--no-sweep"],
     "mla-attention": ["--quick", "--heads", "4", "--batch-sizes", "1", "--contexts", "64", "--nodes", "4"]
     + ["--sweep", "none"],
     "mosaic-attention": ["--quick", "--phases", "gqa"],
-    "prefix-attention": ["--shapes", "1:64", "--nodes", "8", "--calls", "1", "--reps", "1"],
-    "quant": ["--small", "--tokens", "1"],
-    "topk": ["--vocab", "512", "--cases", "4:8,2:16"],
+    "prefix-attention": ["--cases", "1:64", "--nodes", "8", "--calls", "1", "--reps", "1"],
+    "quant": ["--quick", "--tokens", "1"],
+    "topk": ["--vocab-size", "512", "--cases", "4:8,2:16"],
     "tree": ["--cases", "1:7,2:3", "--depth", "3", "--branching", "4", "--reps", "2"],
     "plot": [],  # writes plots into a directory: no --deadline-s (below)
 }
@@ -154,7 +155,7 @@ def test_prefill_bad_runs_refused(tmp_path, capsys, bad):
 
 def test_load_tiny(tmp_path):
     """The tiny target written as a sharded HF directory and loaded back from it and from the params
-    cache: every timing once (--repeats 1), the checks apart, the scratch directory removed."""
+    cache: every timing once (--reps 1), the checks apart, the scratch directory removed."""
     out = tmp_path / "l.json"
     work = tmp_path / "load"
     assert main(["load", *TINY["load"], "--dir", str(work), "--out", str(out)]) == 0
@@ -173,3 +174,40 @@ def test_load_tiny(tmp_path):
     assert all(len(v) == 1 and v[0] >= 0 for v in data["seconds"].values())
     assert data["safetensors_bytes"] > 0 and data["orbax_bytes"] > 0
     assert data["evicted_by"] == "fadvise" and not work.exists()
+
+
+def test_old_spellings_still_run_with_a_warning(tmp_path, capsys):
+    """--budget-s (seconds: now --deadline-s) and --batches (now --batch-sizes), as recorded commands
+    spell them, run as the new flags do, each with one warning naming the new spelling."""
+    out = tmp_path / "b.json"
+    argv = ["rounds", *TINY["rounds"], "--batches", "2", "--budget-s", "1e-9", "--out", str(out)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    warning = "ddtree-bench rounds: warning: {} is deprecated and goes after 0.2: use {}"
+    assert warning.format("--batches", "--batch-sizes") in err
+    assert warning.format("--budget-s", "--deadline-s") in err
+    assert json.loads(out.read_text())["skipped"] == [
+        "ar batch 2 context 32 reference greedy",
+        "ddtree 3 batch 2 context 32 reference greedy",
+    ]
+
+
+@pytest.mark.parametrize(
+    "old, new, value",
+    [(["--small"], "quick", True), (["--vocab", "7"], "vocab_size", 7), (["--repeats", "3"], "reps", 3)],
+)
+def test_a_deprecated_flag_stores_into_the_new_one(capsys, old, new, value):
+    from ddtree_jax.bench import report
+
+    p = report.parser("x", "doc")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=5)
+    p.add_argument("--reps", type=int, default=1)
+    report.add_deprecated(p, "--small", "--quick", flag=True)
+    report.add_deprecated(p, "--vocab", "--vocab-size", type=int)
+    report.add_deprecated(p, "--repeats", "--reps", type=int)
+    defaults = vars(p.parse_args([]))
+    assert defaults == {"quick": False, "vocab_size": 5, "reps": 1}  # the old spellings add no default
+    assert vars(p.parse_args(old)) == defaults | {new: value}
+    assert capsys.readouterr().err.count("is deprecated") == 1
+    assert old[0] not in re.findall(r"--[a-z-]+", p.format_help())  # hidden from --help

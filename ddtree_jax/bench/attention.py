@@ -128,7 +128,7 @@ def time_per_call(
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         runs.append(time.perf_counter() - t0)
-    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, calls=k, compile_s=compile_s)
     if profile:
         try:
             timing["profile"] = device_profile(fn, args, runs=3, calls=k)
@@ -486,6 +486,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
     p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     p.add_argument("--batch-sizes", help="comma-separated batch sizes (replaces the built-in grid's)")
+    report.add_deprecated(p, "--batches", "--batch-sizes")
     p.add_argument("--contexts", help="comma-separated cache lengths S")
     p.add_argument("--nodes", help="comma-separated query counts T")
     p.add_argument("--tunings", help="';'-separated tuning specs swept on every grid shape")

@@ -74,7 +74,7 @@ def time_per_call(make_fn, args, *, k: int, target_s: float = 0.25, max_reps: in
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*call_args))
         runs.append(time.perf_counter() - t0)
-    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, calls=k, compile_s=compile_s)
     return timing, first_out
 
 
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-first", action="store_true", help="run the sweep before the main rows")
     parser.add_argument("--heads", default=None, help="main rows' H, comma list (default 64,8)")
     parser.add_argument("--batch-sizes", default=None, help="main rows' B (default 1,16)")
+    report.add_deprecated(parser, "--batches", "--batch-sizes")
     parser.add_argument("--contexts", default=None, help="main rows' S (default 1024,4096,8192,32768)")
     parser.add_argument("--nodes", default=None, help="main rows' T (default 1,64)")
     parser.add_argument(

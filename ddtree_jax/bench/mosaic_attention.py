@@ -226,7 +226,7 @@ def time_calls(
         t0 = time.perf_counter()
         jax.block_until_ready(program(inputs))
         runs.append(time.perf_counter() - t0)
-    return dict(s=statistics.median(runs) / copies, min_s=min(runs) / copies, reps=reps, k=copies,
+    return dict(s=statistics.median(runs) / copies, min_s=min(runs) / copies, reps=reps, calls=copies,
                 compile_s=compile_s), first  # fmt: skip
 
 
@@ -419,7 +419,7 @@ def time_row(run: Run, row: dict, kernels: dict, inputs, pick, reference_name: s
             fn,
             inputs,
             pick,
-            row["k"],
+            row["calls"],
             run.opts.target_s,
             min_reps=1 if run.opts.quick else 3,
         )
@@ -460,7 +460,7 @@ def gqa_row(run: Run, interpret: bool, b, t, s, dims, copies_want: int, kernels=
     hkv, g, d = dims
     kv_bytes = 2 * b * hkv * s * d * 2
     copies = num_copies(kv_bytes, copies_want)
-    row = dict(kind="gqa", B=b, T=t, S=s, Hkv=hkv, G=g, D=d, k=copies)
+    row = dict(kind="gqa", B=b, T=t, S=s, Hkv=hkv, G=g, D=d, calls=copies)
     if label:
         row["variant"] = label
     row.update(gqa_floors(b, t, hkv, g, d, s, 2, run.results["ceilings"]))
@@ -483,7 +483,7 @@ def mla_row(
 ):
     r = 64
     copies = num_copies(b * s * (c + r) * 2, copies_want)
-    row = dict(kind="mla", B=b, T=t, S=s, H=h, C=c, R=r, k=copies)
+    row = dict(kind="mla", B=b, T=t, S=s, H=h, C=c, R=r, calls=copies)
     if label:
         row["variant"] = label
     row.update(mla_floors(b, t, h, s, c, r, 2, run.results["ceilings"]))

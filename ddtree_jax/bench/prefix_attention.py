@@ -2,13 +2,13 @@
 log-sum-exp (`tree_attention_merged`, an experiment not wired into the engine: it lives here, with
 its benchmark), with the FLOP and byte floors of each shape (issue 22).
 
-ddtree-bench prefix-attention --shapes 16:8192,16:32768,1:1024 --out prefix.json   # GPU
+ddtree-bench prefix-attention --cases 16:8192,16:32768,1:1024 --out prefix.json   # GPU
 
 Each timing: one jitted program of `--calls` dependent calls (the next call's queries depend on the
 last output, so XLA cannot merge them), median of `--reps` runs, per call. At B = 1, S = 1k the K/V
 (4 MB) stay in L2: optimistic for every variant alike. Before timing, the merged form with the jnp
 prefix standing in for cuDNN is checked against `tree_attention_reference` on a small random tree
-(the check runs on any backend: `--shapes 1:64 --nodes 8` on a CPU).
+(the check runs on any backend: `--cases 1:64 --nodes 8` on a CPU).
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ def per_call_us(fn, args, calls: int, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench prefix-attention`; the exit status."""
     ap = report.parser("prefix-attention", __doc__)
-    ap.add_argument("--shapes", default="16:8192,16:32768,1:1024", help="batch:cache pairs")
+    ap.add_argument("--cases", default="16:8192,16:32768,1:1024", help="batch_size:context pairs")
+    report.add_deprecated(ap, "--shapes", "--cases")
     ap.add_argument("--nodes", type=int, default=64, help="T")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
     }
     meta = report.run_header(command) | {"read_ceiling_gbs": ceiling, "merged_reference_check_err": check_err}
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.cases.split(","):
         if not deadline.allows(shape):
             continue
         b, s = map(int, shape.split(":"))
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
         visible = s - t
         kv_bytes = 2 * b * hkv * visible * d * 2
         flops = 4 * b * hkv * (t * g) * (visible + t) * d
-        row = {"batch_size": b, "cache": s, "nodes": t, "visible": visible}
+        row = {"batch_size": b, "context": s, "nodes": t, "visible": visible}
         row["byte_floor_us"] = round(1e6 * kv_bytes / (ceiling * 1e9), 1)
         row["flop_floor_us"] = round(1e6 * flops / (PEAK_TFLOPS * 1e12), 1)
         floor = max(row["byte_floor_us"], row["flop_floor_us"])

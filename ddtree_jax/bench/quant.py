@@ -4,7 +4,7 @@ against bf16, through XLA (`ddtree_jax.quant.arrays`) and through the Pallas gro
 Kimi-K2 routed experts (384 x [7168 -> 2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's
 dense MLP), at 1, 16, 64 and 512 tokens.
 
-    ddtree-bench quant --out bench_quant.json [--hlo-dir hlo/] [--small] [--deadline-s 200]
+    ddtree-bench quant --out bench_quant.json [--hlo-dir hlo/] [--quick] [--deadline-s 200]
 
 Per case: the time of one call (`pipelined`: 20 calls queued, one sync, divided by 20; `synced`: the
 median of 10 synced calls, dispatch included); the bytes it must read (experts: the distinct experts its
@@ -124,7 +124,7 @@ def cases(args, shapes, weights, per_expert):
             w_exp, w_dense = weights[fmt]
             methods = {"sorted": arrays.sorted_matmul}
             if fmt != "int4-s4":
-                kernel = functools.partial(arrays.pallas_ragged_matmul, interpret=args.small)
+                kernel = functools.partial(arrays.pallas_ragged_matmul, interpret=args.quick)
                 methods["pallas"] = functools.partial(arrays.sorted_matmul, grouped=kernel)
             if t <= args.gather_max_tokens:
                 methods["gather"] = arrays.gather_matmul
@@ -137,7 +137,7 @@ def cases(args, shapes, weights, per_expert):
                 yield row, fn, (x, w_exp, jnp.asarray(ids)), hidden * width
             dense = {"matmul": arrays.matmul} | ({"reduce": arrays.reduce_matmul} if t == 1 else {})
             if fmt != "int4-s4":
-                dense["pallas"] = functools.partial(dense_pallas, interpret=args.small)
+                dense["pallas"] = functools.partial(dense_pallas, interpret=args.quick)
             for method, fn in dense.items():
                 row = {"kind": "dense", "format": fmt, "method": method, "tokens": t, "rows": t}
                 row["per_expert_bytes"] = arrays.stored_bytes(w_dense)
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "--gather-max-tokens", type=int, default=64, help="the gather variant up to this many tokens"
     )
     report.add_deadline(ap)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
+    report.add_deprecated(ap, "--small", "--quick", flag=True)
     return report.run_subcommand("quant", ap, argv, run)
 
 
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
     begin = time.perf_counter()
     if args.hlo_dir is not None:
         args.hlo_dir = Path(args.hlo_dir)
-    shapes = (256, 128, 16, 4, 384) if args.small else (7168, 2048, 384, 8, 18432)
+    shapes = (256, 128, 16, 4, 384) if args.quick else (7168, 2048, 384, 8, 18432)
     hidden, width, experts, experts_per_token, dense_out = shapes
     if args.hlo_dir is not None:
         args.hlo_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
         meta = report.run_header(command)
         report.write_json(args.out, {"meta": meta, "rows": [], "skipped": deadline.skipped})
         return 0
-    ceiling = read_ceiling_gbs((1 << 24) if args.small else (4 << 30))
+    ceiling = read_ceiling_gbs((1 << 24) if args.quick else (4 << 30))
     weights, measured = {}, {}
     for fmt in FORMATS:
         before = in_use()

@@ -43,13 +43,52 @@ def parser(name: str, doc: str, epilog: str | None = None) -> Parser:
 
 
 def add_deadline(p: argparse.ArgumentParser) -> None:
-    """`--deadline-s`: the one time limit of every sub-command that takes one."""
+    """`--deadline-s`: the one time limit of every sub-command that takes one (`--budget-s`, its old
+    spelling, still accepted: "budget" is the tree's node count)."""
     p.add_argument(
         "--deadline-s",
         type=float,
         default=None,
         help="start no new measurement this many seconds after the command started; what is left out is "
         "listed under 'skipped' in --out, and the exit status stays 0 (default: no limit)",
+    )
+    add_deprecated(p, "--budget-s", "--deadline-s", type=float)
+
+
+# The release after which the old spellings of flags are refused (docs/layout.md, "Which name").
+DEPRECATED_UNTIL = "0.2"
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's dest and says so on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated and goes after {DEPRECATED_UNTIL}: "
+            f"use {self.new}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)  # nargs 0: a store_true flag
+
+
+def add_deprecated(p: argparse.ArgumentParser, old: str, new: str, flag: bool = False, **kwargs) -> None:
+    """Accept `old` as a deprecated spelling of the flag `new` (declared on `p` too): the same dest, a
+    warning when used, hidden from --help. `flag`: a store_true flag (no value)."""
+    dest = new.lstrip("-").replace("-", "_")
+    if flag:
+        kwargs["nargs"] = 0
+    p.add_argument(
+        old,
+        dest=dest,
+        action=_Deprecated,
+        new=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
     )
 
 

@@ -22,7 +22,8 @@ def median_us(fn, x, reps: int = 50) -> float:
 def main(argv: list[str] | None = None) -> int:
     """`ddtree-bench topk`; the exit status."""
     ap = report.parser("topk", __doc__)
-    ap.add_argument("--vocab", type=int, default=151936, help="the rows' width")
+    ap.add_argument("--vocab-size", type=int, default=151936, help="the rows' width")
+    report.add_deprecated(ap, "--vocab", "--vocab-size", type=int)
     ap.add_argument("--cases", default="16:32,64:64,256:64,1024:64", help="rows:k pairs (k: candidates kept)")
     report.add_deadline(ap)
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -36,14 +37,14 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
         if not deadline.allows(case):
             continue
         n, k = map(int, case.split(":"))
-        x = jax.random.normal(jax.random.key(0), (n, args.vocab), jnp.float32)
+        x = jax.random.normal(jax.random.key(0), (n, args.vocab_size), jnp.float32)
         lax_fn = jax.jit(lambda a, k=k: jax.lax.top_k(a, k))
         tiled_fn = jax.jit(lambda a, k=k: tiled_top_k(a, k))
         ties = jax.random.randint(jax.random.key(1), x.shape, 0, 8).astype(jnp.float32)  # ids decide ties
         same = all(
             bool(jnp.all(a == b)) for y in (x, ties) for a, b in zip(lax_fn(y), tiled_fn(y), strict=True)
         )
-        row = {"rows": n, "k": k, "vocab": args.vocab, "lax_top_k_us": median_us(lax_fn, x)}
+        row = {"rows": n, "k": k, "vocab_size": args.vocab_size, "lax_top_k_us": median_us(lax_fn, x)}
         row |= {"tiled_top_k_us": median_us(tiled_fn, x), "identical": same}
         rows.append(row)
         print(json.dumps(row), flush=True)
