@@ -356,3 +356,23 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     assert main(["plot", "--bench", str(missing), "--out", str(tmp_path / "plots")]) == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"ddtree-bench plot: error: {missing}: cannot read a benchmark JSON")
+
+
+def test_plot_draws_the_recorded_sweeps(tmp_path):
+    """`ddtree-bench plot` on the recorded sweeps (results/h200/README.md's command): the three figures
+    and the recorded default budgets."""
+    pytest.importorskip("matplotlib")
+    sweep = RESULTS / "h200" / "sweep"
+    names = ["budgets", "batches", "small_budgets", "batch32_budget7", "ar_rows", "ar_rows_inactive"]
+    argv = ["plot", "--bench", *(str(sweep / f"{n}.json") for n in names)]
+    argv += ["--stage-bench", str(sweep / "stages.json"), "--context-bench", str(sweep / "contexts.json")]
+    argv += ["--acceptance", str(RESULTS / "default-pair-eval-greedy.json"), "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "budget.png",
+        "context.png",
+        "stages.png",
+        "default_budgets.json",
+    }
+    recorded = json.loads((RESULTS / "h200" / "plots" / "default_budgets.json").read_text())
+    assert json.loads((tmp_path / "default_budgets.json").read_text()) == recorded
