@@ -1,5 +1,5 @@
 """Plots of `ddtree-bench rounds` results: round time and projected speed-up vs budget per batch size,
-round time vs context, the stage breakdown. Needs matplotlib (not a dependency of the package).
+round time vs context, the stage breakdown. Needs matplotlib (the `compare` extra).
 
 Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree round(N, B), with the
 acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
@@ -105,7 +105,7 @@ def plot(args: argparse.Namespace) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise DDTreeError("needs matplotlib: pip install matplotlib") from None
+        raise DDTreeError("needs matplotlib: pip install 'ddtree-jax[compare]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
