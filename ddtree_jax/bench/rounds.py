@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budgets", default="15,63", help="comma list of ddtree budgets (tree nodes besides the root)"
     )
     p.add_argument("--batch-sizes", default="1", help="comma list of batch sizes (rows)")
+    report.add_deprecated(p, "--batches", "--batch-sizes")
     p.add_argument("--contexts", default="1024", help="comma list of cached tokens per row")
     p.add_argument("--attention", default="reference", help=f"comma list of {', '.join(IMPLEMENTATIONS)}")
     p.add_argument("--rounds", type=int, default=16, help="decode rounds per timed program")
