@@ -21,7 +21,7 @@ temporary name and renamed (two jobs writing one key leave one whole entry); one
 (damaged, truncated, another key's, refused by the runtime) is compiled anew and replaced, with one
 warning line. On a CPU backend the executable is serialised in a forked child process: jaxlib's
 `executable.serialize()` crashed pytest-xdist workers a few times per thousand programs (SIGSEGV and
-SIGABRT, docs/job-cost.md), and a crash there loses the entry, not the run.
+SIGABRT, docs/job-cost.md), and a crash there loses the entry, not the run (compile_cache.in_child).
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ import hashlib
 import os
 import pickle
 import re
-import signal
 import sys
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,11 +46,12 @@ import numpy as np
 from jax._src import config as jax_config  # the settings that change tracing (no public list)
 from jax.experimental import serialize_executable
 
+from ddtree_jax import compile_cache
+
 FORMAT = "ddtree-executable-1"
 MAGIC = FORMAT.encode() + b"\n"  # then the SHA-256 of the rest, then the pickled entry
 _DIGEST = hashlib.sha256().digest_size
 SUBDIRECTORY = "executables"
-CHILD_SECONDS = 120.0  # a serialising child that has not finished by then is killed (a hung fork)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,7 @@ def load_or_compile(name: str, key: Any, lower: Callable[[], jax.stages.Lowered]
         try:
             text = describe((FORMAT, name, key, environment()))
         except Uncacheable as e:
-            _warn(f"executable cache: program {name} is not kept ({e})")
+            compile_cache._warn(f"executable cache: program {name} is not kept ({e})")
     if text is None:
         return Loaded(lower().compile(), False, time.perf_counter() - begin)
     path = where / f"{_slug(name)}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.exe"
@@ -233,16 +232,18 @@ def _read(path: Path, text: str) -> jax.stages.Compiled | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        _warn(f"executable cache: cannot read {path} ({e.strerror}); compiling instead")
+        compile_cache._warn(f"executable cache: cannot read {path} ({e.strerror}); compiling instead")
         return None
     body = verified(raw)
     if body is None:
-        _warn(f"executable cache: damaged entry {path.name} (checksum mismatch); compiling again")
+        compile_cache._warn(
+            f"executable cache: damaged entry {path.name} (checksum mismatch); compiling again"
+        )
         return None
     try:
         stored, device_ids, payload, in_tree, out_tree = pickle.loads(body)
         if stored != text:
-            _warn(f"executable cache: entry {path.name} is another program's; compiling again")
+            compile_cache._warn(f"executable cache: entry {path.name} is another program's; compiling again")
             return None
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in device_ids]  # (jaxlib aborts when they are not the program's own)
@@ -250,7 +251,9 @@ def _read(path: Path, text: str) -> jax.stages.Compiled | None:
             payload, in_tree, out_tree, execution_devices=devices
         )
     except Exception as e:  # a foreign or stale entry that passed the checksum: the runtime refused it
-        _warn(f"executable cache: entry {path.name} does not load ({type(e).__name__}); compiling again")
+        compile_cache._warn(
+            f"executable cache: entry {path.name} does not load ({type(e).__name__}); compiling again"
+        )
         return None
 
 
@@ -287,17 +290,19 @@ def _write(path: Path, text: str, compiled: jax.stages.Compiled) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        _warn(f"executable cache: cannot write to {path.parent} ({e.strerror}); programs are not kept")
+        compile_cache._warn(
+            f"executable cache: cannot write to {path.parent} ({e.strerror}); programs are not kept"
+        )
         return
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _unloaded(compiled)
-        if jax.devices()[0].platform == "cpu" and hasattr(os, "fork"):
-            _write_in_child(path, tmp, text, compiled)
+        if jax.devices()[0].platform == "cpu" and hasattr(os, "fork"):  # a crash ends the child only
+            compile_cache.in_child(lambda: _write_file(path, tmp, _entry(text, compiled)))
         else:
             _write_file(path, tmp, _entry(text, compiled))
     except Exception as e:  # a program that cannot be serialised still runs
-        _warn(f"executable cache: {path.name} is not kept ({type(e).__name__}: {e})")
+        compile_cache._warn(f"executable cache: {path.name} is not kept ({type(e).__name__}: {e})")
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -307,51 +312,3 @@ def _write_file(path: Path, tmp: Path, data: bytes) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-
-
-def _write_in_child(path: Path, tmp: Path, text: str, compiled: jax.stages.Compiled) -> None:
-    """Serialise and write in a forked child, so that a native crash in serialisation ends the child
-    only; the parent waits for it (at most CHILD_SECONDS, then kills it) and raises what went wrong."""
-    read_end, write_end = os.pipe()
-    with warnings.catch_warnings():  # jax warns at every fork (threads); the child only serialises
-        warnings.simplefilter("ignore")
-        pid = os.fork()
-    if pid == 0:  # the child: no cleanup handlers, no flushing of the parent's buffers
-        os.close(read_end)
-        code = 0
-        try:
-            _write_file(path, tmp, _entry(text, compiled))
-        except BaseException as e:  # noqa: BLE001 (told to the parent)
-            os.write(write_end, f"{type(e).__name__}: {e}".encode()[:2000])
-            code = 1
-        os._exit(code)
-    os.close(write_end)
-    try:
-        deadline = time.monotonic() + CHILD_SECONDS
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise TimeoutError(f"serialising took over {CHILD_SECONDS:.0f} s")
-            time.sleep(0.005)
-        message = os.read(read_end, 4000).decode(errors="replace")
-    finally:
-        os.close(read_end)
-    if os.WIFSIGNALED(status):
-        raise RuntimeError(f"serialisation crashed (signal {os.WTERMSIG(status)}), in a child process")
-    if os.WEXITSTATUS(status) != 0:
-        raise RuntimeError(message or f"the serialising child exited with {os.WEXITSTATUS(status)}")
-
-
-_warned: set[str] = set()
-
-
-def _warn(message: str) -> None:
-    """One line on stderr, once per kind of message per process."""
-    kind = message.split("(")[0]
-    if kind not in _warned:
-        _warned.add(kind)
-        print(f"ddtree-jax: {message}", file=sys.stderr, flush=True)

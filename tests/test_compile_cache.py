@@ -315,7 +315,7 @@ def test_executable_bad_entry_recompiled(tmp_path, capsys, damage):
     else:  # scale 3's valid entry under scale 2's name
         raw = bytearray(three.read_bytes())
     two.write_bytes(bytes(raw))
-    executables._warned.clear()
+    compile_cache._warned.clear()
     loaded, lowered = exe_load(scale=2.0)
     assert (loaded.hit, lowered) == (False, 1)
     err = capsys.readouterr().err
@@ -335,7 +335,7 @@ def test_executable_cache_off_and_uncacheable_key(tmp_path, capsys):
     assert executables.directory() is None
     assert exe_load()[0].hit is False and exe_load()[0].hit is False
     enable(tmp_path)
-    executables._warned.clear()
+    compile_cache._warned.clear()
     x = exe_input()
     loaded = executables.load_or_compile("scaled", (lambda: 2.0,), lambda: SCALED.lower(x, scale=2.0))
     assert not loaded.hit and not exe_files(tmp_path)
@@ -414,3 +414,36 @@ def test_executable_concurrent_writers(tmp_path):
     assert proc.returncode == 0 and "hit True 0" in proc.stdout, proc.stdout + proc.stderr
     x = exe_input()
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(SCALED(x, scale=2.0)))
+
+
+def crash(*args, **kwargs):
+    """A native crash where serialisation would be (what jaxlib's executable.serialize() did)."""
+    import faulthandler
+    import signal
+
+    faulthandler.disable()  # (no traceback of this intended crash in the test's output)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_serialisation_crash_contained(tmp_path, monkeypatch, events, capsys):
+    """On CPU, JAX's entries and executables.py's are serialised and written in a forked child: a crash
+    there (SIGSEGV, as jaxlib's serialize() did in pytest-xdist workers) loses the entry, with one
+    warning line, and the program still runs; nothing partial is left."""
+    from ddtree_jax import executables
+
+    with pytest.raises(RuntimeError, match="signal 11"):
+        compile_cache.in_child(crash)
+    where = enable(tmp_path)
+    monkeypatch.setattr(compile_cache.CheckedCache, "put", crash)
+    compile_cache._warned.clear()
+    first = compile_fresh()
+    assert "is not kept (serialising it crashed with signal 11" in capsys.readouterr().err
+    assert not entries(where) and count(events, "cache_misses") == 0
+    monkeypatch.setattr(executables, "_entry", crash)
+    compile_cache._warned.clear()
+    loaded, _ = exe_load()
+    assert not loaded.hit and "crashed with signal 11" in capsys.readouterr().err
+    assert not exe_files(tmp_path) and not list(tmp_path.rglob(".tmp-*"))
+    monkeypatch.undo()
+    np.testing.assert_array_equal(compile_fresh(), first)  # written now, by a child that lives
+    assert len(entries(where)) == 1 and count(events, "cache_misses") >= 1
