@@ -30,6 +30,7 @@ one warning line, and the run goes on. (`executables.py` writes its own entries 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import io
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -145,6 +146,21 @@ def contain_writes() -> None:
 
     put_executable_and_time.contained = True
     jax_cache.put_executable_and_time = put_executable_and_time
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Inside, JAX's persistent cache is neither read nor written (executables.py compiles through it:
+    on CPU an executable that JAX loaded from its cache serialises without its code, jaxlib 0.11.2,
+    and such an entry fails when run: `NOT_FOUND: Function ... not found`)."""
+    with jax_cache._cache_initialized_mutex:
+        saved = jax_cache._cache_checked, jax_cache._cache_used
+        jax_cache._cache_checked, jax_cache._cache_used = True, False
+    try:
+        yield
+    finally:
+        with jax_cache._cache_initialized_mutex:
+            jax_cache._cache_checked, jax_cache._cache_used = saved
 
 
 def in_child(write: Callable[[], None]) -> None:

@@ -19,9 +19,11 @@ output trees); it is loaded onto those devices only (jaxlib 0.11.2 aborts the pr
 more devices than the program has). A program that calls back to Python is not kept. It is written to a
 temporary name and renamed (two jobs writing one key leave one whole entry); one that does not verify
 (damaged, truncated, another key's, refused by the runtime) is compiled anew and replaced, with one
-warning line. On a CPU backend the executable is serialised in a forked child process: jaxlib's
-`executable.serialize()` crashed pytest-xdist workers a few times per thousand programs (SIGSEGV and
-SIGABRT, docs/job-cost.md), and a crash there loses the entry, not the run (compile_cache.in_child).
+warning line. A program is compiled past JAX's persistent cache (compile_cache.bypassed): on CPU an
+executable JAX loaded from there serialises without its code. On a CPU backend the executable is
+serialised in a forked child process: jaxlib's `executable.serialize()` crashed pytest-xdist workers a
+few times per thousand programs (SIGSEGV and SIGABRT, docs/job-cost.md), and a crash there loses the
+entry, not the run (compile_cache.in_child).
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def load_or_compile(name: str, key: Any, lower: Callable[[], jax.stages.Lowered]
     compiled = _read(path, text)
     if compiled is not None:
         return Loaded(compiled, True, time.perf_counter() - begin)
-    compiled = lower().compile()
+    with compile_cache.bypassed():  # compiled anew: what JAX's cache loaded does not serialise whole
+        compiled = lower().compile()
     _write(path, text, compiled)
     return Loaded(compiled, False, time.perf_counter() - begin)
 

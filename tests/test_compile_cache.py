@@ -295,6 +295,22 @@ def test_executable_hit_skips_lowering_and_equals(tmp_path):
     assert len(exe_files(tmp_path)) == 3
 
 
+def test_executable_compiled_past_jax_cache(tmp_path, events):
+    """With the program already in JAX's persistent cache, load_or_compile still compiles it anew (an
+    executable JAX loaded from its cache serialises without its code on CPU: the entry then failed when
+    run, NOT_FOUND), and its entry, loaded, runs and equals."""
+    enable(tmp_path)
+    x = exe_input()
+    want = np.asarray(SCALED(x, scale=5.0))  # JAX's cache now holds the program
+    jax.clear_caches()
+    events.clear()
+    loaded, lowered = exe_load(scale=5.0, x=x)
+    assert (loaded.hit, lowered) == (False, 1) and count(events, "cache_hits") == 0
+    hit, _ = exe_load(scale=5.0, x=x)
+    assert hit.hit
+    np.testing.assert_array_equal(np.asarray(hit.compiled(x)), want)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_payload", "empty", "other_key"])
 def test_executable_bad_entry_recompiled(tmp_path, capsys, damage):
     """A damaged, truncated, empty or another key's entry is compiled again (never loaded), replaced by a
