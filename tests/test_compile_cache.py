@@ -319,8 +319,9 @@ def test_executable_bad_entry_recompiled(tmp_path, capsys, damage):
 
     enable(tmp_path)
     exe_load(scale=2.0)
+    (two,) = exe_files(tmp_path)
     exe_load(scale=3.0)
-    two, three = (next(p for p in exe_files(tmp_path) if p != q) for q in exe_files(tmp_path)[::-1])
+    (three,) = set(exe_files(tmp_path)) - {two}
     raw = bytearray(two.read_bytes())
     if damage == "truncate":
         raw = raw[: len(raw) // 2]
