@@ -36,6 +36,7 @@ import hashlib
 import io
 import os
 import re
+import select
 import signal
 import sys
 import tempfile
@@ -183,20 +184,21 @@ def in_child(write: Callable[[], None]) -> None:
         os.write(write_end, said.getvalue().encode()[:8000])
         os._exit(code)
     os.close(write_end)
-    try:
-        deadline = time.monotonic() + CHILD_SECONDS
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
+    try:  # what it says arrives before it exits; the pipe closes when it ends, however it ends
+        chunks, deadline = [], time.monotonic() + CHILD_SECONDS
+        while select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(read_end, 8000)
+            if not chunk:
                 break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise RuntimeError(f"writing it took over {CHILD_SECONDS:.0f} s; stopped")
-            time.sleep(0.005)
-        said = os.read(read_end, 8000).decode(errors="replace")
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise RuntimeError(f"writing it took over {CHILD_SECONDS:.0f} s; stopped")
+        said = b"".join(chunks).decode(errors="replace")
     finally:
         os.close(read_end)
+    _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         raise RuntimeError(f"serialising it crashed with signal {os.WTERMSIG(status)}, in a child process")
     if os.WEXITSTATUS(status) != 0:
