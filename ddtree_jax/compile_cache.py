@@ -210,6 +210,19 @@ def in_child(write: Callable[[], None]) -> None:
             print(line, file=sys.stderr, flush=True)
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """`data` into a temporary file beside `path`, then renamed to it: a reader sees no file, the old
+    one or the whole new one, and two writers leave one whole file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def install(directory: Path) -> None:
     """Make JAX read and write `directory` through a `CheckedCache` from its next compile on."""
     jax.config.update("jax_compilation_cache_dir", str(directory))
@@ -277,14 +290,7 @@ class CheckedCache(CacheInterface):
         if path.exists():
             return
         try:
-            fd, tmp = tempfile.mkstemp(dir=self._path, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(MAGIC + hashlib.sha256(value).digest() + value)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_atomically(path, MAGIC + hashlib.sha256(value).digest() + value)
         except OSError as e:
             _warn(f"compile cache: cannot write to {self._path} ({e.strerror}); programs are not kept")
 

@@ -37,7 +37,6 @@ import pickle
 import re
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -288,8 +287,8 @@ def _entry(text: str, compiled: jax.stages.Compiled) -> bytes:
 
 
 def _write(path: Path, text: str, compiled: jax.stages.Compiled) -> None:
-    """Write the entry of `compiled` to `path` through a temporary file and a rename (on a CPU backend
-    from a forked child: `_write_in_child`); a failure warns once and drops the entry."""
+    """Write the entry of `compiled` to `path` (compile_cache.write_atomically; on a CPU backend from a
+    forked child, compile_cache.in_child); a failure warns once and drops the entry."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -297,21 +296,15 @@ def _write(path: Path, text: str, compiled: jax.stages.Compiled) -> None:
             f"executable cache: cannot write to {path.parent} ({e.strerror}); programs are not kept"
         )
         return
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def write() -> None:
+        compile_cache.write_atomically(path, _entry(text, compiled))
+
     try:
         _unloaded(compiled)
         if jax.devices()[0].platform == "cpu" and hasattr(os, "fork"):  # a crash ends the child only
-            compile_cache.in_child(lambda: _write_file(path, tmp, _entry(text, compiled)))
+            compile_cache.in_child(write)
         else:
-            _write_file(path, tmp, _entry(text, compiled))
+            write()
     except Exception as e:  # a program that cannot be serialised still runs
         compile_cache._warn(f"executable cache: {path.name} is not kept ({type(e).__name__}: {e})")
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _write_file(path: Path, tmp: Path, data: bytes) -> None:
-    """`data` into `tmp`, then renamed to `path` (readers see the old file or the whole new one)."""
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
