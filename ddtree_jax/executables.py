@@ -279,7 +279,7 @@ def _unloaded(compiled: jax.stages.Compiled) -> Any:
 
 
 def _entry(text: str, compiled: jax.stages.Compiled) -> bytes:
-    """The bytes of an entry: MAGIC, SHA-256, pickle of (key text, executable, input and output trees)."""
+    """An entry's bytes: MAGIC, SHA-256, pickle of (key, device ids, executable, its in and out trees)."""
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     device_ids = [d.id for d in _unloaded(compiled).device_list]
     body = pickle.dumps((text, device_ids, payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
