@@ -418,3 +418,56 @@ def simulate(
         "rounds_per_plan": dict(sorted(chooser.used.items())),
         "final_plan": chooser.current,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddtree_jax.plan_choice`: the simulated choice against every fixed plan per rows and
+    acceptance curve, as a markdown table on stdout and a JSON (--out)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--device", default=REFERENCE_DEVICE)
+    ap.add_argument("--shape", default=REFERENCE_SHAPE, help="a shape of the device's cost table")
+    ap.add_argument("--plans", default="ar,ddtree-3,ddtree-7,ddtree-15")
+    ap.add_argument("--curves", default="bundled-pair,strong-synthetic", help="plan_costs.json acceptance")
+    ap.add_argument("--prior", default="bundled-pair", help="the curve the chooser starts from")
+    ap.add_argument("--rows", default="1,2,4,8,12,16,24,32,48,64,96,128,192,256")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--out", help="the JSON written")
+    args = ap.parse_args(argv)
+    shapes = _cost_file()["devices"][args.device]
+    table = {
+        p: {int(r): float(m) for r, m in v.items()} for p, v in shapes[args.shape]["ms_per_round"].items()
+    }
+    costs = CostTable(args.device, args.shape, table)
+    plans = tuple(args.plans.split(","))
+    prior = curve_marginals(args.prior)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    print(
+        "| curve | rows | tokens/round of "
+        + " / ".join(plans)
+        + " | best fixed plan | chosen plans (rounds) "
+        "| chosen / best tokens per ms |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for curve in args.curves.split(","):
+        accept = curve_marginals(curve)
+        tokens = {p: plan_tokens(p, accept) for p in plans}
+        for rows in rows_list:
+            out = simulate(costs, plans, accept, prior, rows, rounds=args.rounds) | {"curve": curve}
+            out["tokens_per_round"] = tokens
+            results.append(out)
+            mix = ", ".join(f"{p} {n}" for p, n in out["rounds_per_plan"].items())
+            print(
+                f"| {curve} | {rows} | {' / '.join(f'{tokens[p]:.2f}' for p in plans)} | "
+                f"{out['best_fixed_plan']} | {mix} | {out['ratio']:.3f} |"
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": results}, f, indent=1)
+    return 0 if all(r["ratio"] >= 0.95 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
