@@ -309,3 +309,19 @@ def walk(tree: Tree, choice: jax.Array, max_depth: int) -> Walk:
         tree, choice.astype(jnp.int32)
     )
     return Walk(path, length.astype(jnp.int32), bonus.astype(jnp.int32), emitted)
+
+
+@jax.jit
+def target_ranks(tok: jax.Array, emitted: jax.Array, length: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What a round tells about the drafter's acceptance (plan_choice.AcceptanceCounts.observe): the rank
+    of the target's token at each depth among the drafter's top-k there, and how many depths were seen.
+
+    tok [B, D, k] the drafter's candidates per depth; emitted [B, D + 1] the walk's committed tokens (the
+    target's token at depths 1 .. a: the accepted ones, then the bonus); length [B] the acceptance length
+    a -> ranks [B, D] int32 (k where the token is not among the candidates; past the seen depths: don't
+    care) and seen [B] int32 = min(a, D), the depths whose target token is known.
+    """
+    d_max, k = tok.shape[1], tok.shape[2]
+    match = tok == emitted[:, :d_max, None]  # [B, D, k]; candidates within a depth are distinct
+    ranks = jnp.where(jnp.any(match, axis=-1), jnp.argmax(match, axis=-1), k).astype(jnp.int32)
+    return ranks, jnp.minimum(length, d_max).astype(jnp.int32)

@@ -496,3 +496,22 @@ def test_default_build_per_backend_and_override():
     finally:
         tree_mod.set_default_build(None)
     assert tree_mod.default_build() != "ranked"
+
+
+def test_target_ranks_read_the_walk():
+    """The ranks of the committed tokens among each depth's candidates (k: none), seen up to min(a, D);
+    through a real walk: an accepted node's rank is its own, the bonus's is looked up at the next depth."""
+    from ddtree_jax.tree import target_ranks
+
+    d = 3
+    logp = np.log(np.array([[[0.5, 0.3, 0.1]] * d], np.float32))
+    tok = np.array([[[10, 11, 12], [20, 21, 22], [30, 31, 32]]], np.int32)
+    tree = lattice_tree(np.array([1], np.int32), logp, tok, 6)
+    # the target: depth 1 token 11 (rank 1), depth 2 token 20 (rank 0), depth 3 token 99 (none)
+    by_depth = {0: 11, 1: 20, 2: 99, 3: 0}
+    choice = np.array([[by_depth[int(x)] for x in np.asarray(tree.depth[0])]], np.int32)
+    out = walk(tree, choice, d)
+    ranks, seen = target_ranks(tok, out.emitted, out.length)
+    # the tree holds (rank 1) and (rank 1, rank 0) (path scores 0.3, 0.15 of the top 6), not 99 at depth 3
+    assert int(out.length[0]) == 3 and list(np.asarray(out.emitted[0, :3])) == [11, 20, 99]
+    assert list(np.asarray(ranks[0])) == [1, 0, 3] and int(seen[0]) == 3
