@@ -70,20 +70,35 @@ def _staircase(budget: int, k: int) -> np.ndarray:
 RANK_MAX = 512
 
 
-def _top(values: jax.Array, n: int, select: str) -> tuple[jax.Array, jax.Array]:
-    """The `n` largest of values [M] and their indices [n], exactly as `jax.lax.top_k` orders them
-    (descending, equal values in index order). select "rank": by each value's rank among all pairs
-    (no sort kernel: a compare-and-count and a one-hot pick, which XLA fuses), "top_k": the sort."""
-    m = values.shape[0]
-    if select == "top_k" or m > RANK_MAX:
-        return jax.lax.top_k(values, n)
-    ids = jnp.arange(m, dtype=jnp.int32)
+def _rank_onehot(values: jax.Array, n: int) -> jax.Array:
+    """[M, n] bool: entry i is the r-th largest of values [M] (lax.top_k's order: descending, equal values
+    in index order), by each value's rank among all pairs: a compare-and-count, no sort."""
+    ids = jnp.arange(values.shape[0], dtype=jnp.int32)
     ahead = (values[None, :] > values[:, None]) | (
         (values[None, :] == values[:, None]) & (ids[None, :] < ids[:, None])
     )
     rank = jnp.sum(ahead, axis=1, dtype=jnp.int32)  # [M] a permutation of 0..M-1
-    pick = jnp.sum(jnp.where(rank[:, None] == jnp.arange(n)[None, :], ids[:, None], 0), axis=0)  # [n]
-    return values[pick], pick
+    return rank[:, None] == jnp.arange(n, dtype=jnp.int32)[None, :]
+
+
+def _pick(onehot: jax.Array, x: jax.Array) -> jax.Array:
+    """x [M, ...] at the one-hot rows of onehot [M, n] -> [n, ...], as reductions (no gather): a sum for
+    integers, a max for floats (exact, -0.0 kept)."""
+    mask = onehot.reshape(onehot.shape + (1,) * (x.ndim - 1))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.max(jnp.where(mask, x[:, None], -jnp.inf), axis=0)
+    return jnp.sum(jnp.where(mask, x[:, None], 0), axis=0, dtype=x.dtype)
+
+
+def _top(values: jax.Array, n: int, select: str) -> tuple[jax.Array, jax.Array]:
+    """The `n` largest of values [M] and their indices [n], exactly as `jax.lax.top_k` orders them
+    (descending, equal values in index order). select "rank": `_rank_onehot` and `_pick` (no sort
+    kernel, reductions that XLA fuses), up to RANK_MAX values; "top_k": the sort."""
+    m = values.shape[0]
+    if select == "top_k" or m > RANK_MAX:
+        return jax.lax.top_k(values, n)
+    onehot = _rank_onehot(values, n)
+    return _pick(onehot, values), _pick(onehot, jnp.arange(m, dtype=jnp.int32))
 
 
 def _beams(logp: jax.Array, budget: int, *, prune: bool = True, unroll: bool = False, select: str = "top_k"):
@@ -108,11 +123,19 @@ def _beams(logp: jax.Array, budget: int, *, prune: bool = True, unroll: bool = F
         live = beam > INVALID_SCORE
         # Flattened as j * k + c: ties go to the earlier parent slot, then the lower rank.
         cand = jnp.where(live[:, None], beam[:, None] + logp_d[None, :], NEG_SCORE).reshape(-1)
-        score, pick = _top(cand[flat], budget, select)  # [N]
-        idx = jnp.asarray(flat)[pick]
+        if select == "rank" and len(flat) <= RANK_MAX:  # the index math as one-hot reductions too
+            onehot = _rank_onehot(cand[flat], budget)  # [M, N]
+            score, idx = _pick(onehot, cand[flat]), _pick(onehot, jnp.asarray(flat))
+        else:
+            score, pick = _top(cand[flat], budget, select)  # [N]
+            idx = jnp.asarray(flat)[pick]
         slot, rank = idx // k, idx % k
         if prune:  # (the "climb" build before issue 22 carried no paths)
-            paths = jnp.where(jnp.arange(d_max)[None, :] == level, rank[:, None], paths[slot])
+            if select == "rank":
+                above = _pick(slot[None, :] == jnp.arange(budget)[:, None], paths)  # paths[slot]
+            else:
+                above = paths[slot]
+            paths = jnp.where(jnp.arange(d_max)[None, :] == level, rank[:, None], above)
         return (score, paths), (score, slot, rank, paths)
 
     levels = jnp.arange(d_max, dtype=jnp.int32)
