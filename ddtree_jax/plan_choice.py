@@ -20,6 +20,19 @@ those depths are unbiased draws of accept[d, :] (the bonus's rank even when that
 tree). `AcceptanceCounts` keeps how often each rank was hit and how often it could have been seen (a plan
 of branching k sees ranks < k), and `AcceptanceCounts.marginals` mixes them with a prior (the shipped
 curve's fit) by a fixed weight.
+
+What a job loop calls (`PlanChooser`; the plans are compiled programs, switched between rounds):
+    chooser = PlanChooser(load_costs(device_kind, target_params), ("ar", "ddtree-3", "ddtree-7", "ddtree-15"),
+                          curve_marginals("bundled-pair"))
+    each round, or at each host sync (the plan stays fixed between syncs):
+        plan = chooser.next_plan(rows, rounds)   # rows: active rows per device; rounds: until the next call
+        ... run `plan`; after its walk, on the device:
+        ranks, seen = tree.target_ranks(tok, walk.emitted, walk.length)   # tok: the draft's [B, D, k]
+        hits, exposure = tree.rank_counts(ranks, seen, active, width=branching(plan))  # summed over rounds
+        chooser.observe_counts(hits, exposure)   # or chooser.observe(ranks[active], seen[active]) per round
+    chooser.used: rounds per plan (the summary's share of each). --budget / --method: no chooser.
+Every input is a token count or a row count, so the plans chosen, and with them the tokens, repeat
+exactly on a rerun and on --resume (given the same counts: keep `counts` with the job's state).
 """
 
 from __future__ import annotations
@@ -324,8 +337,16 @@ class PlanChooser:
         if self.current is not None and branching(self.current) > 0:
             self.counts.observe(ranks, lengths, branching(self.current))
 
-    def next_plan(self, rows: int) -> str:
-        """The plan of the next round at `rows` active rows."""
+    def observe_counts(self, hits: np.ndarray, exposure: np.ndarray) -> None:
+        """Rounds run by `current` since the last call, summed on the device (tree.rank_counts over those
+        rounds: hits and exposure [D, K]); ar rounds observe nothing."""
+        if self.current is not None and branching(self.current) > 0:
+            self.counts.hits += np.asarray(hits, np.int64)
+            self.counts.seen += np.asarray(exposure, np.int64)
+
+    def next_plan(self, rows: int, rounds: int = 1) -> str:
+        """The plan of the next `rounds` rounds (1: chosen every round; more: at a host sync) at `rows`
+        active rows."""
         values = self.projected(rows)
         if not values:
             raise ValueError(f"no plan of {self.plans} has a cost at {rows} rows ({self.costs.shape})")
@@ -345,9 +366,9 @@ class PlanChooser:
             chosen = current
         # after a probe or the calibration the next round chooses freely (no hysteresis)
         self.probing = calibrating or (current == "ar" and chosen != "ar" and chosen != best)
-        self.rounds_in_plan = self.rounds_in_plan + 1 if chosen == current else 1
+        self.rounds_in_plan = self.rounds_in_plan + rounds if chosen == current else rounds
         self.current = chosen
-        self.used[chosen] = self.used.get(chosen, 0) + 1
+        self.used[chosen] = self.used.get(chosen, 0) + rounds
         return chosen
 
 

@@ -348,3 +348,19 @@ def target_ranks(tok: jax.Array, emitted: jax.Array, length: jax.Array) -> tuple
     match = tok == emitted[:, :d_max, None]  # [B, D, k]; candidates within a depth are distinct
     ranks = jnp.where(jnp.any(match, axis=-1), jnp.argmax(match, axis=-1), k).astype(jnp.int32)
     return ranks, jnp.minimum(length, d_max).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("width", "max_width"))
+def rank_counts(
+    ranks: jax.Array, seen: jax.Array, active: jax.Array, width: int, max_width: int = 32
+) -> tuple[jax.Array, jax.Array]:
+    """`target_ranks`' output summed over the active rows, for a loop that keeps the counts on the device:
+    ranks [B, D], seen [B], active [B] bool -> hits [D, max_width] (how often the target's token at depth
+    d + 1 was rank c) and exposure [D, max_width] (how often rank c could be seen there: a plan of
+    branching `width` sees ranks < width), int32, to add to plan_choice.AcceptanceCounts."""
+    d_max = ranks.shape[1]
+    valid = (jnp.arange(d_max)[None, :] < seen[:, None]) & active[:, None]  # [B, D]
+    c = jnp.arange(max_width, dtype=jnp.int32)
+    hit = valid[:, :, None] & (ranks[:, :, None] == c) & (c < width)  # [B, D, max_width]
+    exposure = jnp.sum(valid, axis=0, dtype=jnp.int32)[:, None] * (c < width)[None, :]
+    return jnp.sum(hit, axis=0, dtype=jnp.int32), exposure.astype(jnp.int32)

@@ -173,3 +173,23 @@ def test_choice_within_5_percent_of_the_best_fixed_plan(curve, rows):
         rounds=200,
     )
     assert out["ratio"] >= 0.95, out
+
+
+def test_counts_summed_between_syncs_equal_counts_per_round():
+    """A loop deciding at host syncs (next_plan(rows, rounds), observe_counts of the summed rounds) keeps the
+    counts a loop deciding every round keeps."""
+    rng = np.random.default_rng(6)
+    accept = pc.curve_marginals("bundled-pair")
+    plans = ("ar", "ddtree-7")
+    each, synced = (pc.PlanChooser(pc.load_costs(), plans, accept, calibrate_rounds=0) for _ in range(2))
+    rounds = [pc.sample_round(accept, pc.tree_paths("ddtree-7", accept), 4, rng) for _ in range(5)]
+    assert synced.next_plan(16, rounds=5) == "ddtree-7" and synced.used == {"ddtree-7": 5}
+    total = pc.AcceptanceCounts.empty()
+    for ranks, seen in rounds:
+        assert each.next_plan(16) == "ddtree-7"
+        each.observe(ranks, seen)
+        total.observe(ranks, seen, width=7)
+    synced.observe_counts(total.hits, total.seen)
+    np.testing.assert_array_equal(each.counts.hits, synced.counts.hits)
+    np.testing.assert_array_equal(each.counts.seen, synced.counts.seen)
+    assert each.used == synced.used and each.rounds_in_plan == synced.rounds_in_plan == 5

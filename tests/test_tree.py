@@ -515,3 +515,19 @@ def test_target_ranks_read_the_walk():
     # the tree holds (rank 1) and (rank 1, rank 0) (path scores 0.3, 0.15 of the top 6), not 99 at depth 3
     assert int(out.length[0]) == 3 and list(np.asarray(out.emitted[0, :3])) == [11, 20, 99]
     assert list(np.asarray(ranks[0])) == [1, 0, 3] and int(seen[0]) == 3
+
+
+def test_rank_counts_on_device_equal_the_host_counts():
+    """tree.rank_counts (the device-side sum) adds what plan_choice.AcceptanceCounts.observe adds."""
+    from ddtree_jax import plan_choice
+    from ddtree_jax.tree import rank_counts
+
+    rng = np.random.default_rng(9)
+    ranks = rng.integers(0, 9, (6, 5)).astype(np.int32)  # width 7: ranks 7, 8 are "not among them"
+    seen = rng.integers(0, 6, 6).astype(np.int32)
+    active = np.array([True, True, False, True, True, True])
+    hits, exposure = rank_counts(ranks, seen, active, width=7, max_width=8)
+    host = plan_choice.AcceptanceCounts.empty(depth=5, width=8)
+    host.observe(ranks[active], seen[active], width=7)
+    np.testing.assert_array_equal(np.asarray(hits), host.hits)
+    np.testing.assert_array_equal(np.asarray(exposure), host.seen)
