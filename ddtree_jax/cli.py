@@ -232,6 +232,7 @@ def run(s: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (see EPILOG)."""
+    __import__("ddtree_jax.xla_flags").xla_flags.apply()  # before any backend starts
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)

@@ -49,6 +49,7 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: dispatch to the sub-command's `main`; its exit status (EXIT_ERROR: an unknown one)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    importlib.import_module("ddtree_jax.xla_flags").apply()  # before any backend starts
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else EXIT_ERROR
