@@ -324,6 +324,45 @@ def resolve_few_tuning(
     )
 
 
+# -- the MoE dispatch on a GPU (`models.moe.choose_dispatch`) ---------------------------------------
+# Per expert format ("plain", "fp8", "int4"), rows (largest tokens per device, dispatch) in ascending
+# order: the first row whose bound holds wins, None = any count. What is measured so far (H200,
+# results/notes.md and models/moe.py): `gather` up to 4 tokens, the Pallas `grouped` kernel above, in
+# every format; `few` (kernels/few_experts.py) and `fused` enter only from a measured run:
+# results/h200/recipes/moe_few_token.sh writes the rows its figures choose (`scripts/bench_moe.py`'s
+# "dispatch_table": the fastest dispatch at each measured token count) to paste here.
+MOE_GPU_DISPATCH: dict[str, tuple[tuple[int | None, str], ...]] = {
+    "plain": ((4, "gather"), (None, "grouped")),
+    "fp8": ((4, "gather"), (None, "grouped")),
+    "int4": ((4, "gather"), (None, "grouped")),
+}
+
+
+def moe_gpu_dispatch(fmt: str, tokens: int, table: dict | None = None) -> str:
+    """The dispatch `table` (default MOE_GPU_DISPATCH) gives `tokens` tokens per device of experts in
+    format `fmt`."""
+    for bound, dispatch in (table or MOE_GPU_DISPATCH)[fmt]:
+        if bound is None or tokens <= bound:
+            return dispatch
+    raise ValueError(f"the MoE dispatch table for {fmt!r} ends below {tokens} tokens (last bound: None)")
+
+
+def dispatch_table_rows(best: dict[int, str]) -> tuple[tuple[int | None, str], ...]:
+    """Table rows from the fastest dispatch at each measured token count ({tokens: dispatch}): runs of
+    one winner merged, each bound the largest count it won (a count between two measured ones takes the
+    larger's winner), the last row open (None)."""
+    rows: list[list] = []
+    for tokens in sorted(best):
+        if rows and rows[-1][1] == best[tokens]:
+            rows[-1][0] = tokens
+        else:
+            rows.append([tokens, best[tokens]])
+    if not rows:
+        raise ValueError("no measured token count")
+    rows[-1][0] = None
+    return tuple((bound, dispatch) for bound, dispatch in rows)
+
+
 # -- tree attention on Mosaic GPU (`tree_attention_mgpu`) -------------------------------------------
 # A program is one or two 64-row compute warpgroups plus a TMA warpgroup; the rules count shared memory
 # (about 100-227 kB a program, so one program per SM) and cut the cache into whole waves of programs.
