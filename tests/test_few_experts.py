@@ -191,3 +191,20 @@ def test_kimi_k2_int4_shard_lowers_for_cuda():
         ),
     )
     assert _lowered(fx.few_experts, *args).count("few_experts_int4") >= 2
+
+
+def test_few_above_its_token_bound_runs_grouped(monkeypatch):
+    """Above moe.FEW_MAX_TOKENS tokens (e.g. a prefill under a forced `few`) the layer lowers to the
+    grouped kernel, not the few-token one."""
+    p = {
+        "router": jax.ShapeDtypeStruct((2048, 128), jnp.bfloat16),
+        "experts_gate": _spec_weight("plain", 128, 2048, 768),
+        "experts_up": _spec_weight("plain", 128, 2048, 768),
+        "experts_down": _spec_weight("plain", 128, 768, 2048),
+    }
+    layer = functools.partial(moe.experts_ffn, experts_per_token=8, normalize=True, dispatch="few")
+    x = jax.ShapeDtypeStruct((4, 2048), jnp.bfloat16)
+    assert "few_experts_plain" in _lowered(layer, p, x)
+    monkeypatch.setattr(moe, "FEW_MAX_TOKENS", 3)
+    text = _lowered(functools.partial(layer), p, x)  # a new function: jit's cache holds the first trace
+    assert "few_experts_plain" not in text and "grouped_matmul_plain" in text

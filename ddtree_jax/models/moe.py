@@ -94,6 +94,9 @@ GPU_GATHER_MAX_TOKENS = 4
 # 0.434 / 0.460 / 0.539 / 0.622; gather 0.170 / 0.291 / 0.462 / 0.768 (1-16 only); grouped 0.309 / 0.333 /
 # 0.322 / 0.421 / 0.458 / 0.509 / 0.523. The forced `fused` dispatch still runs it.
 FUSED_MAX_TOKENS = 0
+# `few` reads every distinct chosen expert for all N tokens (N x distinct-experts dots): above
+# FEW_MAX_TOKENS tokens per device, e.g. a prefill under a forced `--moe-dispatch few`, it runs `grouped`.
+FEW_MAX_TOKENS = 64
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 
 
@@ -417,13 +420,13 @@ def _fused(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
 
 
 def _few(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: jax.Array, dispatch: str):
-    """[N, H] through `kernels.few_experts`, or through the grouped kernel where it cannot take the
-    experts (e.g. INT4 unpacked to jnp.int4) or activations (float32)."""
+    """[N, H] through `kernels.few_experts`, or through the grouped kernel above FEW_MAX_TOKENS tokens
+    or where it cannot take the experts (e.g. INT4 unpacked to jnp.int4) or activations (float32)."""
     from ddtree_jax.kernels import few_experts
 
     interpret = dispatch.endswith("_interpret")
     gate, up, down = (expert_weight(p[name]) for name in EXPERT_WEIGHTS)
-    if not few_experts.supported(gate, up, down, x.dtype):
+    if x.shape[0] > FEW_MAX_TOKENS or not few_experts.supported(gate, up, down, x.dtype):
         grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
         return _combine(_sorted(p, x, experts, here, grouped), weights, here)
     return few_experts.few_experts(x, experts, here, weights, gate, up, down, interpret=interpret)
