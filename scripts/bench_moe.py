@@ -7,8 +7,8 @@ from the routing of the timed inputs) over the read ceiling of a `jnp.sum` in th
 has its own weights and feeds the next, so nothing is read from cache or hoisted. Cases run in the
 order of --dispatches (every format and token count of the first, then of the second, ...), so the
 undecided ones go first: `gather` only up to --gather-max tokens (it materialises k expert matrices
-per token), `grouped_split` up to --split-max, `sorted_mgpu` on bf16 only, `few` up to
-moe.FEW_MAX_TOKENS (above it runs `grouped`); no case starts after --deadline-s seconds (those left
+per token), `grouped_split` up to --split-max, `sorted_mgpu` on bf16 only, `few` and `few_mgpu` up
+to moe.FEW_MAX_TOKENS (above it they run `grouped`); no case starts after --deadline-s seconds (those left
 are written as skipped). Each output is compared with the first dispatch's at its format and count.
 
 The JSON's "dispatch_table" holds, per format, the rows of kernels.tuning.MOE_GPU_DISPATCH that the
@@ -88,7 +88,8 @@ def stack(layers: list[dict], x: jax.Array, per_token: int, dispatch: str) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,8,16,64,512")
-    ap.add_argument("--dispatches", default="few,grouped,gather,fused,grouped_split,sorted_mgpu,sorted")
+    default = "few,few_mgpu,grouped,gather,fused,grouped_split,sorted_mgpu,sorted"
+    ap.add_argument("--dispatches", default=default, help="comma list, in the order to run them")
     ap.add_argument("--formats", default="plain", help=f"comma list of {', '.join(FORMATS)}")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=128)
@@ -115,7 +116,8 @@ def main() -> None:
     meta |= {"read_ceiling_gbs": ceiling, "expert_bytes": expert_bytes}
     rows = []
     tokens = [int(t) for t in args.tokens.split(",")]
-    limit = {"gather": args.gather_max, "grouped_split": args.split_max, "few": moe.FEW_MAX_TOKENS}
+    few = moe.FEW_MAX_TOKENS
+    limit = {"gather": args.gather_max, "grouped_split": args.split_max, "few": few, "few_mgpu": few}
     cases = [
         (d, fmt, n)
         for d in args.dispatches.split(",")

@@ -1,8 +1,9 @@
-"""kernels.few_experts: its distinct-expert slots and slot weights against NumPy; the split-K Triton
-kernel in interpret mode against a NumPy loop over tokens and slots (bf16, FP8 with 128 x 128 blocks,
-INT4 words with groups of 32); two grids in one process (jax#40847); the `few` dispatch of
-moe.run_experts on 8 fake devices (ep, tp); the dispatch table; and the CUDA lowering of the
-Qwen3-30B-A3B layer and a Kimi-K2 INT4 shard on the CPU.
+"""kernels.few_experts and few_experts_mgpu: the distinct-expert slots and slot weights against NumPy;
+the split-K Triton kernel in interpret mode and the Mosaic GPU one in GPU interpret mode against a
+NumPy loop over tokens and slots (bf16, FP8 with 128 x 128 blocks, INT4 words with groups of 32); two
+grids in one process (jax#40847); the `few` dispatch of moe.run_experts on 8 fake devices (ep, tp);
+the dispatch table; and the CUDA lowering of the Qwen3-30B-A3B layer (both kernels) and a Kimi-K2
+INT4 shard on the CPU.
 
 Shapes are the smallest the kernel tiles (hidden and expert width 128; INT4 K tiles of 128 rows)."""
 
@@ -16,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from test_moe_kernel import H200, _close, _expert, _experts, _kernel_weights, _numpy_loop, _routing
 
 from ddtree_jax.kernels import few_experts as fx
+from ddtree_jax.kernels import few_experts_mgpu as fm
+from ddtree_jax.kernels import fused_experts as fe
 from ddtree_jax.kernels import tuning
 from ddtree_jax.models import moe
 from ddtree_jax.quant import arrays
@@ -208,3 +211,49 @@ def test_few_above_its_token_bound_runs_grouped(monkeypatch):
     monkeypatch.setattr(moe, "FEW_MAX_TOKENS", 3)
     text = _lowered(functools.partial(layer), p, x)  # a new function: jit's cache holds the first trace
     assert "few_experts_plain" not in text and "grouped_matmul_plain" in text
+
+
+# Mosaic GPU interpret mode (~2-5 s a call): one token, FP8 at 3, INT4 at 20 (3 tiles of 8 tokens)
+@pytest.mark.own_process  # jax's GPU interpreter (conftest)
+def test_few_mgpu_kernel_against_numpy_loop():
+    """The Mosaic GPU kernels (interpreted) equal the NumPy loop in every format."""
+    for fmt, tokens in (("plain", 1), ("fp8", 3), ("int4", 20)):
+        gate, up, down = _experts(fmt)
+        args = _routing(tokens, tokens)
+        want = _numpy_loop(*args, gate, up, down)
+        _close(fm.few_experts_mgpu(*args, *_kernel_weights(gate, up, down), interpret=True), want)
+
+
+@pytest.mark.own_process  # jax's GPU interpreter (conftest)
+def test_few_mgpu_splits_and_two_grids():
+    """K split 4 ways (bf16, 8 steps of 128 rows) and 2 ways (INT4, 2 steps of 512), one grid after the
+    other in this process (jax#40847): the summed partials equal x times each slot's expert."""
+    rng = np.random.default_rng(6)
+    slots = jnp.asarray([3, 1], jnp.int32)
+    for fmt, splits in (("plain", 4), ("int4", 2)):
+        w = _expert(fmt, 8 * H, H, 12)
+        op = fe.operand(arrays.expert_weight(w), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((8, 8 * H)), jnp.bfloat16)
+        part = fm.expert_gemv_mgpu(
+            fe.kernel_columns(x, op), slots, (op,), tile_t=8, per_slot=False, splits=splits, interpret=True
+        )
+        assert part.shape == (splits, 2, 1, H, 8)
+        dense = np.asarray(arrays.dequantize(w, jnp.float32), np.float64)
+        xs = np.asarray(x.astype(jnp.float32), np.float64)
+        want = np.stack([(xs @ dense[3]).T, (xs @ dense[1]).T])
+        _close(jnp.sum(part, axis=0)[:, 0], want)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "fp8", "int4"])
+def test_qwen3_30b_a3b_layer_lowers_for_cuda_on_mosaic(fmt):
+    """The Qwen3-30B-A3B expert layer through `few_mgpu` at one token passes Mosaic GPU's layout
+    inference and TMA rules on the CPU in every format."""
+    p = {
+        "router": jax.ShapeDtypeStruct((2048, 128), jnp.bfloat16),
+        "experts_gate": _spec_weight(fmt, 128, 2048, 768),
+        "experts_up": _spec_weight(fmt, 128, 2048, 768),
+        "experts_down": _spec_weight(fmt, 128, 768, 2048),
+    }
+    layer = functools.partial(moe.experts_ffn, experts_per_token=8, normalize=True, dispatch="few_mgpu")
+    text = _lowered(layer, p, jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16))
+    assert text.count("mosaic_gpu") >= 2 and "triton" not in text and "ragged_dot" not in text

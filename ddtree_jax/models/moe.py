@@ -29,7 +29,8 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
   few      the distinct chosen experts of a few tokens, each read once for all of them by a split-K
            GEMV spread over every SM (`kernels.few_experts`, Pallas Triton; any CUDA GPU): bf16 / f16
            activations, experts whose shapes it cannot tile go through `grouped`; `few_interpret`
-           runs it in interpret mode (tests)
+           runs it in interpret mode (tests); `few_mgpu` the same on Mosaic GPU (Hopper; the fused
+           kernel's wgmma program with a K split, `kernels.few_experts_mgpu`; `few_mgpu_interpret`)
   dense    every local expert on every token, weighted by the routing weights (zero where not chosen):
            E / k times the FLOPs of the routed work, but plain batched matmuls
 """
@@ -68,13 +69,14 @@ from ddtree_jax.weights import Params, WeightSpec, stacked_linear
 MOE_SHARDINGS = ("ep", "tp")  # experts over "model": whole experts per device, or columns of every expert
 DISPATCHES = ("gather", "sorted", "dense")  # any backend
 # CUDA (sorted_mgpu, fused: Hopper)
-GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu", "fused", "few")
+GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu", "fused", "few", "few_mgpu")
 # the Pallas ones in interpret mode, tests only
 INTERPRETED_DISPATCHES = (
     "grouped_interpret",
     "grouped_split_interpret",
     "fused_interpret",
     "few_interpret",
+    "few_mgpu_interpret",
 )
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token counts up to GATHER_MAX_TOKENS use `gather`; above it `sorted` (ragged_dot) off the GPU and the
@@ -420,16 +422,19 @@ def _fused(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
 
 
 def _few(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: jax.Array, dispatch: str):
-    """[N, H] through `kernels.few_experts`, or through the grouped kernel above FEW_MAX_TOKENS tokens
-    or where it cannot take the experts (e.g. INT4 unpacked to jnp.int4) or activations (float32)."""
-    from ddtree_jax.kernels import few_experts
+    """[N, H] through `kernels.few_experts` (`few_experts_mgpu` for `few_mgpu`), or through the grouped
+    kernel above FEW_MAX_TOKENS tokens or where it cannot take the experts (e.g. INT4 unpacked to
+    jnp.int4) or activations (float32)."""
+    from ddtree_jax.kernels import few_experts, few_experts_mgpu
 
     interpret = dispatch.endswith("_interpret")
+    kernel = few_experts_mgpu if dispatch.startswith("few_mgpu") else few_experts
     gate, up, down = (expert_weight(p[name]) for name in EXPERT_WEIGHTS)
-    if x.shape[0] > FEW_MAX_TOKENS or not few_experts.supported(gate, up, down, x.dtype):
+    if x.shape[0] > FEW_MAX_TOKENS or not kernel.supported(gate, up, down, x.dtype):
         grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
         return _combine(_sorted(p, x, experts, here, grouped), weights, here)
-    return few_experts.few_experts(x, experts, here, weights, gate, up, down, interpret=interpret)
+    run = few_experts_mgpu.few_experts_mgpu if kernel is few_experts_mgpu else few_experts.few_experts
+    return run(x, experts, here, weights, gate, up, down, interpret=interpret)
 
 
 def run_experts(

@@ -5,9 +5,9 @@
 #   OUT=$OUT bash results/h200/recipes/moe_few_token.sh rounds-few   # the same, --moe-dispatch few
 # layers: one MoE layer of the Qwen3-30B-A3B shape (E 128, hidden 2048, expert width 768, top-8; 8
 #   layers stacked, ms per layer) at 1 / 8 / 16 / 64 tokens with bf16, INT4 (int32 words, bf16 scales
-#   of 32 rows) and FP8 (128 x 128 blocks) experts, through every dispatch: few (kernels/few_experts.py,
-#   issue 40), gather and grouped (today's rule), fused (Mosaic GPU, issue 33), grouped_split,
-#   sorted_mgpu (bf16 only); each row beside its floor (the distinct chosen experts' stored bytes over
+#   of 32 rows) and FP8 (128 x 128 blocks) experts, through every dispatch: few (Triton) and few_mgpu
+#   (Mosaic GPU; kernels/few_experts*.py, issue 40), gather and grouped (today's rule), fused (Mosaic
+#   GPU, issue 33), grouped_split, sorted_mgpu (bf16 only); each row beside its floor (the distinct chosen experts' stored bytes over
 #   the run's measured read ceiling). moe_few_token.json's "dispatch_table" is the fastest dispatch per
 #   format and token count as rows for kernels.tuning.MOE_GPU_DISPATCH.
 # rounds: ddtree-bench rounds of the Kimi-K2 shape at 4 layers (1 dense + 3 MoE, real width) with INT4
@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 case ${1:-layers} in
   layers)
     $PY scripts/bench_moe.py --tokens 1,8,16,64 --formats plain,int4,fp8 \
-      --dispatches few,gather,grouped,fused,grouped_split,sorted_mgpu --reps 10 --deadline-s 190 \
+      --dispatches few,few_mgpu,gather,grouped,fused,grouped_split,sorted_mgpu --reps 10 --deadline-s 190 \
       --out "$OUT/moe_few_token.json" > "$OUT/layers.log" 2>&1 ;;
   rounds|rounds-few)
     B="$PY -m ddtree_jax.bench rounds --shape kimi-k2 --num-layers 4 --quantize int4-experts --attention pallas
