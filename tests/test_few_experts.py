@@ -113,6 +113,9 @@ def test_dispatch_table(monkeypatch):
         "grouped",
     ]
     assert moe.choose_dispatch(1, "gpu", fused=False, fmt="plain") == "gather"
+    monkeypatch.setitem(tuning.MOE_GPU_DISPATCH, "fp8", ((16, "few_mgpu"), (None, "grouped")))
+    assert moe.choose_dispatch(16, "gpu", fused=True, fmt="fp8") == "few_mgpu"
+    assert moe.choose_dispatch(16, "gpu", fused=False, fmt="fp8") == "few"  # not Hopper: the Triton kernel
     assert moe.choose_dispatch(1, "cpu", fmt="int4") == "gather"
     assert moe.weight_format(_experts("int4")[0]) == "int4" and moe.weight_format(_experts("fp8")[0]) == "fp8"
 

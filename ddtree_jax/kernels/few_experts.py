@@ -29,11 +29,10 @@ INT4 tiles of tile_k / 8 word rows, nibble b of word row r being weight row 8 r 
 dots of x's columns 8 r + b against nibble b (scaled by the group's scale, rounded to the scale's
 dtype as the checkpoint defines it).
 
-Why Triton and not Mosaic GPU here (2026-12-07): the Mosaic GPU form of this GEMV is the fused
-kernel's wgmma with the expert's 64 columns as M and the tokens as N, plus a K-split grid axis and a
-partials output; that needs changes to kernels/fused_experts.py's program (not this file's to edit in
-issue 40's session) and a device to check it on. The Triton form runs on every CUDA GPU (the project's
-default on non-Hopper GPUs, e.g. sm120) and is the one measured by results/h200/recipes/moe_few_token.sh.
+Two backends of one layout: this file's Triton kernel (any CUDA GPU; the project's default on
+non-Hopper GPUs, e.g. sm120) and kernels/few_experts_mgpu.py on Mosaic GPU (Hopper: the fused kernel's
+wgmma program, TMA-fed, with a K split). Which one a Hopper GPU runs is the dispatch table's
+(kernels.tuning.MOE_GPU_DISPATCH) once results/h200/recipes/moe_few_token.sh has timed both.
 
 jax#40847 (0.11.x): a Pallas kernel function reused with a different grid keeps its first trace, so
 `expert_gemv` builds a fresh kernel closure per call (tests/test_few_experts.py runs two grids).

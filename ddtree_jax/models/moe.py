@@ -99,6 +99,8 @@ FUSED_MAX_TOKENS = 0
 # `few` reads every distinct chosen expert for all N tokens (N x distinct-experts dots): above
 # FEW_MAX_TOKENS tokens per device, e.g. a prefill under a forced `--moe-dispatch few`, it runs `grouped`.
 FEW_MAX_TOKENS = 64
+# What a GPU without Mosaic GPU (not Hopper) runs where the table names a Hopper-only dispatch.
+HOPPER_FALLBACK = {"few_mgpu": "few", "fused": "grouped", "sorted_mgpu": "grouped"}
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 
 
@@ -399,12 +401,15 @@ def choose_dispatch(
 ) -> str:
     """The dispatch for a static token count N (per device) of experts in format `fmt` on `backend`
     (default: jax.default_backend() at trace time): on a GPU `fused` up to FUSED_MAX_TOKENS where `fused`
-    (default: `hopper()`), else the table kernels.tuning.MOE_GPU_DISPATCH by format and N; elsewhere
-    `gather` up to GATHER_MAX_TOKENS, `sorted` above."""
+    (default: `hopper()`; it also says whether Mosaic GPU runs), else the table
+    kernels.tuning.MOE_GPU_DISPATCH by format and N (off Hopper its Mosaic GPU dispatches become
+    HOPPER_FALLBACK's); elsewhere `gather` up to GATHER_MAX_TOKENS, `sorted` above."""
     if (backend or jax.default_backend()) == "gpu":
-        if num_tokens <= FUSED_MAX_TOKENS and (hopper() if fused is None else fused):
+        mosaic = hopper() if fused is None else fused
+        if num_tokens <= FUSED_MAX_TOKENS and mosaic:
             return "fused"
-        return moe_gpu_dispatch(fmt, num_tokens)
+        dispatch = moe_gpu_dispatch(fmt, num_tokens)
+        return dispatch if mosaic else HOPPER_FALLBACK.get(dispatch, dispatch)
     return "gather" if num_tokens <= GATHER_MAX_TOKENS else "sorted"
 
 
