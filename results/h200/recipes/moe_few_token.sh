@@ -24,13 +24,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > 
 case ${1:-layers} in
   layers)
     $PY scripts/bench_moe.py --tokens 1,8,16,64 --formats plain,int4,fp8 \
-      --dispatches few,few_mgpu,gather,grouped,fused,grouped_split,sorted_mgpu --reps 10 --deadline-s 190 \
+      --dispatches few,few_mgpu,gather,grouped,fused,grouped_split,sorted_mgpu --reps 10 --deadline-s 180 \
       --out "$OUT/moe_few_token.json" > "$OUT/layers.log" 2>&1 ;;
   rounds|rounds-few)
     B="$PY -m ddtree_jax.bench rounds --shape kimi-k2 --num-layers 4 --quantize int4-experts --attention pallas
        --draft-layers 6 --block-size 8 --rounds 4 --methods ar,ddtree --budgets 3,7,15 --batch-sizes 1,16
        --contexts 1024"
     if [ "$1" = rounds ]; then name=kimi_int4 few=""; else name=kimi_int4_few few="--moe-dispatch few"; fi
-    $B $few --deadline-s 170 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 ;;
+    $B $few --deadline-s 150 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 ;;
   *) echo "usage: $0 [layers|rounds|rounds-few]" >&2; exit 1 ;;
 esac
