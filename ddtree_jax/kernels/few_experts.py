@@ -24,7 +24,8 @@ n's held slots whose expert is slot u's. The K splits are what spreads one token
 gate_up and 8 x 16 x 3 = 384 for down (kernels.tuning.resolve_few_tuning). A slot past the distinct
 experts runs no K step and writes zeros.
 
-Weights are read at their stored width: bf16 tiles as they are; FP8 tiles times their block's scale;
+Weights are read at their stored width: bf16 tiles as they are; FP8 tiles as bf16 (e4m3 values are
+exact in it), the dot times the tile's one block scale (tiles nest in the scale blocks);
 INT4 tiles of tile_k / 8 word rows, nibble b of word row r being weight row 8 r + b, so a step is 8
 dots of x's columns 8 r + b against nibble b (scaled by the group's scale, rounded to the scale's
 dtype as the checkpoint defines it).
@@ -121,7 +122,8 @@ def _make_kernel(
         w_refs, s_refs, o_refs = refs[:num_w], refs[num_w : 2 * num_w], refs[2 * num_w :]
         u = pl.program_id(0)
         e = slot_ref[...]
-        cols = pl.program_id(1) * tile_n + jnp.arange(tile_n, dtype=jnp.int32)
+        n0 = pl.program_id(1) * tile_n
+        cols = n0 + jnp.arange(tile_n, dtype=jnp.int32)
         x_rows = (u * m if per_slot else 0) + jnp.arange(m, dtype=jnp.int32)
 
         def x_cols(k_index):  # [m, len(k_index)]
@@ -151,11 +153,11 @@ def _make_kernel(
             out = []
             for w_ref, s_ref, acc in zip(w_refs, s_refs, accs, strict=True):
                 w = pltriton.load(w_ref.at[(e * k_rows + k)[:, None], cols[None, :]])
-                if fmt == "fp8":
-                    srow = e * (k_rows // block[0]) + k // block[0]
-                    scale = pltriton.load(s_ref.at[srow[:, None], (cols // block[1])[None, :]])
-                    w = w.astype(jnp.float32) * scale
-                out.append(acc + jnp.dot(xk, w.astype(dtype), preferred_element_type=jnp.float32))
+                part = jnp.dot(xk, w.astype(dtype), preferred_element_type=jnp.float32)
+                if fmt == "fp8":  # the tile lies in one scale block: e4m3 is exact in bf16, scale the dot
+                    scale = s_ref[e * (k_rows // block[0]) + k0 // block[0], n0 // block[1]]
+                    part = part * scale
+                out.append(acc + part)
             return tuple(out)
 
         first = pl.program_id(2) * steps

@@ -308,8 +308,8 @@ def resolve_few_tuning(
         raise ValueError(f"K {k_rows} / N {n_cols} must be multiples of tile_k {tile_k} / tile_n {tile_n}")
     if fmt == "int4" and (tile_k % 128 or tile_k % block[0]):
         raise ValueError(f"int4 tile_k {tile_k} must be a multiple of 128 and of the group {block[0]}")
-    if fmt == "fp8" and block[0] % tile_k:
-        raise ValueError(f"fp8 tile_k {tile_k} must nest in the scale block's {block[0]} rows")
+    if fmt == "fp8" and (block[0] % tile_k or block[1] % tile_n):
+        raise ValueError(f"fp8 tiles ({tile_k}, {tile_n}) must nest in the scale block {block}")
     k_tiles = k_rows // tile_k
     splits = splits or default_few_splits(slots * (n_cols // tile_n), k_tiles, num_sms=num_sms)
     if k_tiles % splits:
