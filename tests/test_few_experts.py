@@ -181,9 +181,10 @@ def test_qwen3_30b_a3b_layer_lowers_for_cuda(fmt, tokens):
     assert text.count("few_experts_") >= 2 and "ragged_dot" not in text and "mosaic_gpu" not in text
 
 
-def test_kimi_k2_int4_shard_lowers_for_cuda():
+@pytest.mark.parametrize("kernel", ["triton", "mosaic"])
+def test_kimi_k2_int4_shard_lowers_for_cuda(kernel):
     """One device's share of a Kimi-K2 MoE layer under 8-way ep (48 whole experts, hidden 7168, width
-    2048, INT4 as Kimi-K2.5 publishes them) at one token."""
+    2048, INT4 as Kimi-K2.5 publishes them) at one token, through either kernel."""
     spec = jax.ShapeDtypeStruct
     args = (
         spec((1, 7168), jnp.bfloat16),
@@ -196,7 +197,10 @@ def test_kimi_k2_int4_shard_lowers_for_cuda():
             _spec_weight("int4", 48, 2048, 7168),
         ),
     )
-    assert _lowered(fx.few_experts, *args).count("few_experts_int4") >= 2
+    if kernel == "mosaic":
+        assert _lowered(fm.few_experts_mgpu, *args).count("mosaic_gpu") >= 2
+    else:
+        assert _lowered(fx.few_experts, *args).count("few_experts_int4") >= 2
 
 
 def test_few_above_its_token_bound_runs_grouped(monkeypatch):
