@@ -28,8 +28,15 @@ def fields(rs):
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 3}
 
 
-@pytest.mark.parametrize("method,sampling", [("ddtree", None), ("ddtree", SEEDED), ("ar", SEEDED)])
-def test_device_job_equals_host_loop(method, sampling, monkeypatch):
+@pytest.mark.parametrize(
+    "method,sampling,job",
+    [
+        ("ddtree", None, {}),  # the CPU's defaults: one prompt a pass, a harvest every round
+        ("ddtree", SEEDED, {"prefill_slots": 3, "stride": 4}),  # the GPU's kind: passes of several
+        ("ar", SEEDED, {}),
+    ],
+)
+def test_device_job_equals_host_loop(method, sampling, job, monkeypatch):
     """The device job and the host loop give the same tokens and acceptance, greedy and sampled, with
     more prompts than rows (refills) and one iteration per call (tokens do not depend on where a call
     ends)."""
@@ -38,7 +45,7 @@ def test_device_job_equals_host_loop(method, sampling, monkeypatch):
     host = results(generator(device_loop=False, **kw), PROMPTS)
     monkeypatch.setattr(scheduler, "FIRST_MOST", 1)
     monkeypatch.setattr(scheduler, "_next_most", lambda most, seconds: 1)
-    gen = generator(**kw)
+    gen = generator(**kw, **job)
     device = results(gen, PROMPTS)
     assert gen.loop == "device" and fields(device) == fields(host)
     occ = gen.occupancy  # one iteration (harvest, admission, `stride` rounds) a call
