@@ -30,7 +30,7 @@ from ddtree_jax.api import (
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, sample_key, scan_prompts, tokenize
-from ddtree_jax.settings import BUNDLED, GENERATE, Settings, add_flags
+from ddtree_jax.settings import BUNDLED, GENERATE, Parser, Settings, add_flags
 
 __all__ = ["BUNDLED", "check_lengths", "main"]
 
@@ -65,16 +65,9 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
-
-    def error(self, message: str):
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    p = _Parser(
+    p = Parser(
         prog="ddtree-generate",
         description="Batched generation with autoregressive, DFlash or DDTree decoding.",
         epilog=EPILOG,

@@ -207,12 +207,17 @@ def _prompt_field(record: dict, where: str) -> tuple[str, Any]:
 
 
 def tokenize(
-    records: list[Record], path: str | Path, codec: TextCodec | None, chat_template: bool, vocab_size: int
+    records: list[Record],
+    path: str | Path | None,
+    codec: TextCodec | None,
+    chat_template: bool,
+    vocab_size: int,
 ) -> list[Prompt]:
-    """Token ids of every scanned record; errors name the file and line."""
+    """Token ids of every scanned record; errors name the file and line (`path` None: the Python API's
+    `prompt N`, N the record's line: its position)."""
     prompts = []
     for r in records:
-        where = f"{path}:{r.line}"
+        where = f"prompt {r.line}" if path is None else f"{path}:{r.line}"
         try:
             ids = _input_ids(r, where, codec, chat_template)
         except DDTreeError as e:

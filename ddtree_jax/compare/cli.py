@@ -47,16 +47,9 @@ def add_generation_flags(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(**settings.defaults(tuple(f for f in settings.GENERATE if f not in FLAGS[name])))
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors exit 1, like every other error (sub-parsers are of this class too)."""
-
-    def error(self, message: str):
-        self.exit(1, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-compare's parser: one sub-parser per module in SUBCOMMANDS."""
-    p = _Parser(
+    p = settings.Parser(  # (its sub-parsers are of its class: no abbreviations, one-line errors)
         prog="ddtree-compare",
         description="Compare decoders' outputs, acceptance and sampling distributions; write a report.",
     )
