@@ -16,8 +16,10 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from ddtree_jax import openai_batch
 from ddtree_jax.api import (
     LLM,
     check_budget,
@@ -29,7 +31,7 @@ from ddtree_jax.api import (
 )  # fmt: skip
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
-from ddtree_jax.prompts import KNOWN_KEYS, sample_key, scan_prompts, tokenize
+from ddtree_jax.prompts import KNOWN_KEYS, LOGPROBS, SAMPLES, id_key, sample_key, scan_prompts, tokenize
 from ddtree_jax.settings import BUNDLED, GENERATE, Parser, Settings, add_flags
 
 __all__ = ["BUNDLED", "check_lengths", "main"]
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """A run checked before any weight loads: its settings (budget resolved), the configs and the
-    tokenizer (each read once), every prompt of the file and the ids already in --out."""
+    tokenizer (each read once), every prompt of the file, the ids already in --out, and the batch
+    requests not served (their lines' errors) with every request's url."""
 
     settings: Settings
     target_cfg: Any
@@ -91,24 +94,97 @@ class Prepared:
     codec: Any
     prompts: list
     done: frozenset
+    refused: tuple = ()  # prompts.Record of each batch request not served (its `error` says why)
+    # id_key -> (its OpenAI url, whether a batch request gave it): chat for messages, else completions
+    endpoints: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(s: Settings) -> Prepared:
-    """Every check that needs no weight: --out, the prompts file, the configs, the limits."""
+    """Every check that needs no weight: --out, the prompts file, the configs, the limits. A prompt that
+    fails a check stops the run, except in an OpenAI batch file, where it becomes its line's error."""
     if s.is_writer:
         check_out(s.out, s.prompts, s.resume, s.overwrite)
     records = scan_prompts(s.prompts, s.max_line_bytes, s.max_new_tokens)
     cfg, dcfg, codec = read_configs(s)
-    prompts = tokenize(records, s.prompts, codec, s.chat_template, cfg.vocab_size)
+    batch = any(r.endpoint is not None for r in records)
+    refused = [r for r in records if r.error is not None]
+    records = [r for r in records if r.error is None]
+    if batch:  # each request checked alone: one that fails is refused, the others run
+        prompts = []
+        for r in records:
+            try:
+                (p,) = tokenize([r], s.prompts, codec, s.chat_template, cfg.vocab_size)
+                check_lengths([p], cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
+                check_prompt_logprobs([p], s.logprobs, s.prompts)
+                check_stops([p], s, codec)
+                prompts.append(p)
+            except DDTreeError as e:
+                refused.append(dataclasses.replace(r, error=str(e).removeprefix(f"{s.prompts}:{r.line}: ")))
+        refused.sort(key=lambda r: r.line)
+    else:
+        prompts = tokenize(records, s.prompts, codec, s.chat_template, cfg.vocab_size)
     s = s.with_budget(cfg, prompts)  # from the whole file, resumed or not: one budget per --out
     check_budget(s, dcfg)
-    check_lengths(prompts, cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
-    check_prompt_logprobs(prompts, s.logprobs, s.prompts)
-    check_stops(prompts, s, codec)
+    if not batch:
+        check_lengths(prompts, cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
+        check_prompt_logprobs(prompts, s.logprobs, s.prompts)
+        check_stops(prompts, s, codec)
     done = finished_ids(s.out, s.record()) if s.resume else set()
     start_processes(s)
     check_memory(s, cfg, dcfg)
-    return Prepared(s, cfg, dcfg, codec, prompts, frozenset(done))
+    endpoints = {id_key(r.id): _endpoint(r) for r in records}
+    return Prepared(s, cfg, dcfg, codec, prompts, frozenset(done), tuple(refused), endpoints)
+
+
+def _endpoint(r) -> tuple[str, bool]:
+    """(a prompt's OpenAI url, whether its batch request gave it): a prompts line's messages are chat's,
+    its text or token ids completions'."""
+    if r.endpoint is not None:
+        return r.endpoint, True
+    return (openai_batch.CHAT if r.kind == "messages" else openai_batch.COMPLETIONS), False
+
+
+class Lines:
+    """What --out gets for each finished sample and each refused request, in --output-format: ours (a
+    line per sample) or openai (a line per prompt once its n samples are in; openai_batch.py)."""
+
+    def __init__(self, run: Prepared):
+        s = run.settings
+        self.openai = s.output_format == "openai"
+        self.prompts = {id_key(p.id): p for p in run.prompts}
+        self.samples = {key: p.options.get(SAMPLES, s.n) for key, p in self.prompts.items()}
+        self.endpoints, self.model, self.logprobs = run.endpoints, Path(s.target).name, s.logprobs
+        self.pending: dict[str, list] = collections.defaultdict(list)
+        codec = run.codec
+        self.decode = (
+            None if codec is None else lambda ids, skip: codec.tokenizer.decode(ids, skip_special_tokens=skip)
+        )
+
+    def refused(self, r) -> dict:
+        """The line of a request not served."""
+        return (
+            openai_batch.error_line(r.id, r.error)
+            if self.openai
+            else {"id": r.id, "index": 0, "error": r.error}
+        )
+
+    def of(self, result) -> list[dict]:
+        """The lines a finished sample completes: its own (ours), or its prompt's once every sample is in."""
+        if not self.openai:
+            return [result.to_json()]
+        key = id_key(result.id)
+        self.pending[key].append(result)
+        if len(self.pending[key]) < self.samples[key]:
+            return []
+        p, results = self.prompts[key], self.pending.pop(key)
+        url, batch = self.endpoints[key]
+        # log-probabilities: those a batch request asked for; a prompts line's own K, else the run's
+        k = (
+            p.options.get(openai_batch.TOP_LOGPROBS)
+            if batch
+            else p.options.get(LOGPROBS, self.logprobs or None)
+        )
+        return [openai_batch.response_line(p.id, url, self.model, len(p.input_ids), results, k, self.decode)]
 
 
 def start_processes(s: Settings) -> None:
@@ -176,14 +252,19 @@ def left(run: Prepared, llm: LLM) -> int:
     return sum(sample_key(p.id, p.index) not in run.done for p in llm.generator.samples(run.prompts))
 
 
-def generate_all(run: Prepared, llm: LLM, writer: Writer) -> list:
-    """Run every prompt's samples not yet in --out through the LLM; process 0 writes each line as its
-    sample finishes."""
+def generate_all(run: Prepared, llm: LLM | None, writer: Writer) -> list:
+    """Write the refused requests' lines not yet in --out, then run every prompt's samples not yet in
+    --out through the LLM (None: none left); process 0 writes each line as its sample finishes."""
     from tqdm import tqdm
 
     s = run.settings
+    lines = Lines(run)
     results = []
     try:
+        if s.is_writer:
+            writer.write([lines.refused(r) for r in run.refused if id_key(r.id) not in run.done])
+        if llm is None:
+            return results
         finished = llm.run(run.prompts, skip=run.done)
         total = left(run, llm)
         for result in tqdm(
@@ -191,7 +272,7 @@ def generate_all(run: Prepared, llm: LLM, writer: Writer) -> list:
         ):
             results.append(result)
             if s.is_writer:
-                writer.write([result.to_json()])
+                writer.write(lines.of(result))
     except Interrupted as e:
         e.kept = f"{writer.written} new results written to {s.out}"  # not a note: JAX adds its own
         raise
@@ -207,14 +288,22 @@ def run(s: Settings) -> None:
     s = prepared.settings
     report = sys.stderr if s.out == STDOUT else sys.stdout
     samples = [sample_key(p.id, i) for p in prepared.prompts for i in range(p.options.get("n", s.n))]
-    if all(key in prepared.done for key in samples):
+    refused = [r for r in prepared.refused if id_key(r.id) not in prepared.done]
+    if all(key in prepared.done for key in samples) and not refused:
         print(f"all {len(prepared.done)} prompts are already in {s.out}: nothing to do", file=report)
+        return
+    writer = Writer(s.out, s.record(), append=s.resume)
+    if all(key in prepared.done for key in samples):  # only refused requests' lines to write
+        generate_all(prepared, None, writer)
+        print(f"{len(refused)} requests not served (their lines hold the errors)", file=report)
         return
     # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
     llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
-    results = generate_all(prepared, llm, Writer(s.out, s.record(), append=s.resume))
+    results = generate_all(prepared, llm, writer)
     if s.is_writer:
         print(summarize(results, llm.generator, time.perf_counter() - start, s.batch_size), file=report)
+        if refused:
+            print(f"requests not served: {len(refused)} (their lines hold the errors)", file=report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ SETTINGS = (
     "draft_window",
     "draft_yarn_scaling",
     "dequantize",
+    "output_format",
 )
 # The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
 # on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
@@ -62,6 +63,7 @@ SCHEDULE_SETTINGS = (
 # Settings added since the first sidecars: a sidecar without one was made with this value.
 ADDED_SETTINGS = {
     "n": 1, "stop": [], "include_stop_str_in_output": False, "logprobs": 0, "logprobs_mode": "raw",
+    "output_format": "ours",
 }  # fmt: skip
 STDOUT = "-"
 
@@ -205,9 +207,15 @@ def finished_ids(out: str, settings: dict[str, Any]) -> set[str]:
     for n, line in enumerate(raw[:keep].decode("utf-8", errors="replace").splitlines(), start=1):
         try:
             record = json.loads(line)
+            if "custom_id" in record:  # an OpenAI batch output line: every sample of its prompt
+                body = (record.get("response") or {}).get("body") or {}
+                for i in range(max(len(body.get("choices") or ()), 1)):
+                    done.add(sample_key(record["custom_id"], i))
+                ids.add(id_key(record["custom_id"]))
+                continue
             done.add(sample_key(record["id"], record.get("index", 0)))
             ids.add(id_key(record["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise DDTreeError(f"{out}:{n}: not an output line of ddtree-generate; cannot resume") from None
     _check_prompts(path, stored.get(PROMPT_DIGESTS), _digests.get(path.resolve()), ids)
     if keep < len(raw):

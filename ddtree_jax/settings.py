@@ -45,6 +45,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "resume": (("--resume",), dict(action="store_true", help="skip the ids already in --out, append the "
         "rest (the settings must be those --out was made with)")),
     "overwrite": (("--overwrite",), dict(action="store_true", help="replace an existing --out")),
+    "output_format": (("--output-format",), dict(choices=["ours", "openai"], default="ours", help="the lines "
+        "of --out: ours (one per sample, below) or openai (OpenAI Batch API output lines, one per prompt "
+        "with its n samples as choices, as `vllm run-batch` writes them)")),
     "method": (("--method",), dict(choices=["ar", "dflash", "ddtree"], help="default: ddtree with --draft, "
         "else ar")),
     "max_new_tokens": (("--max-new-tokens",), dict(type=int, default=128, help="tokens generated per "
@@ -135,6 +138,7 @@ GENERATE_ONLY = (
     "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention", "batch_invariant",
     "static_batches",
     "coordinator", "num_processes", "process_id",
+    "output_format",
 )  # fmt: skip
 GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING, *RUN, *COMPILE, *GENERATE_ONLY)
 
@@ -298,6 +302,7 @@ class Settings:
     moe_sharding: str = "ep"
     dequantize: bool = False
     out: str | None = None
+    output_format: str = "ours"  # --out's lines: "ours" or "openai" (openai_batch.py)
     resume: bool = False
     overwrite: bool = False
     params_cache: str | None = None

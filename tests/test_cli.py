@@ -376,7 +376,7 @@ def test_limits_refused_before_loading(tmp_path, capsys, monkeypatch, flags, nee
     [
         (
             b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [1]\n',
-            "p.jsonl:2: not valid JSON (Expecting ',' delimiter at column 27)",
+            "p.jsonl:2: not valid JSON (Expecting ',' delimiter, column 27)",
         ),
         (b'{"id": 1, "input_ids": [1]}\n{"id": 2, "prompt": "\xff"}\n', "p.jsonl:2: not UTF-8 text"),
         (

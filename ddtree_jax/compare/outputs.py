@@ -141,7 +141,7 @@ def read_outputs(path: str | Path) -> list[OutputRecord]:
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise DDTreeError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise DDTreeError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
         records.append(parse_line(record, f"{path}:{n}", len(records)))
     if not records:
         raise DDTreeError(f"{path}: no output lines")
