@@ -21,13 +21,13 @@ SUBCOMMANDS = ("lossless", "reference", "external", "distribution")
 # ddtree-generate's flags each sub-command honours: the pair, the prompts and the decoding flags for
 # all; lossless runs every method at its --budgets (no --method, --budget); reference decodes greedily
 # (its PyTorch side has no sampler and no draft window) and not host-stepped; external and
-# distribution run one method at one budget.
+# distribution run one method at one budget; external compares --n samples per prompt.
 SHARED = (*settings.PAIR, *settings.PROMPTS, "max_new_tokens", "batch_size", "block_size", "branching")
 SHARED += ("attention", *settings.COMPILE)
 FLAGS = {
     "lossless": (*SHARED, "draft_window", *settings.SAMPLING, "host_stepped"),
     "reference": (*SHARED, "method"),
-    "external": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN),
+    "external": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN, "n"),
     "distribution": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN),
 }
 # The sub-commands that run one method: ddtree-generate's default --method is filled in (reference runs

@@ -53,6 +53,7 @@ class OutputRecord:
     where: str  # FILE:LINE
     output_ids: list[int] | None
     text: str | None
+    index: int = 0  # which of the prompt's samples (ddtree-generate --n, vLLM's n)
     acceptance_lengths: list[int] | None = None
     completion_tokens: int | None = None  # SGLang: tokens generated
     verify_rounds: int | None = None  # SGLang: spec_verify_ct, target verify passes
@@ -102,8 +103,12 @@ def parse_line(record: Any, where: str, index: int) -> OutputRecord:
     text = record.get("text")
     if text is not None and not isinstance(text, str):
         raise DDTreeError(f"{where}: 'text' must be a string")
+    sample = record.get("index", 0)
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+        raise DDTreeError(f"{where}: 'index' must be a non-negative integer, got {sample!r}")
     out = OutputRecord(
         id=record.get("id", meta.get("id", index)),
+        index=sample,
         where=where,
         output_ids=_int_list(record["output_ids"], where, "output_ids") if "output_ids" in record else None,
         text=text,
@@ -148,19 +153,21 @@ def read_outputs(path: str | Path) -> list[OutputRecord]:
     return records
 
 
-def match_prompts(
+def match_samples(
     records: list[OutputRecord], prompts: list[Prompt], prompts_path: str
-) -> dict[Any, OutputRecord]:
-    """Prompt id -> its record; an id that matches no prompt, or appears twice, is an error."""
+) -> dict[tuple[Any, int], OutputRecord]:
+    """(prompt id, sample index) -> its record; an id that matches no prompt, or a sample given twice,
+    is an error."""
     known = {p.id for p in prompts}
-    by_id: dict[Any, OutputRecord] = {}
+    by_key: dict[tuple[Any, int], OutputRecord] = {}
     for r in records:
         if r.id not in known:
             raise DDTreeError(f"{r.where}: id {r.id!r} matches no prompt in {prompts_path}")
-        if r.id in by_id:
-            raise DDTreeError(f"{r.where}: duplicate id {r.id!r} (first at {by_id[r.id].where})")
-        by_id[r.id] = r
-    return by_id
+        if (r.id, r.index) in by_key:
+            first = by_key[(r.id, r.index)].where
+            raise DDTreeError(f"{r.where}: duplicate sample: id {r.id!r}, index {r.index} (first at {first})")
+        by_key[(r.id, r.index)] = r
+    return by_key
 
 
 def tokens_of(record: OutputRecord, codec: TextCodec | None) -> list[int]:
