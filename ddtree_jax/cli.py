@@ -30,7 +30,7 @@ from ddtree_jax.api import (
     read_configs,
 )  # fmt: skip
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
+from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, critical, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, LOGPROBS, SAMPLES, id_key, sample_key, scan_prompts, tokenize
 from ddtree_jax.settings import BUNDLED, GENERATE, Parser, Settings, add_flags
 
@@ -252,9 +252,54 @@ def left(run: Prepared, llm: LLM) -> int:
     return sum(sample_key(p.id, p.index) not in run.done for p in llm.generator.samples(run.prompts))
 
 
-def generate_all(run: Prepared, llm: LLM | None, writer: Writer) -> list:
+class Status:
+    """What a run says on stderr while no result has come yet (loading the weights, compiling the
+    programs), and how many programs the compile cache gave (JAX's monitoring events, counted while the
+    run lasts)."""
+
+    HITS, REQUESTS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/compile_requests_use_cache"
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.counts: collections.Counter = collections.Counter()
+
+    def _count(self, event: str, **_) -> None:
+        if event in (self.HITS, self.REQUESTS):
+            self.counts[event] += 1
+
+    def __enter__(self) -> Status:
+        import jax
+
+        jax.monitoring.register_event_listener(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_listener(self._count)
+
+    def say(self, text: str) -> None:
+        """One status line on stderr (process 0 only)."""
+        if self.enabled:
+            print(f"ddtree-generate: {text}", file=sys.stderr, flush=True)
+
+    def cache(self) -> str:
+        """How many of the programs compiled so far came from the compile cache."""
+        requests, hits = self.counts[self.REQUESTS], self.counts[self.HITS]
+        if not requests:
+            return (
+                "compile cache: off (every program compiled)"
+                if self.counts
+                else "compile cache: off or unused"
+            )
+        return f"compile cache: {hits} of {requests} programs loaded from it, {requests - hits} compiled"
+
+
+def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status | None = None) -> list:
     """Write the refused requests' lines not yet in --out, then run every prompt's samples not yet in
-    --out through the LLM (None: none left); process 0 writes each line as its sample finishes."""
+    --out through the LLM (None: none left); process 0 writes each line as its sample finishes. The bar's
+    rate and ETA count generation only (its clock is moved past every compilation); an interruption
+    carries the results so far (`Interrupted.results`)."""
     from tqdm import tqdm
 
     s = run.settings
@@ -267,14 +312,29 @@ def generate_all(run: Prepared, llm: LLM | None, writer: Writer) -> list:
             return results
         finished = llm.run(run.prompts, skip=run.done)
         total = left(run, llm)
-        for result in tqdm(
-            finished, total=total, desc="prompts", unit="prompt", file=sys.stderr, disable=not s.is_writer
-        ):
-            results.append(result)
-            if s.is_writer:
-                writer.write(lines.of(result))
+        bar = tqdm(
+            total=total, desc="prompts (compiling)", unit="prompt", file=sys.stderr, disable=not s.is_writer,
+            smoothing=0,
+        )  # fmt: skip
+        with bar:
+            start, compiled = bar.start_t, llm.compile_seconds
+            for result in finished:
+                bar.start_t = start + (llm.compile_seconds - compiled)  # the ETA from generation only
+                if not results and status is not None:
+                    bar.set_description("prompts", refresh=False)
+                    bar.write(
+                        f"ddtree-generate: first result after {llm.compile_seconds - compiled:.1f} s of "
+                        f"compiling ({status.cache()})",
+                        file=sys.stderr,
+                    )
+                with critical():  # a result counts in the summary once its line is written
+                    if s.is_writer:
+                        writer.write(lines.of(result))
+                    results.append(result)
+                bar.update(1)
     except Interrupted as e:
         e.kept = f"{writer.written} new results written to {s.out}"  # not a note: JAX adds its own
+        e.results = results
         raise
     finally:
         writer.close()
@@ -282,7 +342,8 @@ def generate_all(run: Prepared, llm: LLM | None, writer: Writer) -> list:
 
 
 def run(s: Settings) -> None:
-    """Generate for every prompt not yet in --out, appending each result as it finishes."""
+    """Generate for every prompt not yet in --out, appending each result as it finishes; the summary
+    at the end, or at an interruption (of what was written)."""
     start = time.perf_counter()
     prepared = prepare(s)
     s = prepared.settings
@@ -297,13 +358,36 @@ def run(s: Settings) -> None:
         generate_all(prepared, None, writer)
         print(f"{len(refused)} requests not served (their lines hold the errors)", file=report)
         return
-    # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
-    llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
-    results = generate_all(prepared, llm, writer)
+    with Status(s.is_writer) as status:
+        pair = f"{Path(s.target).name}" + (f" and {Path(s.draft).name}" if s.draft else "")
+        status.say(f"loading {pair} ({s.dtype}) ...")
+        loading = time.perf_counter()
+        # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
+        llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
+        status.say(
+            f"loaded in {time.perf_counter() - loading:.1f} s; compiling the programs (the first result "
+            "waits for them)"
+        )
+        try:
+            results = generate_all(prepared, llm, writer, status)
+        except Interrupted as e:
+            if s.is_writer and e.results:
+                print(
+                    summarize(e.results, llm.generator, time.perf_counter() - start, s.batch_size),
+                    file=report,
+                )
+            raise
     if s.is_writer:
         print(summarize(results, llm.generator, time.perf_counter() - start, s.batch_size), file=report)
+        if prepared.done:
+            print(
+                f"resumed: {len(prepared.done)} samples were already in {s.out}; {len(results)} generated "
+                "now",
+                file=report,
+            )
         if refused:
             print(f"requests not served: {len(refused)} (their lines hold the errors)", file=report)
+        print(status.cache(), file=report)
 
 
 def main(argv: list[str] | None = None) -> int:

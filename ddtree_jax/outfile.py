@@ -75,6 +75,7 @@ class Interrupted(Exception):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.kept: str | None = None  # what was written before it (set by the writer's caller)
+        self.results: list = []  # the results written before it (their summary is printed)
 
 
 def settings_path(out: Path) -> Path:
@@ -320,6 +321,11 @@ class _Guard:
 
 
 _guard = _Guard()
+
+
+def critical() -> contextlib.AbstractContextManager:
+    """A block that SIGINT and SIGTERM do not cut (within `interruptible`): they arrive after it."""
+    return _guard.critical()
 
 
 @contextlib.contextmanager

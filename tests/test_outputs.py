@@ -168,9 +168,13 @@ def test_resume_appends_the_rest(reference, tmp_path, capsys):
     assert main(argv(prompts, out)) == 0
     lines = out.read_text().splitlines(keepends=True)
     out.write_text("".join(lines[:2]) + lines[2][:10])  # two lines kept, the third cut short
+    capsys.readouterr()
     assert main(argv(prompts, out, "--resume")) == 0
     assert rows(out) == expected
-    assert "dropped an unfinished last line" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "dropped an unfinished last line" in captured.err
+    # the summary counts the prompts already done
+    assert f"resumed: 2 samples were already in {out}; {len(expected) - 2} generated now" in captured.out
     assert main(argv(prompts, out, "--resume")) == 0
     assert "nothing to do" in capsys.readouterr().out and rows(out) == expected
 
@@ -204,13 +208,20 @@ def test_interrupt_then_resume(tmp_path, sig):
             proc.send_signal(sig)
             break
         time.sleep(0.005)
-    _, err = proc.communicate(timeout=240)
+    printed, err = proc.communicate(timeout=240)
     assert proc.returncode == 128 + sig, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"ddtree-generate: interrupted by {sig.name} (") and "--resume continues" in last
     assert "Traceback" not in err
     partial = rows(out)  # every line whole
     assert 1 <= len(partial) < 40
+    assert f"prompts: {len(partial)}   output tokens: " in printed  # the summary of what it wrote
+    # before the first result: what is happening (loading, then compiling), ETA from generation only
+    assert (
+        "ddtree-generate: loading target and draft (bfloat16) ..." in err
+        or "ddtree-generate: loading " in err
+    )
+    assert "compiling the programs" in err and "ddtree-generate: first result after " in err
     assert main(argv(prompts, out, "--resume")) == 0
     assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
     assert rows(out) == rows(tmp_path / "whole.jsonl")
