@@ -1,17 +1,20 @@
-"""The Python API, in the style of vllm.LLM and SGLang's Engine: load a target (and drafter) once, then
-generate for any prompts, reusing the compiled programs.
+"""The Python API, in the style of vllm.LLM (its names taken as well) and SGLang's Engine: load a
+target (and drafter) once, then generate for any prompts, reusing the compiled programs.
 
     from ddtree_jax import LLM, SamplingParams
 
     llm = LLM("Qwen3-8B", "Qwen3-8B-DFlash-b16", dtype="bfloat16")  # no target: the bundled pair
-    for r in llm.generate(["Write a haiku", [{"role": "user", "content": "Hi"}]],
-                          SamplingParams(temperature=0.6, seed=1, max_new_tokens=64)):
-        print(r.id, r.finish_reason, r.text, r.acceptance_lengths, r.e2e_latency)
+    # or vLLM's: LLM(model="Qwen3-8B", speculative_config={"method": "ddtree", "model": "...-DFlash-b16"})
+    for o in llm.generate(["Write a haiku", {"prompt_token_ids": [1, 2, 3]}],
+                          SamplingParams(temperature=0.6, seed=1, max_tokens=64)):
+        print(o.request_id, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].acceptance_lengths)
 
-`LLM` takes ddtree-generate's options (the same names, defaults and checks: settings.py), checks
-everything that needs no weight before it loads any, and serves `generate` (every result, in input
-order) and `stream` (each result as its row finishes). ddtree-generate is a layer over it (cli.py):
-it reads a prompts file, builds the same `LLM` and writes each result as a line.
+`LLM` takes ddtree-generate's options (the same names, defaults and checks: settings.py) or vLLM's names
+for them, checks everything that needs no weight before it loads any, and serves `generate` and `chat`
+(vLLM-shaped RequestOutputs: request_outputs.py), `results` (every sample's Result, in input order) and
+`stream` (each Result as its row finishes). Errors name keyword arguments, never flags, and a prompt as
+`prompt N` (its position). ddtree-generate is a layer over it (cli.py): it reads a prompts file, builds
+the same `LLM` and writes each result as a line.
 """
 
 from __future__ import annotations
@@ -506,6 +509,12 @@ class LLM:
         records = [Record(i, i, *_kind(p, i), sp.options()) for i, (p, sp) in pairs]
         most = self.settings.max_new_tokens
         for r, sp in zip(records, sampling, strict=True):
+            if sp.logprobs is not None and r.options[LOGPROBS] > self.settings.logprobs:
+                raise DDTreeError(
+                    f"prompt {r.id}: SamplingParams(logprobs={sp.logprobs}) needs an LLM made with "
+                    f"logprobs={r.options[LOGPROBS]} or more (which sizes the buffers; this one has "
+                    f"{self.settings.logprobs})"
+                )
             if r.options.get(LIMIT, 0) > most:
                 raise DDTreeError(
                     f"prompt {r.id}: SamplingParams({sp.limit_name}={r.options[LIMIT]}) exceeds "

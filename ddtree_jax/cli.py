@@ -359,7 +359,8 @@ def run(s: Settings) -> None:
         print(f"{len(refused)} requests not served (their lines hold the errors)", file=report)
         return
     with Status(s.is_writer) as status:
-        pair = f"{Path(s.target).name}" + (f" and {Path(s.draft).name}" if s.draft else "")
+        pair = f"{s.target}" + (f" and {s.draft}" if s.draft else "")
+        pair = "the bundled pair" if Path(s.target) == BUNDLED / "target" else pair
         status.say(f"loading {pair} ({s.dtype}) ...")
         loading = time.perf_counter()
         # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights

@@ -180,6 +180,14 @@ def test_refusals_name_the_keyword_argument(make, error, needle):
     assert "--" not in str(e.value)
 
 
+def test_logprobs_past_the_llms_name_the_keyword():
+    llm = LLM(model=FIXTURE, dtype="float32", max_new_tokens=4)
+    with pytest.raises(
+        DDTreeError, match=r"^prompt 0: SamplingParams\(logprobs=0\) needs an LLM made with logprobs=1"
+    ):
+        llm.generate([[1, 2]], SamplingParams(logprobs=0), use_tqdm=False)
+
+
 def test_penalties_at_their_off_values_are_accepted():
     s = SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, min_tokens=0, top_k=-1, best_of=1)
     assert s.top_k == 0 and s.options()["top_k"] == 0

@@ -209,7 +209,7 @@ def test_api_sampling_params_logprobs(greedy):
         np.testing.assert_allclose(
             np.array(res.output_top_logprobs), np.array(ref.output_top_logprobs[:4])[:, :k], atol=1e-5
         )
-    with pytest.raises(DDTreeError, match=r"^prompt 0: SamplingParams\(logprobs=3\) exceeds LLM\(logprobs=2\)"):
+    with pytest.raises(DDTreeError, match=r"^prompt 0: SamplingParams\(logprobs=3\) needs an LLM made"):
         llm.results(prompts[:1], SamplingParams(logprobs=3))
 
 
