@@ -44,12 +44,17 @@ EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KE
   {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed, n override the
   flags; an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
+  OpenAI Batch API files (`vllm run-batch`'s: {{"custom_id", "method", "url": "/v1/chat/completions" or
+  "/v1/completions", "body": {{messages | prompt, max_tokens, temperature, top_p, n, stop, seed,
+  logprobs, ...}}}}) are read too, the first line deciding; a request that cannot be served becomes its
+  output line's error and the rest runs.
 
 output: one JSON line per prompt and sample (--n): id, index, output_ids, text, finish_reason,
   stop_reason (after a --stop string), prompt_tokens, num_output_tokens, rounds, acceptance_lengths,
   e2e_latency; written as each prompt finishes (so in finishing order; with --static-batches batch by
   batch, in input order); the settings go to OUT.settings.json, which --resume checks: a resumed run's
-  lines are those of an uninterrupted run with the same settings.
+  lines are those of an uninterrupted run with the same settings. --output-format openai writes OpenAI
+  batch output lines instead: one per prompt, its n samples as choices.
 
 exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output path; one line on stderr);
   {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on);
