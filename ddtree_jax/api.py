@@ -621,6 +621,9 @@ class LLM:
         """Run the prompts; one RequestOutput each."""
         from tqdm import tqdm
 
+        if not items:
+            return []
+
         prompts = self.prompts(items, sampling)
         by_prompt: dict[int, list] = {i: [] for i in range(len(prompts))}
         total = sum(p.options.get(SAMPLES, self.settings.n) for p in prompts)

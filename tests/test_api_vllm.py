@@ -202,5 +202,6 @@ def test_generate_keyword_errors_and_max_model_len():
         DDTreeError, match=r"^prompt 1: 39 tokens \+ max_new_tokens 4 exceed LLM\(max_model_len=40\)"
     ):
         llm.generate([prompt, [1] * 39], use_tqdm=False)
+    assert llm.generate([], use_tqdm=False) == []
     (out,) = llm.generate({"prompt_token_ids": prompt}, use_tqdm=False)
     assert out.prompt_token_ids == prompt and len(out.outputs[0].token_ids) == 4
