@@ -330,3 +330,33 @@ def test_divergent_tokens_shown_as_text():
     codec = TextCodec(FIXTURES / "qwen3_gqa2_tied")
     assert token_text(7, codec) == f"7 {codec.decode([7])!r}" and token_text(7, None) == "7"
     assert token_text(None, codec) is None
+
+
+def test_openai_batch_output_compared_as_text(tmp_path, capsys):
+    """`vllm run-batch` output lines (here ddtree-generate --output-format openai's): each choice a sample
+    of the prompt named by custom_id, compared as text; a changed text is found at its sample."""
+    from ddtree_jax.cli import main as generate
+
+    tied = str(FIXTURES / "qwen3_gqa2_tied")
+    prompts = write(
+        tmp_path / "p.jsonl", [{"id": "a", "prompt": "hello"}, {"id": "b", "input_ids": [9, 3, 4]}]
+    )
+    flags = ["--target", tied, "--prompts", str(prompts), "--temperature", "0.9", "--seed", "2"]
+    flags += ["--max-new-tokens", "6", "--dtype", "float32"]
+    run_batch = tmp_path / "run_batch.jsonl"
+    assert generate([*flags, "--n", "2", "--out", str(run_batch), "--output-format", "openai"]) == 0
+    args = ["external", *flags, "--n", "2", "--theirs", str(run_batch), "--report", str(tmp_path / "r")]
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("external: agree: run_batch identical to ours on 4/4 samples")
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert sorted((t["id"], t["index"]) for t in c["text_only"]) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    lines = [json.loads(s) for s in run_batch.read_text().splitlines()]
+    b = next(r for r in lines if r["custom_id"] == "b")
+    b["response"]["body"]["choices"][1]["text"] += "!"
+    write(run_batch, lines)
+    assert main(args) == 0
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert c["identical"] == 3 and [(d["id"], d["index"]) for d in c["divergences"]] == [("b", 1)]
+    write(run_batch, [{"custom_id": "a", "response": None, "error": {"code": "x", "message": "m"}}])
+    assert main(args) == 1 and "request 'a' has no response" in capsys.readouterr().err

@@ -10,7 +10,9 @@ Accepted fields (anything else is an error, so a misspelt field is never silentl
 - log-probabilities of the chosen tokens, when given: output_token_logprobs ([logprob, token_id, ...]
   per token) at the top level (ours, `--logprobs K`) or in meta_info (SGLang's return_logprob);
   output_top_logprobs is read past;
-- the DDTree reference: acceptance_lengths per round (tokens added, the bonus included), as ours.
+- the DDTree reference: acceptance_lengths per round (tokens added, the bonus included), as ours;
+- OpenAI batch output lines (`vllm run-batch`, `ddtree-generate --output-format openai`): each choice a
+  sample of the prompt whose id is the line's custom_id, compared as text.
 The id sits at the top level or in meta_info.id; a line without one takes its line's index among the
 file's non-empty lines (0-based), as a prompt without an id does.
 """
@@ -147,10 +149,38 @@ def read_outputs(path: str | Path) -> list[OutputRecord]:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
             raise DDTreeError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if isinstance(record, dict) and "custom_id" in record:  # an OpenAI batch output line
+            records += batch_records(record, f"{path}:{n}")
+            continue
         records.append(parse_line(record, f"{path}:{n}", len(records)))
     if not records:
         raise DDTreeError(f"{path}: no output lines")
     return records
+
+
+def batch_records(record: dict, where: str) -> list[OutputRecord]:
+    """An OpenAI batch output line (`vllm run-batch`'s, `ddtree-generate --output-format openai`'s):
+    one record per choice, compared as text (the id: its custom_id; the index: the choice's); a line
+    holding an error has no output to compare: an error naming it."""
+    if record.get("error") is not None or not isinstance(record.get("response"), dict):
+        raise DDTreeError(
+            f"{where}: request {record.get('custom_id')!r} has no response ({record.get('error')})"
+        )
+    body = record["response"].get("body")
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list):
+        raise DDTreeError(f"{where}: 'response.body.choices' must be a list")
+    out = []
+    for i, c in enumerate(choices):
+        text = (c.get("message") or {}).get("content") if "message" in c else c.get("text")
+        if not isinstance(text, str):
+            raise DDTreeError(f"{where}: choice {i} has no text (message.content or text)")
+        out.append(
+            OutputRecord(
+                id=record["custom_id"], index=c.get("index", i), where=where, output_ids=None, text=text
+            )
+        )
+    return out
 
 
 def match_samples(
