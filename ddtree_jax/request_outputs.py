@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from ddtree_jax.stops import cut_rounds
 
@@ -125,8 +124,3 @@ def request_output(
     ordered = sorted(results, key=lambda r: r.index)
     outputs = [completion(r, shaping, decode) for r in ordered]
     return RequestOutput(request_id, prompt, list(prompt_token_ids), outputs)
-
-
-def as_dict(value: Any) -> Any:
-    """A RequestOutput (or any of its parts) as plain JSON-able values."""
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
