@@ -259,7 +259,8 @@ def left(run: Prepared, llm: LLM) -> int:
 
 class Status:
     """What a run says on stderr while no result has come yet (loading the weights, compiling the
-    programs), and how many programs the compile cache gave (JAX's monitoring events, counted while the
+    programs; to a terminal only, so that an error stays the one line a log or a script reads), and how
+    many programs the compile cache gave (JAX's monitoring events, counted while the
     run lasts)."""
 
     HITS, REQUESTS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/compile_requests_use_cache"
@@ -325,8 +326,9 @@ def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status 
             start, compiled = bar.start_t, llm.compile_seconds
             for result in finished:
                 bar.start_t = start + (llm.compile_seconds - compiled)  # the ETA from generation only
-                if not results and status is not None:
+                if not results:
                     bar.set_description("prompts", refresh=False)
+                if not results and status is not None and status.enabled:
                     bar.write(
                         f"ddtree-generate: first result after {llm.compile_seconds - compiled:.1f} s of "
                         f"compiling ({status.cache()})",
@@ -363,7 +365,7 @@ def run(s: Settings) -> None:
         generate_all(prepared, None, writer)
         print(f"{len(refused)} requests not served (their lines hold the errors)", file=report)
         return
-    with Status(s.is_writer) as status:
+    with Status(s.is_writer and sys.stderr.isatty()) as status:
         pair = f"{s.target}" + (f" and {s.draft}" if s.draft else "")
         pair = "the bundled pair" if Path(s.target) == BUNDLED / "target" else pair
         status.say(f"loading {pair} ({s.dtype}) ...")

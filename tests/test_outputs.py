@@ -162,6 +162,19 @@ def test_symlink_written_through(reference, tmp_path):
     assert link.is_symlink() and rows(real) == expected
 
 
+def test_status_before_the_first_result(reference, tmp_path, capsys, monkeypatch):
+    """On a terminal: loading, compiling, then the first result's compile time and the compile cache's
+    programs; the summary says how many programs the cache gave."""
+    prompts, expected = reference
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(argv(prompts, tmp_path / "o.jsonl")) == 0
+    captured = capsys.readouterr()
+    assert f"ddtree-generate: loading {TARGET} (float32) ...\nddtree-generate: loaded in " in captured.err
+    assert "compiling the programs (the first result waits for them)" in captured.err
+    assert "ddtree-generate: first result after " in captured.err and "compile cache: " in captured.err
+    assert "compile cache: " in captured.out.splitlines()[-1]
+
+
 def test_resume_appends_the_rest(reference, tmp_path, capsys):
     prompts, expected = reference
     out = tmp_path / "o.jsonl"
@@ -216,12 +229,8 @@ def test_interrupt_then_resume(tmp_path, sig):
     partial = rows(out)  # every line whole
     assert 1 <= len(partial) < 40
     assert f"prompts: {len(partial)}   output tokens: " in printed  # the summary of what it wrote
-    # before the first result: what is happening (loading, then compiling), ETA from generation only
-    assert (
-        "ddtree-generate: loading target and draft (bfloat16) ..." in err
-        or "ddtree-generate: loading " in err
-    )
-    assert "compiling the programs" in err and "ddtree-generate: first result after " in err
+    assert "ddtree-generate: loading" not in err  # status lines go to a terminal only
+    assert "prompts (compiling):   0%" in err  # the bar's phase until the first result
     assert main(argv(prompts, out, "--resume")) == 0
     assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
     assert rows(out) == rows(tmp_path / "whole.jsonl")
