@@ -1,21 +1,29 @@
-"""The default ddtree budget by rows per device and context, as measured on the H200, and the default
-branching (no jax import: the CLI's parser reads these tables)."""
+"""The default ddtree budget by rows per device and context, as measured on the H200 (plan_choice's cost
+table where a job has no measurement of its own), and the default branching (no jax import: the CLI's
+parser reads these tables)."""
 
 from __future__ import annotations
+
+from ddtree_jax import plan_choice
 
 # The ddtree budget when --budget is not given, by (rows, context): the rows each data-parallel device
 # runs (--batch-size / --dp) and the context a row reaches on average (the prompts' mean length plus
 # their new tokens: a round's attention reads each row's own context, so the mean sets its cost). The
-# entry of the largest rows <= the run's, then of the largest context <= the run's. Each is the budget
-# with the highest projected tokens/s = acceptance(budget) x ar step / ddtree round, from the bundled
-# pair's acceptance curve and Qwen3-8B-shaped round times on one H200 (results/h200/README.md,
-# "Default budget per batch size", and results/notes.md, "The budget at long context"): at 1k context
-# from 16 rows budget 7 beats 3, 5 and 15 (batch 16) and 15 (batch 32); at batch 1, 15, 31 and 63
-# project within 2% of each other (31 highest, by 0.8%) and the smallest tree is kept. At batch 16, 7 /
-# 15 project 2.10x / 2.08x at 8k, 2.19x / 2.22x at 16k and 2.52x / 2.70x at 32k (31: 2.07x): a tree's
-# extra nodes read no extra K/V, and reading K/V is most of a round there; at batch 1, 15 stays ahead
-# of 63 at 32k (2.65x against 2.23x).
-DEFAULT_BUDGETS = {(1, 0): 15, (16, 0): 7, (16, 16384): 15}
+# entry of the largest rows <= the run's, then of the largest context <= the run's. At 1k context the
+# entries come from plan_choice's shipped cost table (Qwen3-8B-shaped rounds on one H200 from 1 to 256
+# rows: the 2026-12-03 batch sweep and the 2026-11-29 rows, ddtree_jax/assets/plan_costs.json) and the
+# bundled pair's measured acceptance (plan_choice.BUNDLED_CURVE): at each of 1, 2, 4, ..., 256 rows the
+# budget of 3, 7 and 15 with the highest projected tokens/ms (`plan_choice.default_budget_table`):
+# 15 from 1 row, 7 from 16, 3 from 64 (at 128 and 256 rows ar itself projects higher than any tree, which
+# a budget cannot say: plan_choice.PlanChooser can). Long contexts keep the earlier measurement (no sweep
+# of rows there): at batch 16, 7 / 15 project 2.10x / 2.08x at 8k, 2.19x / 2.22x at 16k and 2.52x /
+# 2.70x at 32k (31: 2.07x): a tree's extra nodes read no extra K/V, and reading K/V is most of a round
+# there (results/notes.md, "The budget at long context"); taken for every row count from 16 on.
+LONG_CONTEXT = 16384
+_MEASURED = plan_choice.default_budget_table(plan_choice.load_costs(), plan_choice.BUNDLED_CURVE)
+DEFAULT_BUDGETS = {(rows, 0): budget for rows, budget in _MEASURED.items()} | {
+    (rows, LONG_CONTEXT): 15 for rows in _MEASURED if rows >= 16
+}
 # Mixture-of-experts targets: a tree's tokens select many more distinct experts than one token, so a
 # verify reads far more weight bytes than an ar step. Qwen3-30B-A3B-shaped rounds on one H200 at batch
 # 1 (results/h200/moe/moe_batch1.json, results/notes.md): ar 8.20 ms, ddtree 7 / 15 / 63 21.4 / 24.5 /
@@ -25,7 +33,7 @@ DEFAULT_BUDGETS = {(1, 0): 15, (16, 0): 7, (16, 16384): 15}
 MOE_DEFAULT_BUDGETS = {(1, 0): 7}
 
 
-MAX_BRANCHING = 32  # ddtree's default candidates per depth: min(budget, MAX_BRANCHING)
+MAX_BRANCHING = plan_choice.MAX_BRANCHING  # ddtree's default candidates per depth: min(budget, MAX_BRANCHING)
 
 
 def default_branching(method: str, budget: int) -> int:

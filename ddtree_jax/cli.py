@@ -231,9 +231,15 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
         )
     occ = gen.occupancy
     if occ.host_returns:
+        passes = (
+            f"prefill passes: {occ.refills} ({occ.prefilled / occ.refills:.1f} prompts a pass)"
+            if occ.prefilled and occ.refills
+            else f"refills: {occ.refills}"
+        )
         lines.append(
+            f"loop: {gen.loop}   rounds: {occ.rounds}   host returns: {occ.host_returns}   {passes}   "
             f"rows busy: {occ.busy / max(occ.row_rounds, 1):.1%} of {occ.row_rounds} row-rounds, "
-            f"{occ.waiting_fraction():.1%} while prompts waited   refills: {occ.refills}"
+            f"{occ.waiting_fraction():.1%} while prompts waited"
         )
     if gen.stage_seconds:
         lines.append("stage seconds: " + " ".join(f"{k}={v:.3f}" for k, v in gen.stage_seconds.items()))
@@ -400,6 +406,7 @@ def run(s: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (see EPILOG)."""
+    __import__("ddtree_jax.xla_flags").xla_flags.apply()  # before any backend starts
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)

@@ -42,33 +42,37 @@ def gather(new: list[Any], index: jax.Array) -> list[Any]:
     return [jax.tree.map(lambda x: gather_slots(x, index), entry) for entry in new]
 
 
-def _write_leaf(buf: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
-    # buf [B, ..., S (axis), ...], new [B, W, ...] written at time offset start[b] of each sequence.
+def _write_leaf(buf: jax.Array, new: jax.Array, start: jax.Array, axis: int, keep=None) -> jax.Array:
+    # buf [B, ..., S (axis), ...], new [B, W, ...] written at time offset start[b] of each sequence
+    # (where keep[b], else the slots keep what they hold).
     new = jnp.moveaxis(new, 1, axis).astype(buf.dtype)
 
-    def one(c, n, s):
+    def one(c, n, s, k):
+        if k is not None:
+            n = jnp.where(k, n, jax.lax.dynamic_slice_in_dim(c, s, n.shape[axis - 1], axis - 1))
         return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis - 1)
 
-    return jax.vmap(one)(buf, new, start)
+    return jax.vmap(one)(buf, new, start, keep)
 
 
-def write(cache: KVCache, new: list[Any], start: jax.Array) -> KVCache:
+def write(cache: KVCache, new: list[Any], start: jax.Array, keep: jax.Array | None = None) -> KVCache:
     """Write per-layer in-flight entries [B, W, ...] at slot `start[b]`; lengths are left to the caller.
+    With `keep` [B] bool, a row where it is False is left as it was.
 
     Slots past what the caller later counts as committed are written too and simply never read:
     the capacity must leave W spare slots past the longest sequence (dynamic_update_slice clamps).
     """
-    layers = [_write_entry(c, n, start) for c, n in zip(cache.layers, new, strict=True)]
+    layers = [_write_entry(c, n, start, keep) for c, n in zip(cache.layers, new, strict=True)]
     return KVCache(layers, cache.lengths)
 
 
-def _write_entry(cached: Any, new: Any, start: jax.Array) -> Any:
+def _write_entry(cached: Any, new: Any, start: jax.Array, keep=None) -> Any:
     # new: the same entry in flight (or its leaves in the same order, e.g. a (k, v) tuple)
     axis = type(cached).time_axis
     leaves, tree = jax.tree.flatten(cached)
     fresh = jax.tree.leaves(new)
     return jax.tree.unflatten(
-        tree, [_write_leaf(c, n, start, axis) for c, n in zip(leaves, fresh, strict=True)]
+        tree, [_write_leaf(c, n, start, axis, keep) for c, n in zip(leaves, fresh, strict=True)]
     )
 
 

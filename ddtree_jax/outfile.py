@@ -275,7 +275,9 @@ class Writer:
             return sys.stdout
         path = Path(self.out)
         file = open(path, "a" if self.append else "w")  # noqa: SIM115 (0666 less the umask; through links)
-        record = self.settings | {PROMPT_DIGESTS: _digests.get(path.resolve())}
+        from ddtree_jax.provenance import provenance  # what made the lines: code, jax, device
+
+        record = self.settings | {PROMPT_DIGESTS: _digests.get(path.resolve()), "provenance": provenance()}
         settings_path(path).write_text(json.dumps(record, indent=1) + "\n")
         return file
 

@@ -3,13 +3,18 @@
 A prompt runs in chunks of C tokens through the cache path (each chunk attends to the cache written
 so far and to itself under a causal mask, as a verify does: no [P, P] scores; a chunk at least the
 prompt is one pass), its end in chunks of C / 4, so a prompt computes fewer than C / 4 padding tokens.
-Each "data" device loops over its own rows' chunks only. The drafter's context entries of each chunk
-come from the chunk's target features, at the same slots.
+The drafter's context entries of each chunk come from the chunk's target features, at the same slots.
+
+R prompts prefill together, one weight read per chunk step for all of them, and each follows its OWN
+chunk schedule (`chunk_steps` of its own length): step k of the full chunks covers [kC, kC + C) of
+the requests that have more than k full chunks, tail step j covers [f C + j C/4, ...) of a request with
+f full chunks and more than j tail chunks; a request with no chunk at a step computes it masked and
+keeps nothing of it. So a prompt sees the same arithmetic (shapes [R, C], its own tokens, its own
+chunks) whichever prompts share its prefill and whichever slot it lands in; a step a request has no
+chunk in leaves its caches as they were. Each "data" device loops over its own requests' chunks only.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +22,9 @@ import jax.numpy as jnp
 from ddtree_jax import drafter, kv_cache, logprobs, target
 from ddtree_jax.engine import DecodeState, Plan
 from ddtree_jax.kv_cache import KVCache
+from ddtree_jax.requests import Requests
 from ddtree_jax.sampling import choose
 from ddtree_jax.weights import Params
-
-if TYPE_CHECKING:
-    from ddtree_jax.programs import Requests
 
 
 def tail_chunk(chunk: int) -> int:
@@ -31,9 +34,9 @@ def tail_chunk(chunk: int) -> int:
 
 def chunk_steps(length, chunk: int) -> tuple:
     """(full chunks, tail chunks) of a prompt of `length` tokens (an int, or an int array on the
-    device): full chunks while more than C - C / 4 tokens are left (four tail chunks would cost one
-    full one), then tail chunks. At most tail - 1 tokens are left after the full chunks' ceiling
-    division, so the tail count is never negative."""
+    device, one schedule per request): full chunks while more than C - C / 4 tokens are left (four
+    tail chunks would cost one full one), then tail chunks. At most tail - 1 tokens are left after
+    the full chunks' ceiling division, so the tail count is never negative."""
     tail = tail_chunk(chunk)
     full = (length + tail - 1) // chunk
     return full, (length - full * chunk + tail - 1) // tail
@@ -119,39 +122,41 @@ def prefill(
         draft_cache = kv_cache.empty_like(_zeros(ctx), capacity)
     last = jnp.zeros((r, probe.hidden.shape[-1]), probe.hidden.dtype)
 
-    def step(size: int, base):
-        """One chunk of `size` tokens, the i-th from position `base`."""
+    full, tails = chunk_steps(req.lengths, chunk)  # [R] each request's own schedule
+
+    def step(size: int, starts, active):
+        """One chunk step of `size` tokens: request r's chunk `i` from position starts(i)[r], kept
+        where active(i)[r]."""
         arange = jnp.arange(size, dtype=jnp.int32)
         causal = arange[None, :] <= arange[:, None]  # [C, C]
 
         def run(carry):
             i, cache, draft_cache, last = carry
-            start = base + i * size
-            tokens = jax.lax.dynamic_slice_in_dim(req.tokens, start, size, axis=1)
-            positions = jnp.broadcast_to(start + arange, (r, size))
-            mask = causal[None] & (positions[:, None, :] < req.lengths[:, None, None])
-            seen = jnp.minimum(start, req.lengths)  # each row's cache holds its prompt before the chunk
+            start, keep = starts(i), active(i)  # [R] each
+            positions = start[:, None] + arange[None, :]  # [R, C]
+            tokens = jnp.take_along_axis(req.tokens, jnp.minimum(positions, p - 1), axis=1)
+            real = keep[:, None] & (positions < req.lengths[:, None])
+            mask = causal[None] & real[:, None, :]
+            seen = jnp.minimum(start, req.lengths)  # each request's cache holds its prompt before the chunk
             out = forward(tokens, positions, mask, KVCache(cache.layers, seen))
-            at = jnp.full((r,), start, jnp.int32)
-            cache = kv_cache.write(cache, out.kv, at)
+            cache = kv_cache.write(cache, out.kv, start, keep)  # (a request without this chunk: unchanged)
             if draft_cache is not None:
                 ctx = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
-                draft_cache = kv_cache.write(draft_cache, ctx, at)
+                draft_cache = kv_cache.write(draft_cache, ctx, start, keep)
             here = req.lengths - 1 - start  # the last prompt token's index in this chunk
-            inside = (here >= 0) & (here < size)
+            inside = keep & (here >= 0) & (here < size)
             picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, size - 1)]
             return i + 1, cache, draft_cache, jnp.where(inside[:, None], picked, last)
 
         return run
 
-    full, tails = chunk_steps(jnp.max(req.lengths), chunk)  # this device's rows only
     carry = (jnp.int32(0), cache, draft_cache, last)
-    _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < full, step(chunk, 0), carry)
+    full_step = step(chunk, lambda i: jnp.full((r,), i * chunk, jnp.int32), lambda i: i < full)
+    _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < jnp.max(full), full_step, carry)
     if tail < chunk:  # (with tail == chunk there are no tail chunks)
         carry = (jnp.int32(0), cache, draft_cache, last)
-        _, cache, draft_cache, last = jax.lax.while_loop(
-            lambda c: c[0] < tails, step(tail, full * chunk), carry
-        )
+        tail_step = step(tail, lambda j: full * chunk + j * tail, lambda j: j < tails)
+        _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < jnp.max(tails), tail_step, carry)
     # the target's choice after each prompt: the token at position L, also its noise position (sampling.py)
     head = target.logits(params, last[:, None], cfg.vocab_size, axis)
     first = choose(head, req.sampling, req.lengths[:, None], axis)[:, 0]

@@ -9,6 +9,9 @@
   generate  start, then rounds until every row is done: a static batch's whole generation as ONE
             program (no round returns to the host)
   stages    the round's five steps as programs of their own, for a host that times each
+  job_start a continuous job's first state: every row free (job.py)
+  job       a stretch of a continuous job on the device: rounds, harvests and refills from a queue
+            of prompts held on the device, until `most` iterations ran or the finished buffer is full
 
 One prefill serves every program (prefill.py: the prompts in chunks through the cache path).
 One bucket rule (`prompt_slots`) sizes every program's prompt buffer; `Shape` records a batch's
@@ -26,13 +29,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import engine, models, prefill
+from ddtree_jax import engine, job, models, prefill
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan, on_mesh, param_specs, state_specs
 from ddtree_jax.kv_cache import KVCache
-from ddtree_jax.sampling import SamplingArrays
+from ddtree_jax.requests import REQUEST_SPECS, Requests, prompt_slots
 from ddtree_jax.sharding import DATA, make_mesh
 from ddtree_jax.weights import Params
+
+__all__ = ["REQUEST_SPECS", "Requests", "prompt_slots", "Programs", "Shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,29 +54,7 @@ class Shape:
         return cls(rows, prompt_slots, plan.capacity(prompt_slots))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Requests:
-    """R prompts bound for rows of a decode state (a row index of B or more: padding, dropped)."""
-
-    tokens: jax.Array  # [R, P] int32, right-padded
-    lengths: jax.Array  # [R] int32 (>= 1)
-    rows: jax.Array  # [R] int32: the state row each goes to
-    sampling: SamplingArrays | None  # [R] each; None: every row greedy (the greedy-only program)
-    limits: jax.Array  # [R] int32: each one's own max_new_tokens
-
-
-REQUEST_SPECS = Requests(ROW, ROW, ROW, ROW, ROW)
-
-
 EVERY_ROUND = 2**31 - 1  # `most` rounds of a program that runs until its rows are done
-
-
-def prompt_slots(length: int) -> int:
-    """The prompt slots of a batch whose longest prompt has `length` tokens, the one bucket rule: the
-    next power of two, at least 16 (few shapes compile; a prefill chunk is the smaller of its own size
-    and these slots, so the slots are whole chunks)."""
-    return max(16, 1 << (length - 1).bit_length())
 
 
 def rows_to_run(method: str, rows: int, cfg: TargetConfig) -> int:
@@ -129,9 +112,7 @@ def _map_rows(fn, *states: DecodeState) -> DecodeState:
     return DecodeState(**mapped, stop_ids=states[0].stop_ids)
 
 
-def place_rows(state: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
-    """The state with rows [R] replaced by the R rows of `new` (row index B or more: dropped)."""
-    return _map_rows(lambda old, x: old.at[rows].set(x, mode="drop"), state, new)
+place_rows = job.place_rows
 
 
 def empty_rows(new: DecodeState, rows: int) -> DecodeState:
@@ -165,14 +146,57 @@ def empty(
         )
     )
     state = dataclasses.replace(empty_rows(new, shape.rows), stop_ids=stop_ids)
-    if plan.tp * plan.dp == 1:
-        return state
     # laid out as refill's state is (by rows over "data"), so that refill compiles once for both
+    return _laid_out(state, state_specs(plan), plan)
+
+
+def _laid_out(tree, specs, plan: Plan):
+    """`tree` laid out over the plan's mesh by `specs`, as the programs' outputs are (also on one
+    device: a 1 x 1 mesh, the parameters' layout), so that a program compiled for the one compiles
+    for the other."""
     mesh = make_mesh(plan.tp, plan.dp)
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec), state_specs(plan), is_leaf=lambda x: isinstance(x, P)
+    def sharding(spec: P) -> NamedSharding:
+        return NamedSharding(mesh, spec)
+
+    shardings = jax.tree.map(sharding, specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def job_start(
+    params, draft_params, req: Requests, stop_ids, *, plan: Plan, shape: Shape, chunk: int, attention: str
+) -> job.Job:
+    """A continuous job's first state: `empty`'s rows, every one free (req: for its shapes only)."""
+    state = empty(
+        params, draft_params, req, stop_ids, plan=plan, shape=shape, chunk=chunk, attention=attention
     )
-    return jax.lax.with_sharding_constraint(state, shardings)
+    dp = plan.dp
+    new = job.Job(
+        state=state,
+        occupant=jnp.full((shape.rows,), -1, jnp.int32),
+        admitted=jnp.zeros((shape.rows,), jnp.int32),
+        next=jnp.zeros((dp,), jnp.int32),
+        counters=jax.tree.map(lambda x: jnp.zeros((dp,), jnp.int32), job.new_counters()),
+    )
+    return _laid_out(new, job.job_specs(plan), plan)
+
+
+def run_job(
+    params, draft_params, state: job.Job, queue: job.Queue, most, refill_at, call, *,
+    plan: Plan, slots: int, stride: int, finished_size: int, chunk: int, attention: str,
+):  # fmt: skip
+    """A stretch of a continuous job (job.run_job on every device): the job and what finished."""
+    tspec, dspec = param_specs(plan)
+    jspec = job.job_specs(plan)
+    fn = on_mesh(
+        lambda *a, plan: job.run_job(
+            *a, plan=plan, slots=slots, stride=stride, finished_size=finished_size, chunk=chunk,
+            attention=attention,
+        ),
+        plan,
+        (tspec, dspec, jspec, job.queue_specs(), ALL, ALL, ALL),
+        (jspec, job.finished_specs(plan)),
+    )
+    return fn(params, draft_params, state, queue, most, refill_at, call)
 
 
 def refill(
@@ -234,11 +258,25 @@ JITTED = {
     "refill": jax.jit(refill, static_argnames=("plan", "chunk", "attention"), donate_argnums=(2,)),
     "rounds": jax.jit(rounds, static_argnames=("plan",), donate_argnums=(2,)),
     "generate": jax.jit(generate, static_argnames=("plan", "shape", "chunk", "attention")),
+    "job_start": jax.jit(job_start, static_argnames=("plan", "shape", "chunk", "attention")),
+    "job": jax.jit(
+        run_job,
+        static_argnames=("plan", "slots", "stride", "finished_size", "chunk", "attention"),
+        donate_argnums=(2,),
+    ),
 }
-# The one compile cache is jax's own, of these jitted programs (jax.clear_caches empties it); here
-# only which (program, static arguments, argument shapes) have compiled, so that each compilation's
-# time is counted once, apart from generation, by whichever `Programs` meets it first.
-_COMPILED: set[tuple] = set()
+# The programs compiled in this process, by what determines each: its name, static arguments, and its
+# arguments' tree, shapes, dtypes and layouts (shardings). Each is compiled ahead, its time counted once
+# apart from generation by whichever `Programs` meets it first, and called directly: an argument laid
+# out otherwise than at compile time is a new key, a counted compilation, never a silent retrace inside
+# the generation timer (b450fd2's `empty` returned a state laid out unlike `refill`'s, so `refill`
+# compiled twice, the second time uncounted). jax.clear_caches() does not empty this; `.clear()` does.
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _layout(x) -> Any:
+    """What of an argument leaf besides shape and dtype selects a compiled program: its sharding."""
+    return x.sharding if isinstance(x, jax.Array) and x.committed else None
 
 
 class Programs:
@@ -256,22 +294,18 @@ class Programs:
 
     def _call(self, name: str, *args, **static):
         """Program `name` on (params, draft params, *args), compiled ahead on its first use of these
-        shapes (on a mesh the jit compiles at its first call, which counts as compilation)."""
+        shapes and layouts, then called directly."""
         static |= {"plan": self.plan}
         args = (self.params, self.draft_params, *args)
         leaves, tree = jax.tree.flatten(args[2:])
-        key = (name, tree, *((x.shape, x.dtype) for x in leaves), *static.items(), self.params["embed"].dtype)
-        jitted, begin = JITTED[name], time.perf_counter()
-        if key in _COMPILED:
-            return jitted(*args, **static)
-        if self.plan.tp * self.plan.dp > 1:
-            out = jax.block_until_ready(jitted(*args, **static))
-        else:
-            jitted.lower(*args, **static).compile()  # (jax keeps it: the call below reuses it)
-            out = None
-        _COMPILED.add(key)
-        self.count_compile(name, time.perf_counter() - begin)
-        return jitted(*args, **static) if out is None else out
+        shapes = tuple((x.shape, x.dtype, _layout(x)) for x in leaves)
+        key = (name, tree, shapes, *static.items(), self.params["embed"].dtype)
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            begin = time.perf_counter()
+            compiled = _COMPILED[key] = JITTED[name].lower(*args, **static).compile()
+            self.count_compile(name, time.perf_counter() - begin)
+        return compiled(*args)
 
     def count_compile(self, name: str, seconds: float) -> None:
         """Count `seconds` of compiling program `name`."""
@@ -300,6 +334,21 @@ class Programs:
     def generate(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
         """The requests' whole generation in one program."""
         return self._call("generate", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
+
+    def job_start(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> job.Job:
+        """A continuous job's first state of `shape`, every row free (req: for its shapes only)."""
+        return self._call("job_start", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
+
+    def job(
+        self, state: job.Job, queue: job.Queue, most: int, refill_at: int, call: int, *, slots: int,
+        stride: int, finished_size: int,
+    ) -> tuple[job.Job, job.Finished]:  # fmt: skip
+        """A stretch of the continuous job (the state donated): the job and the rows that finished."""
+        scalars = (jnp.int32(most), jnp.int32(refill_at), jnp.int32(call))
+        return self._call(
+            "job", state, queue, *scalars, slots=slots, stride=stride, finished_size=finished_size,
+            chunk=self.chunk, attention=self.attention,
+        )  # fmt: skip
 
     def stages(self) -> dict[str, Any]:
         """The round's steps as programs of their own (`stage_programs`)."""

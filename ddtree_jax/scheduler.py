@@ -27,11 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import attention, models
+from ddtree_jax import attention, job, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
 from ddtree_jax.host_stepped import HostStepper
-from ddtree_jax.programs import EVERY_ROUND, Programs, Requests, Shape, prompt_slots, rows_to_run
+from ddtree_jax.programs import EVERY_ROUND, Programs, Shape, rows_to_run
 from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, LOGPROBS, SAMPLES, STOP, Prompt, sample_key
+from ddtree_jax.requests import Requests, prompt_slots
 from ddtree_jax.results import Result, device_outputs, fetch, row_result
 from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingArrays
 from ddtree_jax.stops import Stop, find_stop
@@ -39,6 +40,9 @@ from ddtree_jax.text import TextCodec
 from ddtree_jax.weights import Params
 
 POLICIES = ("continuous", "static")
+QUEUE_BLOCK = 1024  # the most prompts per device one queue block holds (a larger job: several blocks)
+FIRST_MOST = 32  # the device job's rounds per call at first; then sized to ~MOST_SECONDS a call
+MOST_SECONDS = 0.25  # a call's wall time aimed at: the progress bar moves at least twice a second
 OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP)  # a prompt's own settings over the generator's
 STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
 
@@ -51,7 +55,10 @@ class Schedule:
     policy: str = "continuous"
     host_stepped: bool = False  # rounds driven from the host, one timed step at a time
     chunk: int = 256  # C: prefill tokens per row per step (a power of two); the tail runs in C / 4
-    refill_at: int = 1  # continuous: return to the host for a refill once this many rows are done
+    refill_at: int = 1  # continuous: refill once this many rows are free (or none runs)
+    prefill_slots: int = 8  # R: prompts prefilled together in one pass (at most the rows per device)
+    stride: int = 8  # the device job's rounds between harvests (a loop of static length on the device)
+    device_loop: bool = True  # continuous: the whole job in one device program (job.py)
     batch_invariant: bool = False  # fixed rows and kernel splits: tokens independent of the batch
     # "same": the plan's attention; "cudnn": cuDNN flash attention where it applies (CUDA, bf16/f16,
     # GQA, not batch-invariant), else the plan's; or an implementation name (attention.kernel).
@@ -62,8 +69,8 @@ class Schedule:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
-        if self.batch_size < 1 or self.refill_at < 1:
-            raise ValueError("batch_size and refill_at must be >= 1")
+        if min(self.batch_size, self.refill_at, self.prefill_slots, self.stride) < 1:
+            raise ValueError("batch_size, refill_at, prefill_slots and stride must be >= 1")
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -81,8 +88,9 @@ class Occupancy:
     busy: int = 0  # row-rounds spent on a live prompt
     waiting_row_rounds: int = 0  # row-rounds run while prompts waited for a row
     waiting_busy: int = 0  # of those, busy ones
-    refills: int = 0  # prefill programs run
-    host_returns: int = 0  # round loops run (each returns to the host)
+    refills: int = 0  # prefill passes run (programs on the host loop; passes inside the device job)
+    prefilled: int = 0  # prompts prefilled
+    host_returns: int = 0  # device programs whose results the host waited for (round loops, job calls)
 
     def waiting_fraction(self) -> float:
         """The busy fraction of the row-rounds run while prompts waited (1 when none waited)."""
@@ -113,6 +121,7 @@ class Generator:
         self.occupancy = Occupancy()
         self.stepper = HostStepper(self.programs, timed=self.schedule.host_stepped)
         self.rows_run = 0  # B of the last run
+        self.loop = "device"  # where the last run's loop ran (`_loop`)
 
     @property
     def compile_seconds(self) -> float:
@@ -195,6 +204,10 @@ class Generator:
         sampled = any(self._settings(p)["temperature"] != 0 for p in prompts)
         longest = max(len(p.input_ids) for p in prompts)
         run = _Run(prompts, b, sampled, Shape.of(self.plan, b, prompt_slots(longest)))
+        self.loop = self._loop(prompts)
+        if self.loop == "device":
+            yield from self._device_job(run, [i for i in waiting])
+            return
         step = self._static_step if self.schedule.policy == "static" else self._continuous_step
         while waiting or any(i is not None for i in run.row_of):
             begin, compiled = time.perf_counter(), self.compile_seconds
@@ -216,6 +229,105 @@ class Generator:
             if retire.any():  # rows cut at a stop string: done, free for the next prompt
                 run.state = _retire(run.state, jnp.asarray(retire))
             yield from finished
+
+    def _loop(self, prompts: list[Prompt]) -> str:
+        """Where the run's loop runs: "device" (the whole continuous job in one program, job.py), else
+        "host" and why (the host-stepped and static policies, stop strings checked on the host)."""
+        sched = self.schedule
+        if sched.policy == "static":
+            return "host (static batches)"
+        if sched.host_stepped:
+            return "host (host-stepped)"
+        if any(self._settings(p)[STOP] for p in prompts):
+            return "host (stop strings)"
+        return "device" if sched.device_loop else "host (--host-loop)"
+
+    # -- the continuous job on the device (job.py) ----------------------------------------------------
+
+    def _device_job(self, run: _Run, order: list[int]) -> Iterator[Result]:
+        """The continuous job as calls of one device program: each runs rounds, harvests finished rows
+        and refills them from the queue on the device; the host writes what finished while the next
+        call runs, and returns only every `most` iterations or when the finished buffer fills."""
+        occ, dp = self.occupancy, self.plan.dp
+        rows = run.rows // dp  # per device
+        slots = min(self.schedule.prefill_slots, rows)
+        size = 4 * rows  # the finished buffer, per device: at least 3 rows' harvests a call
+        share = [order[d::dp] for d in range(dp)]  # each device's prompts, in the order they enter
+        block = min(prompt_slots(max(len(x) for x in share)), QUEUE_BLOCK)
+        begin, compiled = time.perf_counter(), self.compile_seconds
+        probe = self._requests(run, [], [], dp, run.shape)
+        state = self.programs.job_start(probe, self._stop_array(), run.shape)
+        starts: dict[int, float] = {}  # each call's dispatch time
+        most, call, base = FIRST_MOST, 0, 0
+        queue = self._queue(run, share, base, block)
+        pending = None
+        while True:
+            starts[call] = time.perf_counter()
+            state, finished = self.programs.job(
+                state, queue, most, self.schedule.refill_at, call, slots=slots,
+                stride=self.schedule.stride, finished_size=size,
+            )  # fmt: skip
+            if pending is None:  # the first call: nothing to read yet
+                pending, call = (call, finished), call + 1
+                continue
+            done_call, out = pending[0], fetch(_finished_outputs(pending[1]))
+            now = time.perf_counter()
+            pending, call = (call, finished), call + 1
+            occ.host_returns += 1
+            yield from self._harvested(run, share, out, size, starts, now, compiled)
+            most = _next_most(most, now - starts[done_call])
+            if out["occupied"].sum() == 0 and all(out["next"][d] >= len(share[d]) for d in range(dp)):
+                break  # (the call dispatched last found nothing to do)
+            used = all(out["next"][d] >= min(base + block, len(share[d])) for d in range(dp))
+            if used and base + block < max(map(len, share)):
+                base += block  # every device used its block: the next one
+                queue = self._queue(run, share, base, block)
+        self._job_counters(out, run.rows)
+        self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
+
+    def _queue(self, run: _Run, share: list[list[int]], base: int, block: int) -> job.Queue:
+        """Block [base, base + block) of every device's share of prompts, as the device's queue."""
+        dp, p = len(share), run.shape.prompt_slots
+        tokens = np.zeros((dp, block, p), np.int32)
+        lengths = np.ones((dp, block), np.int32)
+        limits = np.full((dp, block), self.plan.max_new_tokens, np.int32)
+        settings = [[dict(GREEDY)] * block for _ in range(dp)]
+        for d, mine in enumerate(share):
+            for j, i in enumerate(mine[base : base + block]):
+                prompt = run.prompts[i]
+                tokens[d, j, : len(prompt.input_ids)] = prompt.input_ids
+                lengths[d, j], limits[d, j] = len(prompt.input_ids), self._limit(prompt)
+                settings[d][j] = self._settings(prompt)
+        sampling = SamplingArrays.from_rows([x for d in settings for x in d]) if run.sampled else None
+        ends = [min(base + block, len(mine)) for mine in share]
+        last = all(base + block >= len(mine) for mine in share)
+        return job.Queue(
+            tokens=jnp.asarray(tokens.reshape(dp * block, p)),
+            lengths=jnp.asarray(lengths.reshape(-1)),
+            limits=jnp.asarray(limits.reshape(-1)),
+            sampling=sampling,
+            base=jnp.full((dp,), base, jnp.int32),
+            end=jnp.asarray(np.array(ends, np.int32)),
+            last=jnp.full((dp,), last, bool),
+        )
+
+    def _harvested(self, run, share, out: dict, size: int, starts: dict, now: float, compiled: float):
+        """The Results of the rows a job call harvested (each device's `count` entries of its buffer)."""
+        decode = None if self.codec is None else self.codec.decode
+        for d, mine in enumerate(share):
+            for f in range(d * size, d * size + int(out["count"][d])):
+                prompt = run.prompts[mine[int(out["prompt"][f])]]
+                latency = now - starts[int(out["admitted"][f])]
+                yield row_result(prompt, out, f, latency, None, decode, self._logprobs(prompt))
+
+    def _job_counters(self, out: dict, rows: int) -> None:
+        """The occupancy of the whole job, from its device counters after the last call."""
+        occ, c = self.occupancy, out["counters"]
+        occ.rounds = int(c["rounds"][0])  # (every device runs the same rounds)
+        occ.row_rounds = occ.rounds * rows
+        occ.busy, occ.waiting_busy = int(c["busy"].sum()), int(c["waiting_busy"].sum())
+        occ.waiting_row_rounds = int(c["waiting_rounds"][0]) * rows
+        occ.refills, occ.prefilled = int(c["passes"].max()), int(c["admitted"].sum())
 
     def _order(self, prompts: list[Prompt], kept: list[bool]) -> list[int]:
         """The order prompts enter rows: static, input order in batches cut from the whole list (a
@@ -385,3 +497,24 @@ class _Run:
 def _retire(state: DecodeState, rows: jax.Array) -> DecodeState:
     """The state with rows [B] bool done (cut at a stop string on the host)."""
     return dataclasses.replace(state, done=state.done | rows)
+
+
+def _finished_outputs(f: job.Finished) -> dict:
+    """A job call's Finished buffer as the arrays `results.row_result` reads (and the job's status)."""
+    out = {
+        "output": f.output, "num_output": f.num_output, "stopped": f.stopped, "rounds": f.rounds,
+        "acceptance": f.acceptance, "prompt": f.prompt, "admitted": f.admitted, "count": f.count,
+        "next": f.next, "occupied": f.occupied, "counters": dataclasses.asdict(f.counters),
+    }  # fmt: skip
+    if f.logprobs is not None:
+        lp = f.logprobs
+        out |= {"logprobs": lp.chosen, "top_logprobs": lp.top, "top_ids": lp.top_ids}
+    return out
+
+
+def _next_most(most: int, seconds: float) -> int:
+    """The next call's rounds: sized so that a call takes about MOST_SECONDS (tokens do not depend on
+    it), between 8 and 4096."""
+    if seconds <= 0:
+        return most
+    return int(min(max(most * MOST_SECONDS / seconds, 8), 4096))

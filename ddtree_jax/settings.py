@@ -84,6 +84,11 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "each step (draft, build, verify, walk, commit)")),
     "prefill_chunk": (("--prefill-chunk",), dict(type=int, default=256, help="prefill tokens per row per "
         "step (a power of two >= 16)")),
+    "prefill_slots": (("--prefill-slots",), dict(type=int, default=8, help="prompts prefilled together "
+        "in one pass of the continuous job (at most the rows per --dp device); each prompt's tokens are "
+        "the same whichever prompts share its pass")),
+    "host_loop": (("--host-loop",), dict(action="store_true", help="continuous batching driven from the "
+        "host (a refill program per admission, rounds between): the baseline of the job on the device")),
     "prefill_attention": (("--prefill-attention",), dict(choices=("same", "cudnn"), default="same",
         help="the prefill chunks' attention: the decode attention (same) or, on CUDA in bf16, cuDNN flash "
         "attention (faster for one long prompt, slower for continuous refills: results/notes.md)")),
@@ -135,8 +140,8 @@ RUN = ("method", "budget", "host_stepped")
 COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
     "n", "stop", "include_stop_str_in_output", "logprobs", "logprobs_mode", "out", "resume", "overwrite",
-    "params_cache", "max_line_bytes", "prefill_chunk", "prefill_attention", "batch_invariant",
-    "static_batches",
+    "params_cache", "max_line_bytes", "prefill_chunk", "prefill_slots", "prefill_attention",
+    "batch_invariant", "static_batches", "host_loop",
     "coordinator", "num_processes", "process_id",
     "output_format",
 )  # fmt: skip
@@ -296,6 +301,8 @@ class Settings:
     host_stepped: bool = False
     batch_invariant: bool = False
     prefill_chunk: int = 256
+    prefill_slots: int = 8
+    host_loop: bool = False
     prefill_attention: str = "same"
     tp: int = 1
     dp: int = 1
@@ -385,6 +392,8 @@ class Settings:
             policy="static" if self.static_batches else "continuous",
             host_stepped=self.host_stepped,
             chunk=self.prefill_chunk,
+            prefill_slots=self.prefill_slots,
+            device_loop=not self.host_loop,
             batch_invariant=self.batch_invariant,
             prefill_attention=self.prefill_attention,
         )

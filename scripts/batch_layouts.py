@@ -5,6 +5,9 @@ batching and batch-invariant continuous batching, the number of prompts whose ou
 between the two layouts (ddtree budget 15, the bundled pair, CPU or GPU):
 
     python scripts/batch_layouts.py --max-new-tokens 64 --out results/scheduling/bf16-layouts.json
+
+A script, not a CLI sub-command: a one-off check of the bundled pair on real weights (its finding is
+recorded in results/scheduling/), not a benchmark of random-weight shapes nor a comparison of decoders.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@ bundled pair and its held-out prompts), for ar, dflash and ddtree at several bud
 
     python scripts/eval_default_pair.py --budgets 8,16,32,64 --out results/default-pair-eval.json
     python scripts/eval_default_pair.py --temperature 0.7 --out results/default-pair-eval-t07.json
+
+A script, not a CLI sub-command: the evaluation of the bundled pair's training (results/default-pair.md,
+its JSONs under results/), kept as it made them; `ddtree-generate` writes the acceptance lengths per
+prompt and `ddtree-bench` times random-weight shapes, neither a table per method and budget of a pair.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ and writes one JSON (run header and rows; ms per step). On a machine without CUD
 
     python3 scripts/torch_graph_step.py --shapes tiny,default-pair --batch-sizes 1,16 \\
         --out $OUT/torch_graph.json
+
+A script, not a `ddtree-bench` sub-command: it needs torch (not a dependency of the package) and
+measures no code of this package, only the PyTorch baseline the tiny rows are read against.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ random-weight model of a real shape (`--shape`, e.g. qwen3-8b with a 5-layer dra
 runs at each `--tp` on the same prompts; each tp's outputs are compared with tp = 1's.
 
     python scripts/tp_identity.py --tp 1,2 --shape qwen3-8b --out results/h200/tp/identity.json
+
+A script, not a CLI sub-command: a check run once per mesh change on a multi-GPU machine (the CPU tests
+check the same identity on fake devices: tests/test_sharding.py); no command's user needs it.
 """
 
 from __future__ import annotations

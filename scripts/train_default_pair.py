@@ -13,6 +13,9 @@ The bundled pair (results/default-pair.md; about five minutes on one H200):
 The corpus is the `.py` files of the interpreter running this script (its version is logged), split
 by file (a hash of the relative path) into train and held-out sets. The target keeps its best step
 by the loss on a validation slice of the held-out split.
+
+A script, not a CLI: it made the bundled pair once (ddtree_jax/assets/) and needs the `[train]` extra;
+users load pairs, they do not train them with this package.
 """
 
 from __future__ import annotations

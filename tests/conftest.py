@@ -10,15 +10,19 @@ import tempfile
 # comparisons hold at either level. (Workers crashed in executable.serialize(), below, at both alike.)
 XLA_OPTIMISATION = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {XLA_OPTIMISATION}")
-# JAX's persistent compilation cache, shared by the pytest-xdist workers and the CLI subprocesses the
-# tests start: many tests build the same programs afresh (new jitted closures over the same fixtures).
-# pytest-xdist workers have crashed with SIGSEGV inside XLA a few times per thousand test runs (in
-# executable.serialize() writing this cache, and once in a compile right after a test ran jax's Mosaic GPU
-# interpreter in the same worker: docs/job-cost.md); the interpreter's tests run in processes of their
-# own (`own_process` below), and pyproject's pytest settings run a test whose worker crashed once more
-# in a fresh worker (pytest-rerunfailures), never a test that fails.
+# JAX's persistent compilation cache, one per pytest-xdist worker (shared with the CLI subprocesses its
+# tests start): many tests build the same programs afresh (new jitted closures over the same fixtures).
+# Workers crashed a few times per thousand test runs with SIGSEGV or SIGABRT inside jaxlib's
+# executable.serialize() writing this cache (docs/job-cost.md); on CPU every entry is now serialised in
+# a forked child (compile_cache.contain_writes, below), so such a crash loses the entry and not the
+# worker, and no worker reads a file another one is writing. (Jax's Mosaic GPU interpreter's tests run in
+# processes of their own: `own_process` below.) No rerun plugin: a test that fails fails.
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"ddtree-jax-tests-{os.getuid()}")
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(
+        tempfile.gettempdir(),
+        f"ddtree-jax-tests-{os.getuid()}-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}",
+    ),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
@@ -33,6 +37,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from ddtree_jax import compile_cache  # noqa: E402
+
+compile_cache.contain_writes()  # the worker's cache entries written by forked children (above)
 
 # Tests marked `own_process` run in a fresh Python process of their own: jax 0.11.2's Mosaic GPU
 # interpreter (plgpu.InterpretGPUParams: Python threads and io_callbacks inside an XLA CPU program) left
@@ -58,7 +66,7 @@ def _run_in_own_process(item) -> None:
     a signal runs once more, a failure is reported with the process's output, a skip as a skip."""
     config = item.config
     argv = [sys.executable, "-m", "pytest", str(config.rootpath / item.nodeid), "-q", "-rs"]
-    argv += ["-p", "no:xdist", "-p", "no:cacheprovider", "-p", "no:rerunfailures"]
+    argv += ["-p", "no:xdist", "-p", "no:cacheprovider"]
     argv += ["--rootdir", str(config.rootpath)] + (["-c", str(config.inipath)] if config.inipath else [])
     env = os.environ | {OWN_PROCESS: "1"}
     for _ in range(2):

@@ -20,7 +20,8 @@ it writes, all float32:
 
 `--only NAME,...` writes only the named fixtures (a drafter needs its target named too). The quantized
 fixtures are tests/fixtures/make_quant.py's; tests/test_fixtures.py rebuilds every checkpoint's weights
-from these specs and compares them with the shipped files.
+from these specs and compares them with the shipped files; made_with.json beside them records the
+torch and transformers versions that wrote each.
 """
 
 from __future__ import annotations
@@ -777,6 +778,22 @@ def main(argv: list[str] | None = None) -> None:
             make_drafter(name, root, targets[spec.target])
     if "router_ties" in only:
         make_router_ties(root)
+    record_versions(root, [name for name in SPECS if name in only])
+
+
+def record_versions(root: Path, names: list[str]) -> None:
+    """made_with.json: the torch and transformers versions (and the date) that wrote these fixtures;
+    tests/test_fixtures.py holds rebuilt outputs to them within a tolerance across versions."""
+    import datetime
+
+    import transformers
+
+    path = root / "made_with.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    today = datetime.date.today().isoformat()
+    for name in names:
+        record[name] = {"transformers": transformers.__version__, "torch": torch.__version__, "date": today}
+    write_json(path, record)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 `ddtree-bench --shape ...` (no sub-command: rounds, as the recorded commands run it)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -287,3 +288,91 @@ def test_default_pair_shape_is_the_bundled_target():
 
     bundled = load_target_config(BUNDLED / "target")
     assert dataclasses.replace(bundled, eos_token_ids=()) == SHAPES["default-pair"]
+
+
+# The kernel micro-benchmarks (formerly scripts/bench_*.py) and the plots, as sub-commands.
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def test_topk_tiny(tmp_path):
+    """`ddtree-bench topk`: one row per case, both top-k's timed, the same values and ids."""
+    out = tmp_path / "topk.json"
+    assert main(["topk", "--vocab-size", "512", "--cases", "4:8,2:16", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["rows"], r["k"], r["vocab_size"], r["identical"]) for r in data["rows"]] == [
+        (4, 8, 512, True),
+        (2, 16, 512, True),
+    ]
+    assert all(r["lax_top_k_us"] > 0 and r["tiled_top_k_us"] > 0 for r in data["rows"])
+    assert data["skipped"] == [] and data["meta"]["argv"][:2] == ["ddtree-bench", "topk"]
+
+
+def test_tree_tiny(tmp_path):
+    """`ddtree-bench tree`: one row per (case, variant), compiled and timed."""
+    out = tmp_path / "tree.json"
+    argv = ["tree", "--cases", "1:7", "--depth", "3", "--branching", "4", "--reps", "2"]
+    assert main([*argv, "--variants", "paths,climb", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch_size"], r["budget"], r["variant"]) for r in rows] == [(1, 7, "paths"), (1, 7, "climb")]
+    assert all(r["median_us"] > 0 and r["compile_s"] >= 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "name, path",
+    [
+        ("attention", "h200/bench_attention.json"),  # the first kernel run (2026-11), before the header
+        ("attention", "h200/decode/decode.json"),  # tiles named blocks
+        ("mosaic-attention", "h200/2026-12-02/mosaic-table/mosaic_attention.json"),
+    ],
+)
+def test_recorded_kernel_results_still_print(capsys, name, path):
+    """--print reads the kernel JSONs recorded by the scripts these sub-commands were (results/)."""
+    if not (RESULTS / path).exists():
+        pytest.skip(f"results/{path} not in this checkout")
+    assert main([name, "--print", str(RESULTS / path)]) == 0
+    out = capsys.readouterr().out
+    assert "read ceiling" in out or "ceilings" in out.lower()
+
+
+def test_plot_reproduces_the_recorded_default_budgets():
+    """`ddtree-bench plot`'s choice of budget per batch size from the recorded sweeps (the command in
+    results/h200/README.md) is the recorded default_budgets.json (no matplotlib needed for the numbers)."""
+    from ddtree_jax.bench.plot import acceptance_curve, default_budgets, load_rows, round_ms_at
+
+    sweep = RESULTS / "h200" / "sweep"
+    names = ["budgets", "batches", "small_budgets", "batch32_budget7", "ar_rows", "ar_rows_inactive"]
+    rows = load_rows([sweep / f"{n}.json" for n in names])
+    ar, by_batch = round_ms_at(rows, 1024)
+    choice = default_budgets(ar, by_batch, acceptance_curve(RESULTS / "default-pair-eval-greedy.json"))
+    recorded = json.loads((RESULTS / "h200" / "plots" / "default_budgets.json").read_text())
+    assert {str(b): c["budget"] for b, c in choice.items()} == {b: c["budget"] for b, c in recorded.items()}
+    for b, c in choice.items():
+        assert c["projected_speedup"] == pytest.approx(recorded[str(b)]["projected_speedup"], rel=1e-12)
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys):
+    missing = tmp_path / "none.json"
+    assert main(["plot", "--bench", str(missing), "--out", str(tmp_path / "plots")]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"ddtree-bench plot: error: {missing}: cannot read a benchmark JSON")
+
+
+def test_plot_draws_the_recorded_sweeps(tmp_path):
+    """`ddtree-bench plot` on the recorded sweeps (results/h200/README.md's command): the three figures
+    and the recorded default budgets."""
+    pytest.importorskip("matplotlib")
+    sweep = RESULTS / "h200" / "sweep"
+    names = ["budgets", "batches", "small_budgets", "batch32_budget7", "ar_rows", "ar_rows_inactive"]
+    argv = ["plot", "--bench", *(str(sweep / f"{n}.json") for n in names)]
+    argv += ["--stage-bench", str(sweep / "stages.json"), "--context-bench", str(sweep / "contexts.json")]
+    argv += ["--acceptance", str(RESULTS / "default-pair-eval-greedy.json"), "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "budget.png",
+        "context.png",
+        "stages.png",
+        "default_budgets.json",
+    }
+    recorded = json.loads((RESULTS / "h200" / "plots" / "default_budgets.json").read_text())
+    assert json.loads((tmp_path / "default_budgets.json").read_text()) == recorded

@@ -2,6 +2,7 @@
 sub-command, and the moved benchmarks (scheduling, prefill, load) end to end at tiny sizes on the CPU."""
 
 import json
+import re
 import shlex
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from ddtree_jax.bench.cli import SUBCOMMANDS, main
 
 HEADER = {"date", "machine", "device", "device_kind", "device_count", "jax", "python", "argv", "command"}
+HEADER |= {"ddtree_jax", "commit", "dirty", "jaxlib", "platform", "cpu"}  # provenance.provenance()
 
 # the least flags each sub-command needs at a tiny size (before --out)
 TINY = {
@@ -20,8 +22,18 @@ TINY = {
     + ["--max-new-tokens", "4", "--batch-size", "2", "--budget", "3", "--prefill-chunk", "16"]
     + ["--stop-fraction", "0"],
     "prefill": ["--shape", "tiny", "--runs", "40:16,40:64", "--attention", "reference", "--reps", "1"],
-    "load": ["--shape", "tiny", "--repeats", "1", "--evict", "fadvise"],
+    "load": ["--shape", "tiny", "--reps", "1", "--evict", "fadvise"],
+    "attention": ["--quick", "--batch-sizes", "1", "--contexts", "128", "--nodes", "1,16", "--no-sweep"],
+    "mla-attention": ["--quick", "--heads", "4", "--batch-sizes", "1", "--contexts", "64", "--nodes", "4"]
+    + ["--sweep", "none"],
+    "mosaic-attention": ["--quick", "--phases", "gqa"],
+    "prefix-attention": ["--cases", "1:64", "--nodes", "8", "--calls", "1", "--reps", "1"],
+    "quant": ["--quick", "--tokens", "1"],
+    "topk": ["--vocab-size", "512", "--cases", "4:8,2:16"],
+    "tree": ["--cases", "1:7,2:3", "--depth", "3", "--branching", "4", "--reps", "2"],
+    "plot": [],  # writes plots into a directory: no --deadline-s (below)
 }
+MEASURING = sorted(set(SUBCOMMANDS) - {"plot"})  # the sub-commands with --deadline-s and one JSON
 
 
 def test_every_subcommand_is_exercised_here():
@@ -36,7 +48,7 @@ def test_help_lists_the_subcommands(capsys):
     assert "sub-commands:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+@pytest.mark.parametrize("name", MEASURING)
 def test_each_subcommand_help_lists_deadline_and_out(capsys, name):
     assert main([name, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
@@ -49,11 +61,12 @@ def test_unknown_subcommand_is_one_line(capsys):
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert captured.out == "" and len(err) == 1, err
-    names = "rounds, profile, scheduling, prefill, load"
+    names = ", ".join(SUBCOMMANDS)
+    assert names.startswith("rounds, profile, scheduling, prefill, load, attention, ")
     assert err[0] == f"ddtree-bench: error: unknown sub-command 'roundz' (one of {names})"
 
 
-@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+@pytest.mark.parametrize("name", MEASURING)
 @pytest.mark.parametrize("seconds", ["0", "-5"])
 def test_deadline_must_be_positive(tmp_path, capsys, name, seconds):
     """A bad --deadline-s: one line naming it, exit 1, nothing written."""
@@ -64,7 +77,7 @@ def test_deadline_must_be_positive(tmp_path, capsys, name, seconds):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+@pytest.mark.parametrize("name", MEASURING)
 def test_past_deadline_skips_every_measurement_and_writes_the_header(tmp_path, capsys, name):
     """With a deadline that has passed by the first measurement, every sub-command exits 0 and writes
     one JSON: the run header (the command as run) and what it skipped, in order, measuring nothing."""
@@ -85,20 +98,17 @@ def test_past_deadline_skips_every_measurement_and_writes_the_header(tmp_path, c
         "prefill": ["40:16", "40:64"],
         "load": ["safetensors_first", "safetensors_cold", "safetensors_warm", "checks"]
         + ["convert_cold", "orbax_cold", "orbax_warm"],
+        "attention": ["read ceiling", "B=1 S=128 T=1,16 1 tuning(s)"],
+        "mla-attention": ["read ceiling", "{'H': 4, 'B': 1, 'S': 64, 'T': 4} 1 tuning(s)"],
+        "mosaic-attention": ["ceilings"],
+        "prefix-attention": ["merged check", "read ceiling", "1:64"],
+        "quant": ["weights and read ceiling"],
+        "topk": ["4:8", "2:16"],
+        "tree": ["1:7 paths", "2:3 paths"],
     }[name]
     assert data["skipped"] == skipped
     assert not data.get("rows") and not data.get("continuous") and not data.get("seconds")
     assert "--deadline-s 1e-09 passed: skipped" in capsys.readouterr().err
-
-
-def test_compare_report_carries_the_same_run_header():
-    """ddtree-compare's report.json "meta" is the benchmarks' run header of its command, plus its own."""
-    from ddtree_jax.compare.report import run_metadata
-
-    meta = run_metadata(["lossless", "--report", "r"], 2.25)
-    assert set(meta) == HEADER | {"wall_s", "cpu"} and meta["wall_s"] == 2.2
-    assert meta["argv"] == ["ddtree-compare", "lossless", "--report", "r"]
-    assert meta["command"] == "ddtree-compare lossless --report r"
 
 
 def test_flags_without_a_subcommand_run_rounds(tmp_path):
@@ -145,7 +155,7 @@ def test_prefill_bad_runs_refused(tmp_path, capsys, bad):
 
 def test_load_tiny(tmp_path):
     """The tiny target written as a sharded HF directory and loaded back from it and from the params
-    cache: every timing once (--repeats 1), the checks apart, the scratch directory removed."""
+    cache: every timing once (--reps 1), the checks apart, the scratch directory removed."""
     out = tmp_path / "l.json"
     work = tmp_path / "load"
     assert main(["load", *TINY["load"], "--dir", str(work), "--out", str(out)]) == 0
@@ -164,3 +174,40 @@ def test_load_tiny(tmp_path):
     assert all(len(v) == 1 and v[0] >= 0 for v in data["seconds"].values())
     assert data["safetensors_bytes"] > 0 and data["orbax_bytes"] > 0
     assert data["evicted_by"] == "fadvise" and not work.exists()
+
+
+def test_old_spellings_still_run_with_a_warning(tmp_path, capsys):
+    """--budget-s (seconds: now --deadline-s) and --batches (now --batch-sizes), as recorded commands
+    spell them, run as the new flags do, each with one warning naming the new spelling."""
+    out = tmp_path / "b.json"
+    argv = ["rounds", *TINY["rounds"], "--batches", "2", "--budget-s", "1e-9", "--out", str(out)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    warning = "ddtree-bench rounds: warning: {} is deprecated and goes after 0.2: use {}"
+    assert warning.format("--batches", "--batch-sizes") in err
+    assert warning.format("--budget-s", "--deadline-s") in err
+    assert json.loads(out.read_text())["skipped"] == [
+        "ar batch 2 context 32 reference greedy",
+        "ddtree 3 batch 2 context 32 reference greedy",
+    ]
+
+
+@pytest.mark.parametrize(
+    "old, new, value",
+    [(["--small"], "quick", True), (["--vocab", "7"], "vocab_size", 7), (["--repeats", "3"], "reps", 3)],
+)
+def test_a_deprecated_flag_stores_into_the_new_one(capsys, old, new, value):
+    from ddtree_jax.bench import report
+
+    p = report.parser("x", "doc")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=5)
+    p.add_argument("--reps", type=int, default=1)
+    report.add_deprecated(p, "--small", "--quick", flag=True)
+    report.add_deprecated(p, "--vocab", "--vocab-size", type=int)
+    report.add_deprecated(p, "--repeats", "--reps", type=int)
+    defaults = vars(p.parse_args([]))
+    assert defaults == {"quick": False, "vocab_size": 5, "reps": 1}  # the old spellings add no default
+    assert vars(p.parse_args(old)) == defaults | {new: value}
+    assert capsys.readouterr().err.count("is deprecated") == 1
+    assert old[0] not in re.findall(r"--[a-z-]+", p.format_help())  # hidden from --help

@@ -234,7 +234,7 @@ def test_default_budget_follows_batch_size():
 
     base = ["--target", str(FIXTURES / "qwen3_gqa4_tp"), "--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp")]
     base += ["--prompts", "unused.jsonl", "--out", "unused.jsonl"]
-    for batch, budget in ((1, 15), (3, 15), (4, 15), (15, 15), (16, 7), (64, 7)):
+    for batch, budget in ((1, 15), (3, 15), (4, 15), (15, 15), (16, 7), (63, 7), (64, 3)):
         assert load_generator(settings_of([*base, "--batch-size", str(batch)])).plan.budget == budget, batch
     assert load_generator(settings_of([*base, "--batch-size", "1", "--budget", "5"])).plan.budget == 5
 
@@ -264,7 +264,9 @@ def test_default_budget_table_lookup():
         7,
     ]
     assert default_budget(16, None, long - 1) == 7 and default_budget(64, None, long) == 15
-    assert describe(DEFAULT_BUDGETS) == f"15 from batch 1, 7 from batch 16 (15 from context {long})"
+    assert describe(DEFAULT_BUDGETS) == (
+        f"15 from batch 1, 7 from batch 16 (15 from context {long}), 3 from batch 64 (15 from context {long})"
+    )
     assert run_context([110, 120, 131]) == 120 and run_context([]) == 0
 
 

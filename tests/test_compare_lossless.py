@@ -176,7 +176,8 @@ def test_unwritable_report_refused_before_loading(tmp_path, prompts, capsys, mon
 
 def test_a_failed_report_write_is_one_line(tmp_path):
     """A report that cannot be written at the end (a full disk) is one error line, and nothing is left."""
-    from ddtree_jax.compare.report import Report, run_metadata, write_report
+    from ddtree_jax.bench.report import run_header
+    from ddtree_jax.compare.report import Report, write_report
     from ddtree_jax.errors import DDTreeError
 
     class Full:
@@ -185,7 +186,7 @@ def test_a_failed_report_write_is_one_line(tmp_path):
 
     report = Report(command="lossless", verdict="agree", summary="", comparisons=[], figures={"x": Full()})
     with pytest.raises(DDTreeError, match="r: cannot write the report \\(No space left on device\\)"):
-        write_report(tmp_path / "r", report, run_metadata(["lossless"], 1.0))
+        write_report(tmp_path / "r", report, run_header(["ddtree-compare", "lossless"]))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -231,3 +231,236 @@ def test_environment_can_turn_it_off(tmp_path, monkeypatch, events):
     compile_fresh()
     assert count(events, "compile_requests_use_cache") == 0
     assert compile_cache.enable(str(tmp_path)) == tmp_path / compile_cache.subdirectory()
+
+
+# -- executables.py: whole compiled programs, loaded without tracing, lowering or compiling ---------------
+
+EXE_SHAPE = (16, 16)  # executables' own program shape (no other test compiles it)
+
+
+def scaled(x, *, scale):
+    """`program` times a static scale: the program of the executables tests."""
+    return program(x) * scale
+
+
+SCALED = jax.jit(scaled, static_argnames=("scale",))
+
+
+def exe_input(seed: float = 0.25) -> jax.Array:
+    """The program's input, its rows split over two devices (the sharding is part of the program)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    x = jnp.full(EXE_SHAPE, seed, jnp.float32)
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+
+
+def exe_load(scale: float = 2.0, x=None):
+    """executables.load_or_compile of `scaled` at `scale` on `x`; -> (Loaded, how many times it lowered)."""
+    from ddtree_jax import executables
+
+    x = exe_input() if x is None else x
+    lowered = []
+
+    def lower():
+        lowered.append(1)
+        return SCALED.lower(x, scale=scale)
+
+    loaded = executables.load_or_compile("scaled", ({"scale": scale}, executables.signature(x)), lower)
+    return loaded, len(lowered)
+
+
+def exe_files(tmp_path) -> list:
+    """The executable entries under a compile-cache directory made by `enable`."""
+    return sorted(tmp_path.rglob("executables/scaled-*.exe"))
+
+
+def test_executable_hit_skips_lowering_and_equals(tmp_path):
+    """A second load of the same program and key reads the entry (no tracing or lowering) and computes
+    what the compiled program computes; another static setting or argument sharding is another entry."""
+    from ddtree_jax import executables
+
+    enable(tmp_path)
+    first, lowered = exe_load()
+    assert (first.hit, lowered) == (False, 1)
+    (entry,) = exe_files(tmp_path)
+    assert entry.parent == tmp_path / compile_cache.subdirectory() / executables.SUBDIRECTORY
+    second, lowered = exe_load()
+    assert (second.hit, lowered) == (True, 0)
+    x = exe_input()
+    want = np.asarray(program(np.full(EXE_SHAPE, 0.25, np.float32))) * 2.0
+    np.testing.assert_allclose(np.asarray(second.compiled(x)), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(second.compiled(x)), np.asarray(first.compiled(x)))
+    assert second.compiled.input_shardings == first.compiled.input_shardings
+    assert not exe_load(scale=3.0)[0].hit  # another static setting
+    assert not exe_load(x=jnp.full(EXE_SHAPE, 0.25, jnp.float32))[0].hit  # another sharding
+    assert len(exe_files(tmp_path)) == 3
+
+
+def test_executable_compiled_past_jax_cache(tmp_path, events):
+    """With the program already in JAX's persistent cache, load_or_compile still compiles it anew (an
+    executable JAX loaded from its cache serialises without its code on CPU: the entry then failed when
+    run, NOT_FOUND), and its entry, loaded, runs and equals."""
+    enable(tmp_path)
+    x = exe_input()
+    want = np.asarray(SCALED(x, scale=5.0))  # JAX's cache now holds the program
+    jax.clear_caches()
+    events.clear()
+    loaded, lowered = exe_load(scale=5.0, x=x)
+    assert (loaded.hit, lowered) == (False, 1) and count(events, "cache_hits") == 0
+    hit, _ = exe_load(scale=5.0, x=x)
+    assert hit.hit
+    np.testing.assert_array_equal(np.asarray(hit.compiled(x)), want)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "empty", "other_key"])
+def test_executable_bad_entry_recompiled(tmp_path, capsys, damage):
+    """A damaged, truncated, empty or another key's entry is compiled again (never loaded), replaced by a
+    valid one, with one warning line."""
+    from ddtree_jax import executables
+
+    enable(tmp_path)
+    exe_load(scale=2.0)
+    (two,) = exe_files(tmp_path)
+    exe_load(scale=3.0)
+    (three,) = set(exe_files(tmp_path)) - {two}
+    raw = bytearray(two.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flip_payload":
+        raw[int(len(raw) * 0.9)] ^= 0xFF
+    elif damage == "empty":
+        raw = bytearray()
+    else:  # scale 3's valid entry under scale 2's name
+        raw = bytearray(three.read_bytes())
+    two.write_bytes(bytes(raw))
+    compile_cache._warned.clear()
+    loaded, lowered = exe_load(scale=2.0)
+    assert (loaded.hit, lowered) == (False, 1)
+    err = capsys.readouterr().err
+    assert ("another program's" if damage == "other_key" else "damaged entry") in err
+    x = exe_input()
+    np.testing.assert_array_equal(np.asarray(loaded.compiled(x)), np.asarray(SCALED(x, scale=2.0)))
+    assert executables.verified(two.read_bytes()) is not None  # written anew
+    assert exe_load(scale=2.0)[0].hit
+
+
+def test_executable_cache_off_and_uncacheable_key(tmp_path, capsys):
+    """--compile-cache off: compiled, nothing written; a key holding a closure (not the same program in
+    another process) compiles and is not kept, with a warning."""
+    from ddtree_jax import executables
+
+    compile_cache.enable("off")
+    assert executables.directory() is None
+    assert exe_load()[0].hit is False and exe_load()[0].hit is False
+    enable(tmp_path)
+    compile_cache._warned.clear()
+    x = exe_input()
+    loaded = executables.load_or_compile("scaled", (lambda: 2.0,), lambda: SCALED.lower(x, scale=2.0))
+    assert not loaded.hit and not exe_files(tmp_path)
+    assert "not kept" in capsys.readouterr().err
+    with pytest.raises(executables.Uncacheable):
+        executables.describe(object())  # known only by its address
+    assert executables.describe(np.float32(2)) != executables.describe(np.float32(3))
+
+
+WRITER = """
+import os, sys, time
+from ddtree_jax import compile_cache, executables
+import test_compile_cache as t
+where = compile_cache.enable(sys.argv[2])
+role = sys.argv[1]
+if role == "writer":  # write the same key's entry 12 times, each through a fresh serialisation
+    loaded, _ = t.exe_load()
+    x = t.exe_input()
+    path = next(where.rglob("scaled-*.exe"))
+    text = executables.describe((executables.FORMAT, "scaled", ({"scale": 2.0}, executables.signature(x)),
+                                 executables.environment()))
+    for _ in range(12):
+        executables._write(path, text, loaded.compiled)
+elif role == "reader":  # every read of the entry while they write must verify
+    bad = reads = 0
+    done, end = sys.argv[3], time.time() + 240
+    while not os.path.exists(done) and time.time() < end:
+        for path in where.rglob("scaled-*.exe"):
+            reads += 1
+            bad += executables.verified(path.read_bytes()) is None
+        time.sleep(0.002)
+    print("reads", reads, "bad", bad)
+else:  # a fresh process: a hit, its outputs
+    loaded, lowered = t.exe_load()
+    import numpy as np
+    np.save(sys.argv[3], np.asarray(loaded.compiled(t.exe_input())))
+    print("hit", loaded.hit, lowered)
+"""
+
+
+def test_executable_concurrent_writers(tmp_path):
+    """Two processes writing the same key at once, a third reading it all along: every read verifies,
+    no temporary file is left, and a fresh process then loads the entry and computes what this one does."""
+    import subprocess
+    import sys
+
+    from conftest import xla_flags
+
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path]),
+        "XLA_FLAGS": xla_flags(2),
+    }
+    cache = str(tmp_path / "cc")
+
+    def start(*argv):
+        return subprocess.Popen(
+            [sys.executable, "-c", WRITER, *argv], env=env, stdout=subprocess.PIPE, text=True
+        )
+
+    done = tmp_path / "writers-done"
+    procs = [start("reader", cache, str(done)), start("writer", cache), start("writer", cache)]
+    outs = [p.communicate(timeout=300)[0] for p in procs[1:]]
+    done.touch()
+    outs.append(procs[0].communicate(timeout=60)[0])
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    reads, bad = (int(w) for w in outs[2].split()[1::2])
+    assert bad == 0 and reads > 0, outs[2]
+    assert not list((tmp_path / "cc").rglob(".tmp-*"))
+    proc = subprocess.run(
+        [sys.executable, "-c", WRITER, "check", cache, str(tmp_path / "out.npy")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "hit True 0" in proc.stdout, proc.stdout + proc.stderr
+    x = exe_input()
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), np.asarray(SCALED(x, scale=2.0)))
+
+
+def crash(*args, **kwargs):
+    """A native crash where serialisation would be (what jaxlib's executable.serialize() did)."""
+    import faulthandler
+    import signal
+
+    faulthandler.disable()  # (no traceback of this intended crash in the test's output)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_serialisation_crash_contained(tmp_path, monkeypatch, events, capsys):
+    """On CPU, JAX's entries and executables.py's are serialised and written in a forked child: a crash
+    there (SIGSEGV, as jaxlib's serialize() did in pytest-xdist workers) loses the entry, with one
+    warning line, and the program still runs; nothing partial is left."""
+    from ddtree_jax import executables
+
+    with pytest.raises(RuntimeError, match="signal 11"):
+        compile_cache.in_child(crash)
+    where = enable(tmp_path)
+    monkeypatch.setattr(compile_cache.CheckedCache, "put", crash)
+    compile_cache._warned.clear()
+    first = compile_fresh()
+    assert "is not kept (serialising it crashed with signal 11" in capsys.readouterr().err
+    assert not entries(where) and count(events, "cache_misses") == 0
+    monkeypatch.setattr(executables, "_entry", crash)
+    compile_cache._warned.clear()
+    loaded, _ = exe_load()
+    assert not loaded.hit and "crashed with signal 11" in capsys.readouterr().err
+    assert not exe_files(tmp_path) and not list(tmp_path.rglob(".tmp-*"))
+    monkeypatch.undo()
+    np.testing.assert_array_equal(compile_fresh(), first)  # written now, by a child that lives
+    assert len(entries(where)) == 1 and count(events, "cache_misses") >= 1

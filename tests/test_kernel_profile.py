@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ddtree_jax import tree
 from ddtree_jax.bench import profile as kp
 
 
@@ -193,13 +194,18 @@ def test_script_profiles_a_tiny_round(tmp_path):
         "32",
     ]
     argv += ["--methods", "ddtree", "--budgets", "3", "--attention", "reference"]
-    argv += ["--programs", "verify,round"]
-    assert kp.main([*argv, "--rounds", "2", "--iters", "1", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    argv += ["--programs", "verify,round", "--build-variant", "ranked"]
+    try:
+        assert kp.main([*argv, "--rounds", "2", "--iters", "1", "--out", str(out)]) == 0
+    finally:
+        tree.set_default_build(None)
+    meta, rows = json.loads(out.read_text())["meta"], json.loads(out.read_text())["rows"]
+    assert meta["build_variant"] == "ranked"
     assert [r.get("name") for r in rows] == ["ddtree3_verify", "ddtree3_round"], rows
     for r in rows:
         assert r["plane"] == "/host:CPU"
         assert 0 < r["busy_ms_per_round"] <= r["wall_ms_per_round"]
+        assert r["kernels_per_round"] == r["events"] / 2  # 2 rounds, 1 traced call
         assert sum(r["categories_ms_per_round"].values()) == pytest.approx(r["kernel_ms_per_round"])
         times = [k["ms_per_round"] for k in r["top_kernels"]]
         assert times == sorted(times, reverse=True) and len(times) <= 25

@@ -83,3 +83,22 @@ def test_the_check_sees_an_upward_import(tmp_path):
     source.write_text("def f():\n    from ddtree_jax.models import family_of\n")
     assert imports(source) == {"ddtree_jax.models"}
     assert floor("ddtree_jax.models") > floor("ddtree_jax.config")
+
+
+SCRIPTS = PACKAGE.parent / "scripts"
+# Benchmarks still in scripts/ while another change reworks what they measure (docs/layout.md).
+SCRIPTS_TO_MOVE = {"bench_moe.py", "bench_moe_fused.py"}
+
+
+def test_scripts_are_only_what_no_cli_does():
+    """Every script in scripts/ says in its docstring why it is not a CLI sub-command, and none is a
+    kernel benchmark or plot that `ddtree-bench` runs."""
+    from ddtree_jax.bench.cli import SUBCOMMANDS
+
+    for path in sorted(SCRIPTS.glob("*.py")):
+        if path.name in SCRIPTS_TO_MOVE:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "A script, not a" in doc, f"{path.name}: its docstring does not say why it is a script"
+        stem = path.stem.removeprefix("bench_").removeprefix("plot_").replace("_", "-")
+        assert stem not in SUBCOMMANDS, f"{path.name}: `ddtree-bench {stem}` does this"

@@ -40,9 +40,9 @@ def test_every_dependency_is_imported():
         assert re.search(rf"^\s*(import|from) {re.escape(module)}\b", package, re.M), requirement
     tests = sources("tests")
     for requirement in PROJECT["optional-dependencies"]["test"]:
-        # the runner, its plugins (-n; the rerun of a crashed worker's test), the linter, the packaging
+        # the runner, its plugin (-n), the linter, the packaging
         # test's wheel builder
-        if name(requirement) in ("pytest", "pytest-xdist", "pytest-rerunfailures", "ruff", "setuptools"):
+        if name(requirement) in ("pytest", "pytest-xdist", "ruff", "setuptools"):
             continue
         module = name(requirement).replace("-", "_")
         assert re.search(rf"^\s*(import|from) {module}\b", tests + package, re.M), requirement
@@ -110,5 +110,6 @@ def test_every_import_is_declared():
         part = path.relative_to(ROOT).parts
         kind = {"tests": "tests", "compare": "compare"}.get(part[0], part[1] if len(part) > 2 else "main")
         kind = "train" if path.stem == "train" else kind if kind in declared else "main"
+        kind = "compare" if part[-2:] == ("bench", "plot.py") else kind  # ddtree-bench plot: matplotlib
         for module in imported(path) - set(sys.stdlib_module_names) - own:
             assert name(inverse.get(module, module)) in declared[kind], (path, module)

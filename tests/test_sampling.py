@@ -73,7 +73,8 @@ def test_tempered_draft_scores_stay_seed_exact(ar_sampled):
         ("dflash", 0, 5, False),
         ("ddtree", 1, 5, False),
         ("ddtree", 7, 1, False),
-        ("ddtree", 7, 5, False),
+        # budget 7 at batch 5 in one program: test_tempered_draft_scores_stay_seed_exact runs it (its
+        # "t1" rows score at temperature 1, as untempered), budgets 1 and 32 run it here (~18 CPU-s)
         ("ddtree", 7, 5, True),
         ("ddtree", 32, 5, False),
     ],

@@ -57,7 +57,8 @@ def static_ar():
 def test_ar_stream_matches_hf_greedy():
     results, gen = stream(golden_prompts(TP), method="ar", budget=0, batch_size=2, chunk=16)
     assert ids(results) == [golden(TP)[f"greedy_{i}"].tolist() for i in range(5)]
-    assert gen.rows(5) == 2 and gen.occupancy.refills == 5  # one prefill per prompt
+    # the job on the device: two rows, prompts admitted two at a time (the first pass fills both rows)
+    assert gen.rows(5) == 2 and gen.loop == "device" and gen.occupancy.prefilled == 5
 
 
 @pytest.mark.parametrize("batch_size,chunk", [(3, 16), (1, 32)])
@@ -184,9 +185,10 @@ def test_chunked_prefill_equals_one_pass():
         for cached, new in ((got.cache.layers, kv), (got.draft_cache, ctx)):
             for x, y in zip(jax.tree.leaves(cached), jax.tree.leaves(new), strict=True):
                 y = jnp.swapaxes(y, 1, 2)  # in flight [B, T, H, D], cached [B, H, S, D]
-                # the committed slots of each row; the composed attention sums in another order (float32
-                # noise of 2e-5 on entries of magnitude 5 after 900 tokens)
-                tol = 2e-5 if impl == "reference" else 1e-4
+                # the committed slots of each row; the chunks and the composed attention sum in another
+                # order than one pass (float32 noise of 2e-5 on entries of magnitude 5 after 900 tokens,
+                # 2.6e-5 on the 77-token prompt, which runs its own schedule: three tail chunks of 32)
+                tol = 3e-5 if impl == "reference" else 1e-4
                 for row, n in enumerate(lengths):
                     np.testing.assert_allclose(x[row, :, :n], y[row, :, :n], rtol=tol, atol=tol)
 

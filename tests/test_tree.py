@@ -218,7 +218,7 @@ def test_lattice_tree_matches_heap_oracle(seed, cfg, mode, sort):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("mode", ["ties", "zeros"])
-@pytest.mark.parametrize("variant", ["paths", "climb"])  # "paths-unrolled": the test above
+@pytest.mark.parametrize("variant", ["paths", "ranked", "climb"])  # "paths-unrolled": the test above
 def test_lattice_tree_ties_every_shape(cfg, mode, variant):
     _, bonus, logp, tok = random_case(7, cfg, mode)
     check_against_oracle(bonus, logp, tok, cfg[2], variant)
@@ -455,3 +455,79 @@ def test_reference_walk_follows_the_targets_choices():
     t = oracles.DraftTree([5, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2])
     assert oracles.walk(t, [2, 9, 4, 9, 8]) == [0, 2, 4]
     assert oracles.walk(t, [6, 9, 9, 9, 9]) == [0]
+
+
+# ---------------------------------------------------------------- tests: build variants, the engine's default
+
+
+@pytest.mark.parametrize("mode", ["float", "ties", "huge", "signed_zeros"])
+def test_pairwise_rank_selection_equals_top_k(mode):
+    """`_top`'s rank selection returns lax.top_k's values and indices, equal values in index order."""
+    from ddtree_jax.tree import _clean_logp, _top
+
+    rng = np.random.default_rng(3)
+    for m, n in [(1, 1), (16, 7), (40, 40), (200, 15)]:
+        values = _clean_logp(make_logp(rng, (m,), mode, sort=False))
+        want = jax.lax.top_k(values, n)
+        got = _top(values, n, "rank")
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("d,k,n", [(15, 7, 7), (15, 15, 15), (15, 32, 63)])
+def test_every_variant_builds_the_same_tree_at_engine_shapes(d, k, n):
+    """The engine's build shapes (depth 15, branching min(budget, 32)): every variant equals the heap
+    oracle on each row, so switching the default changes no token."""
+    _, bonus, logp, tok = random_case(11, (d, k, n), "float", sort=True, b=3)
+    for variant in BUILD_VARIANTS:
+        check_against_oracle(bonus, logp, tok, n, variant)
+
+
+def test_default_build_per_backend_and_override():
+    """No variant: the backend's default (the scan on CPU, unrolled on GPU); set_default_build overrides."""
+    from ddtree_jax import tree as tree_mod
+
+    assert tree_mod.default_build() == ("paths-unrolled" if jax.default_backend() == "gpu" else "paths")
+    try:
+        tree_mod.set_default_build("ranked")
+        assert tree_mod.default_build() == "ranked"
+        with pytest.raises(ValueError):
+            tree_mod.set_default_build("heap")
+    finally:
+        tree_mod.set_default_build(None)
+    assert tree_mod.default_build() != "ranked"
+
+
+def test_target_ranks_read_the_walk():
+    """The ranks of the committed tokens among each depth's candidates (k: none), seen up to min(a, D);
+    through a real walk: an accepted node's rank is its own, the bonus's is looked up at the next depth."""
+    from ddtree_jax.tree import target_ranks
+
+    d = 3
+    logp = np.log(np.array([[[0.5, 0.3, 0.1]] * d], np.float32))
+    tok = np.array([[[10, 11, 12], [20, 21, 22], [30, 31, 32]]], np.int32)
+    tree = lattice_tree(np.array([1], np.int32), logp, tok, 6)
+    # the target: depth 1 token 11 (rank 1), depth 2 token 20 (rank 0), depth 3 token 99 (none)
+    by_depth = {0: 11, 1: 20, 2: 99, 3: 0}
+    choice = np.array([[by_depth[int(x)] for x in np.asarray(tree.depth[0])]], np.int32)
+    out = walk(tree, choice, d)
+    ranks, seen = target_ranks(tok, out.emitted, out.length)
+    # the tree holds (rank 1) and (rank 1, rank 0) (path scores 0.3, 0.15 of the top 6), not 99 at depth 3
+    assert int(out.length[0]) == 3 and list(np.asarray(out.emitted[0, :3])) == [11, 20, 99]
+    assert list(np.asarray(ranks[0])) == [1, 0, 3] and int(seen[0]) == 3
+
+
+def test_rank_counts_on_device_equal_the_host_counts():
+    """tree.rank_counts (the device-side sum) adds what plan_choice.AcceptanceCounts.observe adds."""
+    from ddtree_jax import plan_choice
+    from ddtree_jax.tree import rank_counts
+
+    rng = np.random.default_rng(9)
+    ranks = rng.integers(0, 9, (6, 5)).astype(np.int32)  # width 7: ranks 7, 8 are "not among them"
+    seen = rng.integers(0, 6, 6).astype(np.int32)
+    active = np.array([True, True, False, True, True, True])
+    hits, exposure = rank_counts(ranks, seen, active, width=7, max_width=8)
+    host = plan_choice.AcceptanceCounts.empty(depth=5, width=8)
+    host.observe(ranks[active], seen[active], width=7)
+    np.testing.assert_array_equal(np.asarray(hits), host.hits)
+    np.testing.assert_array_equal(np.asarray(exposure), host.seen)

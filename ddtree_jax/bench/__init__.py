@@ -10,4 +10,8 @@ profile    `ddtree-bench profile`: a round's device time kernel by kernel
 scheduling `ddtree-bench scheduling`: continuous against static batching on a mixed workload
 prefill    `ddtree-bench prefill`: chunked prefill of one long prompt
 load       `ddtree-bench load`: load times, HF safetensors against the params cache
+attention, mla_attention, mosaic_attention, prefix_attention, quant, topk, tree
+           `ddtree-bench attention`, `mla-attention`, ...: one kernel or op alone against its
+           alternatives and its floor (prefix_attention also holds the unwired cuDNN-merged form)
+plot       `ddtree-bench plot`: plots of rounds sweeps, the default budget per batch size
 """

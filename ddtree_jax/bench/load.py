@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="/tmp/ddtree_load", help="scratch directory")
     p.add_argument("--keep", action="store_true", help="reuse --dir's checkpoint and keep it afterwards")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="cold and warm loads of each kind")
+    p.add_argument("--reps", type=int, default=2, help="cold and warm loads of each kind")
+    report.add_deprecated(p, "--repeats", "--reps", type=int)
     p.add_argument(
         "--evict",
         choices=["auto", "fadvise"],
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
 
     # the first load also compiles the loader's on-device transposes (once per process and shape)
     record("safetensors_first", lambda: timed_load(checkpoint, None, args.tp))
-    for _ in range(args.repeats):
+    for _ in range(args.reps):
         record("safetensors_cold", lambda: cold(checkpoint, None))
         record("safetensors_warm", lambda: timed_load(checkpoint, None, args.tp))
     if deadline.allows("checks"):
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
             record(name, lambda s=seconds: s)
     if not args.no_orbax:
         record("convert_cold", lambda: cold(checkpoint, cache))  # read + orbax save
-        for _ in range(args.repeats):
+        for _ in range(args.reps):
             record("orbax_cold", lambda: cold(cache, cache))
             record("orbax_warm", lambda: timed_load(checkpoint, cache, args.tp))
     shutil.rmtree(cache, ignore_errors=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import os
 import re
 import tempfile
 import time
@@ -29,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import drafter, target
+from ddtree_jax import drafter, target, tree
 from ddtree_jax.bench import report
 from ddtree_jax.bench.floor import weight_bytes
 from ddtree_jax.bench.programs import round_program, stage_args, stage_programs, synthetic_state
@@ -260,6 +261,8 @@ def summarize(
     ranked = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "events": len(events),
+        "kernels_per_round": len(events) / rounds,
+        "us_per_kernel": 1e-3 * kernels / max(len(events), 1),
         "wall_ms_per_round": 1e3 * wall_s / rounds,
         "kernel_ms_per_round": kernels / per,
         "busy_ms_per_round": busy / per,
@@ -417,6 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-new-tokens", type=int, default=256, help="the plan's (the round program's calls chain)"
     )
+    p.add_argument(
+        "--build-variant",
+        choices=tree.BUILD_VARIANTS,
+        help="the tree build every ddtree round runs (default: the backend's, tree.DEFAULT_BUILD)",
+    )
     p.add_argument("--keep-trace", help="a directory to keep the XSpace traces in (default: a temporary one)")
     p.add_argument("--out", required=True, help="the JSON written (rewritten after every plan)")
     report.add_deadline(p)
@@ -435,6 +443,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
+    tree.set_default_build(args.build_variant)  # before any round is traced
     start = time.perf_counter()
     params = random_params(target.weight_specs(cfg), 0, jnp.bfloat16)
     dparams = random_params(drafter.weight_specs(dcfg), 1, jnp.bfloat16)
@@ -445,6 +454,8 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
         "init_s": time.perf_counter() - start,
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),
+        "build_variant": tree.default_build(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     rows: list[dict] = []
     budgets = [int(b) for b in args.budgets.split(",")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import shlex
@@ -41,13 +42,52 @@ def parser(name: str, doc: str, epilog: str | None = None) -> Parser:
 
 
 def add_deadline(p: argparse.ArgumentParser) -> None:
-    """`--deadline-s`: the one time limit of every sub-command that takes one."""
+    """`--deadline-s`: the one time limit of every sub-command that takes one (`--budget-s`, its old
+    spelling, still accepted: "budget" is the tree's node count)."""
     p.add_argument(
         "--deadline-s",
         type=float,
         default=None,
         help="start no new measurement this many seconds after the command started; what is left out is "
         "listed under 'skipped' in --out, and the exit status stays 0 (default: no limit)",
+    )
+    add_deprecated(p, "--budget-s", "--deadline-s", type=float)
+
+
+# The release after which the old spellings of flags are refused (docs/layout.md, "Which name").
+DEPRECATED_UNTIL = "0.2"
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's dest and says so on stderr."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"{parser.prog}: warning: {option_string} is deprecated and goes after {DEPRECATED_UNTIL}: "
+            f"use {self.new}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)  # nargs 0: a store_true flag
+
+
+def add_deprecated(p: argparse.ArgumentParser, old: str, new: str, flag: bool = False, **kwargs) -> None:
+    """Accept `old` as a deprecated spelling of the flag `new` (declared on `p` too): the same dest, a
+    warning when used, hidden from --help. `flag`: a store_true flag (no value)."""
+    dest = new.lstrip("-").replace("-", "_")
+    if flag:
+        kwargs["nargs"] = 0
+    p.add_argument(
+        old,
+        dest=dest,
+        action=_Deprecated,
+        new=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
     )
 
 
@@ -68,7 +108,8 @@ def run_subcommand(
     deadline = Deadline(args.deadline_s)
     try:
         check_deadline(args.deadline_s)
-        check_out_path(args.out)
+        if args.out is not None:  # None: a sub-command's --print, which writes nothing
+            check_out_path(args.out)
         return run(args, command_line(name, argv), deadline)
     except DDTreeError as e:
         print(f"ddtree-bench {name}: error: {e}", file=sys.stderr)
@@ -76,23 +117,19 @@ def run_subcommand(
 
 
 def run_header(command: list[str], device: tuple[str, int] | None = None) -> dict[str, Any]:
-    """What every benchmark JSON records of its run (its "meta"): date, machine, device, jax and Python
-    versions, and the command line (`argv`, a list; `command`, the same as one shell line). `device`:
-    (kind, count) of a device jax does not run on (a torch benchmark); jax is then not asked, so it
-    claims no device memory."""
-    if device is None:
-        first = jax.devices()[0]
-        name, kind, count = str(first), first.device_kind, jax.device_count()
-    else:
-        (kind, count), name = device, device[0]
+    """What every benchmark JSON records of its run (its "meta"): date, machine, the device's name, the
+    provenance (`provenance.provenance`: package version, source commit and whether the tree is dirty,
+    jax and jaxlib, Python, platform, device kind and count) and the command line (`argv`, a list;
+    `command`, the same as one shell line). `device`: (kind, count) of a device jax does not run on (a
+    torch benchmark); jax is then not asked, so it claims no device memory."""
+    from ddtree_jax.provenance import provenance
+
+    name = str(jax.devices()[0]) if device is None else device[0]
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
         "device": name,
-        "device_kind": kind,
-        "device_count": count,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
+        **provenance(device),
         "argv": command,
         "command": shlex.join(command),
     }
@@ -112,6 +149,10 @@ class Deadline:
     start: float = dataclasses.field(default_factory=time.monotonic)
     skipped: list[Any] = dataclasses.field(default_factory=list)
     prog: str = "ddtree-bench"
+
+    def left(self) -> float:
+        """Seconds until the deadline: inf without one, negative once it has passed."""
+        return math.inf if self.seconds is None else self.seconds - (time.monotonic() - self.start)
 
     def allows(self, what: Any) -> bool:
         """True while the deadline has not passed; else records `what` as skipped and says so on stderr."""
@@ -147,5 +188,5 @@ def write_json(out: str | Path, data: dict) -> None:
     complete version)."""
     path = Path(out)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")  # default: numpy scalars, dtypes
     os.replace(tmp, path)

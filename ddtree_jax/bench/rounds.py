@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import compile_cache, drafter, models, target
+from ddtree_jax import compile_cache, drafter, models, target, tree
 from ddtree_jax.attention import IMPLEMENTATIONS
 from ddtree_jax.bench import report
 from ddtree_jax.bench.floor import chosen_expert_floor, record_routing, step_weight_bytes, weight_bytes
@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--budgets", default="15,63", help="comma list of ddtree budgets (tree nodes besides the root)"
     )
     p.add_argument("--batch-sizes", default="1", help="comma list of batch sizes (rows)")
+    report.add_deprecated(p, "--batches", "--batch-sizes")
     p.add_argument("--contexts", default="1024", help="comma list of cached tokens per row")
     p.add_argument("--attention", default="reference", help=f"comma list of {', '.join(IMPLEMENTATIONS)}")
     p.add_argument("--rounds", type=int, default=16, help="decode rounds per timed program")
@@ -209,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ceiling-bytes", type=int, default=4 << 30, help="bytes summed to measure the read ceiling"
+    )
+    p.add_argument(
+        "--build-variant",
+        choices=tree.BUILD_VARIANTS,
+        help="the tree build every ddtree round runs (default: the backend's, tree.DEFAULT_BUILD)",
     )
     p.add_argument("--out", required=True, help="the JSON written (rewritten after every configuration)")
     report.add_deadline(p)
@@ -320,6 +326,7 @@ def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: repo
     """Make the random-weight models of the checked flags and sweep the grid (`command`: the command
     line the run header records)."""
     compile_cache.enable(args.compile_cache)  # before the first compile
+    tree.set_default_build(args.build_variant)  # before any round is traced
     cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
@@ -365,6 +372,7 @@ def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dpara
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),
         "quantize": args.quantize,
+        "build_variant": tree.default_build(),
         "device_memory": device_memory(),
     }
     rows = []

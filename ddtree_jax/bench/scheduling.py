@@ -106,6 +106,10 @@ def make_generator(
         args.batch_size,
         policy,
         chunk=args.prefill_chunk,
+        refill_at=args.refill_at,
+        prefill_slots=args.prefill_slots,
+        stride=args.stride,
+        device_loop=not args.host_loop,
         batch_invariant=batch_invariant,
         prefill_attention=args.prefill_attention,
     )
@@ -167,7 +171,9 @@ def summary(results, gen: Generator, wall: float) -> dict:
             "busy": round(occ.busy / occ.row_rounds, 4),
             "busy_while_waiting": round(occ.waiting_fraction(), 4),
             "refills": occ.refills,
+            "prefilled": occ.prefilled,
             "host_returns": occ.host_returns,
+            "loop": gen.loop,
         }
     return out
 
@@ -198,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="ddtree")
     p.add_argument("--budget", type=int, default=15)
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--prefill-slots", type=int, default=8, help="continuous: prompts prefilled together")
+    p.add_argument("--refill-at", type=int, default=1, help="continuous: refill once this many rows are free")
+    p.add_argument("--host-loop", action="store_true", help="continuous batching driven from the host")
+    p.add_argument("--stride", type=int, default=8, help="continuous: rounds between harvests on the device")
+    p.add_argument("--repeats", type=int, default=1, help="continuous runs (the fastest reported)")
     p.add_argument("--stop-fraction", type=float, default=0.3)
     p.add_argument(
         "--stop-tokens", type=int, default=1, help="at most this many stop ids (random weights: 8)"
@@ -260,9 +271,13 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
         report.write_json(args.out, out)
 
     if deadline.allows("continuous"):
-        gen = make_generator(args, cfg, params, dcfg, dparams, stop)
-        cont, wall = timed(lambda: sorted(gen.run(prompts), key=lambda r: r.id))
-        out["continuous"] = summary(cont, gen, wall)
+        runs = []
+        for _ in range(max(args.repeats, 1)):  # (the programs compile once, in the first)
+            gen = make_generator(args, cfg, params, dcfg, dparams, stop)
+            cont, wall = timed(lambda gen=gen: sorted(gen.run(prompts), key=lambda r: r.id))
+            runs.append(summary(cont, gen, wall))
+        out["continuous"] = min(runs, key=lambda x: x["generate_s"])
+        out["continuous"]["generate_s_runs"] = [x["generate_s"] for x in runs]
     save()
     if not args.skip_static and deadline.allows("static"):
         base, wall = timed(lambda: static(base_gen, prompts))

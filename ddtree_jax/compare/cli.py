@@ -66,15 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, argv: list[str]) -> str:
     """Run the sub-command and write its report; returns the one-line verdict."""
     from ddtree_jax import compile_cache
+    from ddtree_jax.bench.report import run_header
     from ddtree_jax.compare.inputs import resolved
-    from ddtree_jax.compare.report import check_report_dir, run_metadata, write_report
+    from ddtree_jax.compare.report import check_report_dir, write_report
 
     start = time.perf_counter()
     report_dir = Path(args.report)
     check_report_dir(report_dir)
     compile_cache.enable(args.compile_cache)  # a shared flag (settings.COMPILE)
     report = subcommand(args.command).run(resolved(args, method=args.command in ONE_METHOD))
-    write_report(report_dir, report, run_metadata(argv, time.perf_counter() - start))
+    meta = run_header(["ddtree-compare", *argv]) | {"wall_s": round(time.perf_counter() - start, 1)}
+    write_report(report_dir, report, meta)
     return f"{args.command}: {report.verdict}: {report.summary}"
 
 

@@ -131,16 +131,63 @@ def run(args: argparse.Namespace) -> Report:
         },
     )  # fmt: skip
     hists = {ours_name: outputs.histogram(our_list), theirs_name: outputs.histogram(their_list)}
+    sides, warning = provenance_of_sides(args, theirs_name)
     return Report(
         command="external",
         verdict=verdict_of([comparison]),
         summary=summary_line(comparison, acceptance, theirs_name),
         comparisons=[comparison],
         tables=tables(comparison, acceptance, hists, speed, codec),
-        notes=notes(comparison),
+        notes=notes(comparison) + provenance_notes(sides, warning),
         figures={"acceptance": plots.histogram_bars(hists, f"acceptance lengths: ours vs {theirs_name}")},
-        details={"settings": settings_of(args, theirs=args.theirs, ours=args.ours or "generated", n=args.n)},
+        details={
+            "settings": settings_of(args, theirs=args.theirs, ours=args.ours or "generated", n=args.n),
+            "provenance": {name: p for name, (p, _) in sides.items()},
+            "numerics_differences": warning,
+        },
     )
+
+
+def provenance_of_sides(args: argparse.Namespace, theirs_name: str) -> tuple[dict, list[str]]:
+    """{side: (provenance, settings)} of ours (this run's, or --ours' sidecar) and theirs (--theirs'
+    sidecar: None for another system's file), and what they differ in that changes bfloat16 outputs;
+    both sides printed on stderr, the differences as a warning."""
+    import sys
+
+    from ddtree_jax import provenance
+
+    if args.ours is None:
+        ours = (
+            provenance.provenance(),
+            {k: v for k, v in vars(args).items() if k in provenance.PROGRAM_SETTINGS},
+        )
+    else:
+        ours = provenance.of_outputs(args.ours)
+    sides = {"ours": ours, theirs_name: provenance.of_outputs(args.theirs)}
+    (p_ours, s_ours), (p_theirs, s_theirs) = sides.values()
+    differ = provenance.numerics_differences(p_ours, p_theirs, s_ours, s_theirs)
+    for name, (p, _) in sides.items():
+        print(f"ddtree-compare external: {name}: {provenance.line(p)}", file=sys.stderr)
+    if differ:
+        print(
+            "ddtree-compare external: warning: the sides differ in what changes bfloat16 outputs: "
+            + "; ".join(differ),
+            file=sys.stderr,
+        )
+    return sides, differ
+
+
+def provenance_notes(sides: dict, differ: list[str]) -> list[str]:
+    """report.md's lines on what produced each side, and the warning when bfloat16 outputs may differ."""
+    from ddtree_jax.provenance import line
+
+    out = ["Provenance: " + "; ".join(f"{name}: {line(p)}" for name, (p, _) in sides.items()) + "."]
+    if differ:
+        out.append(
+            "Warning: the sides differ in what changes bfloat16 outputs (divergences may come from it, "
+            "not from the decoder): " + "; ".join(differ) + "."
+        )
+    return out
 
 
 LARGEST = 5  # positions of the largest log-probability differences reported

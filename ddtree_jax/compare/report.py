@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -122,24 +121,6 @@ class Report:
 def verdict_of(comparisons: list[Comparison]) -> str:
     """ "agree" when every comparison agrees on every prompt, else "differ"."""
     return "agree" if all(c.agrees for c in comparisons) else "differ"
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (Linux), else the platform's word for it."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def run_metadata(argv: list[str], seconds: float) -> dict[str, Any]:
-    """report.json's "meta": `ddtree-bench`'s run header (date, machine, device, versions, the command)
-    of `ddtree-compare ARGV...`, with the run's wall time and the CPU beside it."""
-    from ddtree_jax.bench.report import run_header
-
-    header = run_header(["ddtree-compare", *argv])
-    return header | {"wall_s": round(seconds, 1), "cpu": f"{cpu_name()}, {os.cpu_count()} CPUs"}
 
 
 def check_report_dir(path: Path) -> None:

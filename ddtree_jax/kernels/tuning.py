@@ -221,6 +221,148 @@ def default_grouped_splits(
     return 1
 
 
+# -- the few-token expert GEMV (`few_experts.expert_gemv`) ----------------------------------------
+# Per format the largest tiles (powers of two dividing the expert's stored rows / columns); INT4 reads
+# tile_k / 8 word rows a step as 8 dots of tile_k / 8 >= 16 rows, so tile_k >= 128. Splits of K fill
+# about FEW_WAVES programs per SM, each streaming at least FEW_MIN_STEPS K tiles. Not measured yet:
+# results/h200/recipes/moe_few_token.sh times the dispatch at these defaults.
+FEW_TUNING = {
+    "plain": dict(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
+    "fp8": dict(tile_n=128, tile_k=128, num_warps=4, num_stages=3),
+    "int4": dict(tile_n=128, tile_k=256, num_warps=4, num_stages=3),
+}
+FEW_WAVES = 3
+FEW_MIN_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FewTuning:
+    """Static shape of one `few_experts.expert_gemv` launch: see `resolve_few_tuning`."""
+
+    tile_n: int  # output columns per program
+    tile_k: int  # K rows per step
+    splits: int  # programs along K per (slot, column tile)
+    num_warps: int
+    num_stages: int
+    k_tiles: int
+
+    @property
+    def steps(self) -> int:
+        """K tiles one program streams."""
+        return self.k_tiles // self.splits
+
+
+def _pow2_divisor(size: int, largest: int, smallest: int) -> int | None:
+    """The largest power of two in [smallest, largest] dividing `size`, or None."""
+    tile = largest
+    while tile >= smallest:
+        if size % tile == 0:
+            return tile
+        tile //= 2
+    return None
+
+
+def default_few_splits(
+    programs: int,
+    k_tiles: int,
+    *,
+    num_sms: int = NUM_SMS_H200,
+    waves: int = FEW_WAVES,
+    min_steps: int = FEW_MIN_STEPS,
+) -> int:
+    """K splits: the largest divisor of k_tiles up to what fills `waves` programs per SM, each split
+    streaming at least `min_steps` tiles (one split when the grid fills the SMs already)."""
+    want = max(1, cdiv(waves * num_sms, programs))
+    cap = max(1, min(want, k_tiles // min_steps))
+    return max(s for s in range(1, cap + 1) if k_tiles % s == 0)
+
+
+def resolve_few_tuning(
+    fmt: str,
+    k_rows: int,
+    n_cols: int,
+    slots: int,
+    *,
+    block: tuple[int, int] = (1, 1),
+    tile_n: int | None = None,
+    tile_k: int | None = None,
+    splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    num_sms: int = NUM_SMS_H200,
+) -> FewTuning:
+    """The tuning of one few-token expert GEMV over weights [E, k_rows, n_cols] (stored rows: fp8
+    padded to blocks, int4 8 per word) for `slots` experts; None picks the default (FEW_TUNING, the
+    largest power-of-two tiles dividing the shape, `default_few_splits`). ValueError where no tile fits
+    (the dispatch then takes the grouped kernel). Qwen3-30B-A3B at one token (8 slots), bf16: gate / up
+    [2048, 768] tiles (128, 128), 16 K tiles in 8 splits (384 programs); down [768, 2048] 6 K tiles in 3."""
+    base = FEW_TUNING[fmt]
+    smallest_k = 128 if fmt == "int4" else 16
+    largest_k = base["tile_k"] if fmt != "fp8" else min(base["tile_k"], block[0])
+    tile_k = tile_k or _pow2_divisor(k_rows, largest_k, smallest_k)
+    tile_n = tile_n or _pow2_divisor(n_cols, base["tile_n"], 16)
+    if tile_k is None or tile_n is None:
+        why = "tiles are powers of two >= 16 (int4: K tiles >= 128)"
+        raise ValueError(f"no few-token tiles for [{k_rows}, {n_cols}] ({fmt}): {why}")
+    if k_rows % tile_k or n_cols % tile_n:
+        raise ValueError(f"K {k_rows} / N {n_cols} must be multiples of tile_k {tile_k} / tile_n {tile_n}")
+    if fmt == "int4" and (tile_k % 128 or tile_k % block[0]):
+        raise ValueError(f"int4 tile_k {tile_k} must be a multiple of 128 and of the group {block[0]}")
+    if fmt == "fp8" and (block[0] % tile_k or block[1] % tile_n):
+        raise ValueError(f"fp8 tiles ({tile_k}, {tile_n}) must nest in the scale block {block}")
+    k_tiles = k_rows // tile_k
+    splits = splits or default_few_splits(slots * (n_cols // tile_n), k_tiles, num_sms=num_sms)
+    if k_tiles % splits:
+        raise ValueError(f"splits {splits} must divide the {k_tiles} K tiles")
+    return FewTuning(
+        tile_n=tile_n,
+        tile_k=tile_k,
+        splits=splits,
+        num_warps=num_warps or base["num_warps"],
+        num_stages=num_stages or base["num_stages"],
+        k_tiles=k_tiles,
+    )
+
+
+# -- the MoE dispatch on a GPU (`models.moe.choose_dispatch`) ---------------------------------------
+# Per expert format ("plain", "fp8", "int4"), rows (largest tokens per device, dispatch) in ascending
+# order: the first row whose bound holds wins, None = any count. What is measured so far (H200,
+# results/notes.md and models/moe.py): `gather` up to 4 tokens, the Pallas `grouped` kernel above, in
+# every format; `few` / `few_mgpu` (kernels/few_experts*.py) and `fused` enter only from a measured run:
+# results/h200/recipes/moe_few_token.sh writes the rows its figures choose (`scripts/bench_moe.py`'s
+# "dispatch_table": the fastest dispatch at each measured token count) to paste here.
+MOE_GPU_DISPATCH: dict[str, tuple[tuple[int | None, str], ...]] = {
+    "plain": ((4, "gather"), (None, "grouped")),
+    "fp8": ((4, "gather"), (None, "grouped")),
+    "int4": ((4, "gather"), (None, "grouped")),
+}
+
+
+def moe_gpu_dispatch(fmt: str, tokens: int, table: dict | None = None) -> str:
+    """The dispatch `table` (default MOE_GPU_DISPATCH) gives `tokens` tokens per device of experts in
+    format `fmt`."""
+    for bound, dispatch in (table or MOE_GPU_DISPATCH)[fmt]:
+        if bound is None or tokens <= bound:
+            return dispatch
+    raise ValueError(f"the MoE dispatch table for {fmt!r} ends below {tokens} tokens (last bound: None)")
+
+
+def dispatch_table_rows(best: dict[int, str]) -> tuple[tuple[int | None, str], ...]:
+    """Table rows from the fastest dispatch at each measured token count ({tokens: dispatch}): runs of
+    one winner merged, each bound the largest count it won (a count between two measured ones takes the
+    larger's winner), the last row open (None)."""
+    rows: list[list] = []
+    for tokens in sorted(best):
+        if rows and rows[-1][1] == best[tokens]:
+            rows[-1][0] = tokens
+        else:
+            rows.append([tokens, best[tokens]])
+    if not rows:
+        raise ValueError("no measured token count")
+    rows[-1][0] = None
+    return tuple((bound, dispatch) for bound, dispatch in rows)
+
+
 # -- tree attention on Mosaic GPU (`tree_attention_mgpu`) -------------------------------------------
 # A program is one or two 64-row compute warpgroups plus a TMA warpgroup; the rules count shared memory
 # (about 100-227 kB a program, so one program per SM) and cut the cache into whole waves of programs.

@@ -26,6 +26,11 @@ Dispatches (each exact; which is fastest depends on N and the backend, see `choo
            64-column block of its tile's expert once, only chosen experts are read, no per-token
            copies; bf16 / f16 activations, experts whose shapes it cannot tile go through `grouped`
            (`fused_experts.supported`); `fused_interpret` runs it in GPU interpret mode (tests)
+  few      the distinct chosen experts of a few tokens, each read once for all of them by a split-K
+           GEMV spread over every SM (`kernels.few_experts`, Pallas Triton; any CUDA GPU): bf16 / f16
+           activations, experts whose shapes it cannot tile go through `grouped`; `few_interpret`
+           runs it in interpret mode (tests); `few_mgpu` the same on Mosaic GPU (Hopper; the fused
+           kernel's wgmma program with a K split, `kernels.few_experts_mgpu`; `few_mgpu_interpret`)
   dense    every local expert on every token, weighted by the routing weights (zero where not chosen):
            E / k times the FLOPs of the routed work, but plain batched matmuls
 """
@@ -46,6 +51,7 @@ import numpy as np
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import positive_field
 from ddtree_jax.errors import DDTreeError
+from ddtree_jax.kernels.tuning import moe_gpu_dispatch
 from ddtree_jax.quant.arrays import (
     Fp8Weight,
     Int4Weight,
@@ -62,16 +68,25 @@ from ddtree_jax.weights import Params, WeightSpec, stacked_linear
 
 MOE_SHARDINGS = ("ep", "tp")  # experts over "model": whole experts per device, or columns of every expert
 DISPATCHES = ("gather", "sorted", "dense")  # any backend
-GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu", "fused")  # CUDA (sorted_mgpu, fused: Hopper)
+# CUDA (sorted_mgpu, fused: Hopper)
+GPU_DISPATCHES = ("grouped", "grouped_split", "sorted_mgpu", "fused", "few", "few_mgpu")
 # the Pallas ones in interpret mode, tests only
-INTERPRETED_DISPATCHES = ("grouped_interpret", "grouped_split_interpret", "fused_interpret")
+INTERPRETED_DISPATCHES = (
+    "grouped_interpret",
+    "grouped_split_interpret",
+    "fused_interpret",
+    "few_interpret",
+    "few_mgpu_interpret",
+)
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 # Token counts up to GATHER_MAX_TOKENS use `gather`; above it `sorted` (ragged_dot) off the GPU and the
-# Pallas `grouped` kernel on a GPU. H200 figures (results/notes.md): gather 5.6x / 2.9x the
-# distinct-expert floor at 1 / 8 tokens, sort + ragged_dot 18.2x / 3.0x; the grouped kernel 3.5x / 4.1x
-# / 24x faster than ragged_dot at 16 / 64 / 512 tokens but 1.7x slower than gather at one token (Kimi
-# expert shape). GPU_GATHER_MAX_TOKENS is the GPU's threshold, which the one-token rows (gather, grouped,
-# grouped_split) of results/h200/moe-dispatch/run.sh decide for the Qwen3-30B-A3B shape.
+# Pallas `grouped` kernel on a GPU (the GPU's rule by token count and expert format is the table
+# kernels.tuning.MOE_GPU_DISPATCH; GPU_GATHER_MAX_TOKENS is its measured gather bound). H200 figures
+# (results/notes.md): gather 5.6x / 2.9x the distinct-expert floor at 1 / 8 tokens, sort + ragged_dot
+# 18.2x / 3.0x; the grouped kernel 3.5x / 4.1x / 24x faster than ragged_dot at 16 / 64 / 512 tokens
+# but 1.7x slower than gather at one token (Kimi expert shape). GPU_GATHER_MAX_TOKENS is the GPU's
+# threshold, which the one-token rows (gather, grouped, grouped_split) of
+# results/h200/moe-dispatch/run.sh decide for the Qwen3-30B-A3B shape.
 GATHER_MAX_TOKENS = 4
 GPU_GATHER_MAX_TOKENS = 4
 # On a Hopper GPU, token counts up to FUSED_MAX_TOKENS use `fused`, above it the rule above; 0 turns it off.
@@ -81,6 +96,11 @@ GPU_GATHER_MAX_TOKENS = 4
 # 0.434 / 0.460 / 0.539 / 0.622; gather 0.170 / 0.291 / 0.462 / 0.768 (1-16 only); grouped 0.309 / 0.333 /
 # 0.322 / 0.421 / 0.458 / 0.509 / 0.523. The forced `fused` dispatch still runs it.
 FUSED_MAX_TOKENS = 0
+# `few` reads every distinct chosen expert for all N tokens (N x distinct-experts dots): above
+# FEW_MAX_TOKENS tokens per device, e.g. a prefill under a forced `--moe-dispatch few`, it runs `grouped`.
+FEW_MAX_TOKENS = 64
+# What a GPU without Mosaic GPU (not Hopper) runs where the table names a Hopper-only dispatch.
+HOPPER_FALLBACK = {"few_mgpu": "few", "fused": "grouped", "sorted_mgpu": "grouped"}
 Grouped = Callable[[jax.Array, Weight, jax.Array], jax.Array]  # x [P, in] sorted, W [E, in, out], sizes
 
 
@@ -371,15 +391,25 @@ def hopper() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "0")).startswith("9")
 
 
-def choose_dispatch(num_tokens: int, backend: str | None = None, fused: bool | None = None) -> str:
-    """The dispatch for a static token count N on `backend` (default: jax.default_backend() at trace
-    time): on a GPU `fused` up to FUSED_MAX_TOKENS where `fused` (default: `hopper()`), else `gather` up
-    to GPU_GATHER_MAX_TOKENS and `grouped` above; elsewhere `gather` up to GATHER_MAX_TOKENS, `sorted`
-    above."""
+def weight_format(w: Weight) -> str:
+    """The format of an expert weight as the dispatch table names it: "plain", "fp8" or "int4"."""
+    return "fp8" if isinstance(w, Fp8Weight) else "int4" if isinstance(w, Int4Weight) else "plain"
+
+
+def choose_dispatch(
+    num_tokens: int, backend: str | None = None, fused: bool | None = None, fmt: str = "plain"
+) -> str:
+    """The dispatch for a static token count N (per device) of experts in format `fmt` on `backend`
+    (default: jax.default_backend() at trace time): on a GPU `fused` up to FUSED_MAX_TOKENS where `fused`
+    (default: `hopper()`; it also says whether Mosaic GPU runs), else the table
+    kernels.tuning.MOE_GPU_DISPATCH by format and N (off Hopper its Mosaic GPU dispatches become
+    HOPPER_FALLBACK's); elsewhere `gather` up to GATHER_MAX_TOKENS, `sorted` above."""
     if (backend or jax.default_backend()) == "gpu":
-        if num_tokens <= FUSED_MAX_TOKENS and (hopper() if fused is None else fused):
+        mosaic = hopper() if fused is None else fused
+        if num_tokens <= FUSED_MAX_TOKENS and mosaic:
             return "fused"
-        return "gather" if num_tokens <= GPU_GATHER_MAX_TOKENS else "grouped"
+        dispatch = moe_gpu_dispatch(fmt, num_tokens)
+        return dispatch if mosaic else HOPPER_FALLBACK.get(dispatch, dispatch)
     return "gather" if num_tokens <= GATHER_MAX_TOKENS else "sorted"
 
 
@@ -394,6 +424,22 @@ def _fused(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: 
         grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
         return _combine(_sorted(p, x, experts, here, grouped), weights, here)
     return fused_experts.fused_experts(x, experts, here, weights, gate, up, down, interpret=interpret)
+
+
+def _few(p: dict, x: jax.Array, experts: jax.Array, weights: jax.Array, here: jax.Array, dispatch: str):
+    """[N, H] through `kernels.few_experts` (`few_experts_mgpu` for `few_mgpu`), or through the grouped
+    kernel above FEW_MAX_TOKENS tokens or where it cannot take the experts (e.g. INT4 unpacked to
+    jnp.int4) or activations (float32)."""
+    from ddtree_jax.kernels import few_experts, few_experts_mgpu
+
+    interpret = dispatch.endswith("_interpret")
+    kernel = few_experts_mgpu if dispatch.startswith("few_mgpu") else few_experts
+    gate, up, down = (expert_weight(p[name]) for name in EXPERT_WEIGHTS)
+    if x.shape[0] > FEW_MAX_TOKENS or not kernel.supported(gate, up, down, x.dtype):
+        grouped = _grouped_fn("grouped_interpret" if interpret else "grouped")
+        return _combine(_sorted(p, x, experts, here, grouped), weights, here)
+    run = few_experts_mgpu.few_experts_mgpu if kernel is few_experts_mgpu else few_experts.few_experts
+    return run(x, experts, here, weights, gate, up, down, interpret=interpret)
 
 
 def run_experts(
@@ -412,7 +458,7 @@ def run_experts(
     if RoutingLog.active is not None:
         RoutingLog.active.record(routing.experts, model_axis)
     experts, here = _local(routing, num_experts(p["experts_gate"]), model_axis, sharding)
-    dispatch = dispatch or choose_dispatch(x.shape[0])
+    dispatch = dispatch or choose_dispatch(x.shape[0], fmt=weight_format(p["experts_gate"]))
     names = DISPATCHES + GPU_DISPATCHES + INTERPRETED_DISPATCHES
     if dispatch not in names:
         raise DDTreeError(f"MoE dispatch must be one of {names}, got {dispatch!r}")
@@ -422,6 +468,8 @@ def run_experts(
         return _combine(_gather(p, x, experts), routing.weights, here)
     if dispatch.startswith("fused"):
         return _fused(p, x, experts, routing.weights, here, dispatch)
+    if dispatch.startswith("few"):
+        return _few(p, x, experts, routing.weights, here, dispatch)
     return _combine(_sorted(p, x, experts, here, _grouped_fn(dispatch)), routing.weights, here)
 
 

@@ -12,6 +12,6 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/decode} PY=${PY:-python3}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-$PY scripts/bench_attention.py --nodes 1 --batch-sizes 1,4,16 --contexts 1024,8192,32768 \
+$PY -m ddtree_jax.bench attention --nodes 1 --batch-sizes 1,4,16 --contexts 1024,8192,32768 \
   --tunings "waves=2,mb=4,merge=xla;merge=xla;k=64;waves=8" --no-reference --profile --target-s 0.1 \
   --deadline-s 150 --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1

@@ -2,7 +2,7 @@
 # Issue 18 on one H200 (~5 min), results under $OUT:
 # 1. the latent-cache (MLA) kernel against its jnp path at Kimi-K2 widths (latent 512 + RoPE 64, bf16):
 #    H = 64 (TP1) and 8 (a TP8 shard), B = 1, S = 4k and 32k, T = 1 and 64, then the first 5 tunings
-#    of each sweep shape (scripts/bench_mla_attention.py);
+#    of each sweep shape (`ddtree-bench mla-attention`);
 # 2. ddtree-bench rounds of a random Kimi-K2-shaped target at 2 of its 61 layers (real width: hidden
 #    7168, 64 heads, q_lora 1536, latent 512 + 64, 384 experts, 8 per token, of width 2048 + 1 shared,
 #    the first layer dense at 18432, vocab 163840; 2 layers = 1 dense + 1 MoE, ~40 GB of bf16, so that
@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 B="$PY -m ddtree_jax.bench rounds --shape kimi-k2 --num-layers 2 --draft-layers 6 --block-size 8 --rounds 4"
 # shellcheck disable=SC2086  # MLA_ARGS, B and FLAGS are word lists
-$PY scripts/bench_mla_attention.py $MLA_ARGS --deadline-s 85 --out "$OUT/bench_mla_attention.json" \
+$PY -m ddtree_jax.bench mla-attention $MLA_ARGS --deadline-s 85 --out "$OUT/bench_mla_attention.json" \
   > "$OUT/mla_kernel.log" 2>&1
 # shellcheck disable=SC2086
 $B --attention pallas --methods ar,ddtree --budgets 15 --batch-sizes 1,16 --contexts 1024 $FLAGS \

@@ -2,13 +2,13 @@
 # The kernels after issue 29 item 2 (branch `kernels`: the Mosaic kernels' tuning moved into
 # kernels/tuning.py, fused_experts fed plain arrays by quant.arrays.expert_weight) on one H200: do they
 # compile, match their references and run at the recorded speed? One call, about 6 minutes at most
-# (each step under `timeout`; the benchmarks write their JSON as they go, so a step cut short keeps its
-# rows). Run from the repository root:
+# (each step bounded by its own --deadline-s, a hang by the Mosaic benchmark's --hang-s watchdog and the
+# MoE benchmark's per-phase --grace-s kill; both write their JSON as they go). Run from the repository root:
 #   bash results/h200/recipes/kernels_check.sh          # $OUT set by the device call; else /tmp/kernels-check
 # Steps:
-#   1. mosaic  scripts/bench_mosaic_attention.py, phases checks, gqa, mla (Triton and Mosaic only: the
-#              cuDNN-merged and bundled-decode columns are left out), --deadline-s 180, cap 230 s
-#   2. moe     scripts/bench_moe_fused.py, phases check, qwen3-dispatch, --deadline-s 120, cap 150 s
+#   1. mosaic  `ddtree-bench mosaic-attention`, phases checks, gqa, mla (Triton and Mosaic only: the
+#              cuDNN-merged and bundled-decode columns are left out), --deadline-s 180, --hang-s 45
+#   2. moe     scripts/bench_moe_fused.py, phases check, qwen3-dispatch, --deadline-s 120, --grace-s 15
 #   3. compare the new Mosaic rows against the recorded table (printed; $OUT/compare.txt)
 # Compare with (results/h200/2026-12-02/, jax 0.11.2; README.md there names the commands and commits):
 #   mosaic-checks/mosaic_checks.json (08:14): every form within max_abs 7.81e-03 (GQA) / 3.91e-03 (MLA)
@@ -30,19 +30,12 @@ OUT=${OUT:-/tmp/kernels-check}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 
-run() {  # NAME CAP_S COMMAND...: COMMAND under `timeout CAP_S`, output in $OUT/NAME.log
-  local name=$1 cap=$2 start=$SECONDS rc=0
-  shift 2
-  echo "== $name (cap $cap s): $*"
-  timeout "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  echo "== $name: rc $rc after $((SECONDS - start)) s" | tee -a "$OUT/steps.log"
-  grep -v Warning "$OUT/$name.log" | tail -n 30
-}
-
-run mosaic 230 python3 scripts/bench_mosaic_attention.py --phases checks,gqa,mla \
-  --skip cudnn-merged,bundled-decode --out "$OUT/mosaic_attention.json" --deadline-s 180
-run moe 150 python3 scripts/bench_moe_fused.py --phases check,qwen3-dispatch --out-dir "$OUT/moe-fused" \
-  --deadline-s 120 --grace-s 15
+python3 -m ddtree_jax.bench mosaic-attention --phases checks,gqa,mla --skip cudnn-merged,bundled-decode \
+  --deadline-s 180 --hang-s 45 --out "$OUT/mosaic_attention.json" > "$OUT/mosaic.log" 2>&1
+echo "mosaic: rc $?" | tee -a "$OUT/steps.log"
+python3 scripts/bench_moe_fused.py --phases check,qwen3-dispatch --deadline-s 120 --grace-s 15 \
+  --out-dir "$OUT/moe-fused" > "$OUT/moe.log" 2>&1
+echo "moe: rc $?" | tee -a "$OUT/steps.log"
 python3 - "$OUT/mosaic_attention.json" results/h200/2026-12-02/mosaic-table/mosaic_attention.json \
   <<'EOF' | tee "$OUT/compare.txt"
 import json, sys

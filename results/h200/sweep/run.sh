@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp} PY=${PY:-python3} W=/tmp/sweep
 mkdir -p "$W"
 B="$PY -m ddtree_jax.bench rounds --shape qwen3-8b --attention pallas --rounds 16"
-$PY scripts/bench_topk.py --deadline-s 20 --out "$W/topk.json" > "$W/topk.log" 2>&1
+$PY -m ddtree_jax.bench topk --deadline-s 20 --out "$W/topk.json" > "$W/topk.log" 2>&1
 $B --methods ddtree,ar --budgets 63 --contexts 1024 --batch-sizes 1 --sampling greedy,0.7:0:1,0.7:20:0.9,0.7:0:0.9 \
   --deadline-s 50 --out "$W/sampling.json" > "$W/sampling.log" 2>&1
 $B --methods ar,dflash,ddtree --budgets 7,15,31,63,127,255 --contexts 1024 --batch-sizes 1,16 --deadline-s 140 \

@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/jobcost} PY=${PY:-python3}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 { nproc; free -g; } > "$OUT/host.txt" 2>&1
-$PY -m ddtree_jax.bench load --shape qwen3-8b --repeats 1 --dir /tmp/ddtree_load --deadline-s 200 \
+$PY -m ddtree_jax.bench load --shape qwen3-8b --reps 1 --dir /tmp/ddtree_load --deadline-s 200 \
   --out "$OUT/load.json" > "$OUT/load.log" 2>&1
 $PY scripts/torch_graph_step.py --shapes tiny,default-pair --batch-sizes 1,16 --tokens 1,8 --context 1024 \
   --deadline-s 90 --out "$OUT/torch_graph.json" > "$OUT/torch_graph.log" 2>&1

@@ -1,8 +1,8 @@
 """Tree attention and MLA on Mosaic GPU against the Triton kernels, cuDNN-merged and the bundled decode
 kernel, with floors (issue 31 item 4), in one H200 call.
 
-    python scripts/bench_mosaic_attention.py --out $OUT/mosaic_attention.json --deadline-s 300   # H200
-    python scripts/bench_mosaic_attention.py --quick --out /tmp/mosaic_attention.json            # CPU
+    ddtree-bench mosaic-attention --out $OUT/mosaic_attention.json --deadline-s 300   # H200
+    ddtree-bench mosaic-attention --quick --out /tmp/mosaic_attention.json            # CPU
 
 Phases, in this order, each row and each kernel guarded (an error is recorded as a string and the run
 goes on), the JSON rewritten (atomically) after every row, nothing new started past --deadline-s:
@@ -13,7 +13,7 @@ goes on), the JSON rewritten (atomically) after every row, nothing new started p
    (max abs error, relative L2, max error relative to max |ref|), and Mosaic against Triton.
 3. The GQA table (Qwen3-8B: Hq 32, Hkv 8, D 128, every cache entry visible, random ancestor masks):
    T = 1 / 16 / 64, B = 1 / 16, S = 1k / 8k / 32k; Triton, Mosaic, cuDNN-merged (`tree_attention_merged`
-   of scripts/bench_prefix_attention.py), and at T = 1 JAX's bundled decode kernel (no in-flight token).
+   of `ddtree-bench prefix-attention`), and at T = 1 JAX's bundled decode kernel (no in-flight token).
    Each against max(byte floor, FLOP floor): bytes (visible K/V + queries + output + in-flight K/V)
    over the measured read ceiling, FLOPs (4 x B x Hq x T x (S + T) x D) over 790 TFLOP/s (the figure
    the notes' ratios use) and over the measured matmul ceiling. Most informative rows first (the goal
@@ -22,7 +22,7 @@ goes on), the JSON rewritten (atomically) after every row, nothing new started p
 5. While time is left: a small sweep of the Mosaic kernels' tunings on the goal rows.
 
 Timing: a jitted program makes k calls, each on its own copy of the cache (k cut to fit 12 GB), median
-of runs / k (as scripts/bench_attention.py). A watchdog ends the process (exit 124) if one compile or
+of runs / k (as `ddtree-bench attention`). A watchdog ends the process (exit 124) if one compile or
 call hangs for --hang-s seconds, writing the JSON with the hung step named first; `--skip` names
 kernels or forms to leave out on a rerun (e.g. `--skip mosaic`).
 """
@@ -35,7 +35,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 import warnings
@@ -44,17 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_attention import random_tree_mask, read_ceiling, short_error  # noqa: E402
-from bench_prefix_attention import tree_attention_merged  # noqa: E402
-
-from ddtree_jax.bench.report import run_header  # noqa: E402
-from ddtree_jax.kernels import tree_attention as triton_gqa  # noqa: E402
-from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
-from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu  # noqa: E402
-from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.bench.attention import random_tree_mask, read_ceiling, short_error
+from ddtree_jax.bench.prefix_attention import tree_attention_merged
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.kernels import tree_attention as triton_gqa
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
+from ddtree_jax.kernels.mla_attention_mgpu import mla_attention_mgpu
+from ddtree_jax.kernels.tree_attention_mgpu import tree_attention_mgpu
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -230,7 +226,7 @@ def time_calls(
         t0 = time.perf_counter()
         jax.block_until_ready(program(inputs))
         runs.append(time.perf_counter() - t0)
-    return dict(s=statistics.median(runs) / copies, min_s=min(runs) / copies, reps=reps, k=copies,
+    return dict(s=statistics.median(runs) / copies, min_s=min(runs) / copies, reps=reps, calls=copies,
                 compile_s=compile_s), first  # fmt: skip
 
 
@@ -268,9 +264,9 @@ def floor_dict(nbytes, flops, ceilings) -> dict:
 class Run:
     """The results JSON, the deadline, the watchdog."""
 
-    def __init__(self, opts):
-        self.opts = opts
-        meta = run_header(sys.argv) | dict(
+    def __init__(self, opts, command: list[str], deadline: report.Deadline):
+        self.opts, self.deadline = opts, deadline
+        meta = report.run_header(command) | dict(
             platform=jax.devices()[0].platform,
             quick=opts.quick,
             deadline_s=opts.deadline_s,
@@ -283,20 +279,16 @@ class Run:
             checks=[],
             rows=[],
             sweep=[],
-            skipped=[],
+            skipped=deadline.skipped,
         )
         self.watchdog = Watchdog(opts.hang_s, self.on_hang)
 
     def left(self) -> float:
-        return self.opts.deadline_s - elapsed()
+        return self.deadline.left()
 
     def save(self):
         self.results["meta"]["wall_s"] = elapsed()
-        path = self.opts.out
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.results, f, indent=1, default=str)
-        os.replace(path + ".tmp", path)
+        report.write_json(self.opts.out, self.results)
 
     def on_hang(self, label: str):
         self.results["hang"] = f"{label}: no progress for {self.opts.hang_s:.0f} s (process ended)"
@@ -427,7 +419,7 @@ def time_row(run: Run, row: dict, kernels: dict, inputs, pick, reference_name: s
             fn,
             inputs,
             pick,
-            row["k"],
+            row["calls"],
             run.opts.target_s,
             min_reps=1 if run.opts.quick else 3,
         )
@@ -468,13 +460,12 @@ def gqa_row(run: Run, interpret: bool, b, t, s, dims, copies_want: int, kernels=
     hkv, g, d = dims
     kv_bytes = 2 * b * hkv * s * d * 2
     copies = num_copies(kv_bytes, copies_want)
-    row = dict(kind="gqa", B=b, T=t, S=s, Hkv=hkv, G=g, D=d, k=copies)
+    row = dict(kind="gqa", B=b, T=t, S=s, Hkv=hkv, G=g, D=d, calls=copies)
     if label:
         row["variant"] = label
     row.update(gqa_floors(b, t, hkv, g, d, s, 2, run.results["ceilings"]))
     if run.left() < run.opts.min_left_s:
-        row["skipped"] = "deadline"
-        (run.results["rows"] if sink is None else sink).append(row)
+        run.deadline.skipped.append(f"gqa B={b} T={t} S={s} {label or ''}".strip())
         return
     inputs, err = run.guarded("inputs", gqa_inputs, 7, b, t, hkv, g, d, s, [s] * b, copies)
     if err is not None:
@@ -492,13 +483,12 @@ def mla_row(
 ):
     r = 64
     copies = num_copies(b * s * (c + r) * 2, copies_want)
-    row = dict(kind="mla", B=b, T=t, S=s, H=h, C=c, R=r, k=copies)
+    row = dict(kind="mla", B=b, T=t, S=s, H=h, C=c, R=r, calls=copies)
     if label:
         row["variant"] = label
     row.update(mla_floors(b, t, h, s, c, r, 2, run.results["ceilings"]))
     if run.left() < run.opts.min_left_s:
-        row["skipped"] = "deadline"
-        (run.results["rows"] if sink is None else sink).append(row)
+        run.deadline.skipped.append(f"mla B={b} T={t} H={h} S={s} {label or ''}".strip())
         return
     inputs, err = run.guarded("inputs", mla_inputs, 8, b, t, h, s, [s] * b, copies, c)
     if err is not None:
@@ -647,30 +637,38 @@ def print_table(results: dict) -> None:
         print("ERROR:", err[:300])
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench mosaic-attention`; the exit status."""
+    p = report.parser("mosaic-attention", __doc__)
     p.add_argument("--print", dest="print_json", help="only print the tables of a results JSON")
-    p.add_argument("--out", help="JSON path (rewritten after every row)")
-    p.add_argument("--deadline-s", type=float, default=300.0, help="start nothing new after this (s)")
+    p.add_argument("--out", help="JSON path (rewritten after every row; required unless --print)")
+    report.add_deadline(p)
     p.add_argument("--quick", action="store_true", help="tiny shapes through the interpreters (CPU)")
     p.add_argument("--skip", default="", help="comma list of kernels/forms to leave out (e.g. mosaic)")
     p.add_argument("--target-s", type=float, default=0.15, help="timed seconds per kernel and row")
     p.add_argument("--min-left-s", type=float, default=12.0, help="skip a kernel with less time left")
     p.add_argument("--hang-s", type=float, default=90.0, help="watchdog: end the run after a step this long")
     p.add_argument("--phases", default="checks,gqa,mla,sweep", help="comma list of phases to run")
-    opts = p.parse_args(argv)
+    return report.run_subcommand("mosaic-attention", p, argv, run_all)
+
+
+def run_all(opts: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Ceilings, checks, the GQA and MLA rows and the sweep while `deadline` allows."""
     if opts.print_json:
         with open(opts.print_json) as f:
             print_table(json.load(f))
-        return
+        return 0
     if not opts.out:
-        p.error("--out is required")
+        raise DDTreeError("--out is required (or --print FILE)")
     opts.skip = {x for x in opts.skip.split(",") if x}
     phases = set(opts.phases.split(","))
-    run = Run(opts)
+    run = Run(opts, command, deadline)
     interpret = jax.devices()[0].platform != "gpu"
     shapes = plan(opts.quick)
     ceilings = run.results["ceilings"]
+    if not deadline.allows("ceilings"):  # nothing else runs either
+        run.save()
+        return 0
     ceilings["read"], err = run.guarded("read ceiling", read_ceiling, (64 << 20) if opts.quick else (4 << 30))
     if err is not None:
         ceilings["read"] = dict(error=err, bytes_per_s=3.6e12)
@@ -685,10 +683,12 @@ def main(argv=None):
         for shape, names in shapes["gqa_checks"]:
             two_warpgroups = shape["T"] * shape["G"] > 64  # else ping-pong is off anyway
             forms = {k: FORMS[k] for k in names if two_warpgroups or k != "mosaic-nopingpong"}
-            run.safely(f"check gqa {shape}", check_gqa, run, interpret, shape, forms)
+            if deadline.allows(f"check gqa {shape}"):
+                run.safely(f"check gqa {shape}", check_gqa, run, interpret, shape, forms)
         for shape, names in shapes["mla_checks"]:
             forms = {k: FORMS[k] for k in names if k != "mosaic-nopingpong"}  # MLA has no ping-pong
-            run.safely(f"check mla {shape}", check_mla, run, interpret, shape, forms)
+            if deadline.allows(f"check mla {shape}"):
+                run.safely(f"check mla {shape}", check_mla, run, interpret, shape, forms)
 
     def mla_rows(which):
         rows = shapes["mla_rows"][:1] if which == "mla-goal" else shapes["mla_rows"][1:]
@@ -733,7 +733,4 @@ def main(argv=None):
     run.save()
     print_table(run.results)
     print(f"wrote {opts.out} ({elapsed():.0f} s)", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

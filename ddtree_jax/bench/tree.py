@@ -1,38 +1,38 @@
 """Time the build step (`tree.lattice_tree`: beams, selection, ancestor mask) alone, jitted, per batch
 size, budget and build variant, on random sorted drafter log-probs.
 
-python scripts/bench_tree.py --cases 1:63,16:7,16:15,1:255 --variants paths,climb --out tree.json
+    ddtree-bench tree --cases 1:63,16:7,16:15,1:255 --variants paths,climb --out tree.json
 """
 
 import argparse
 import itertools
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
-
-from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
-from ddtree_jax.bench.timing import median_seconds  # noqa: E402
-from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.bench.timing import median_seconds
+from ddtree_jax.tree import BUILD_VARIANTS, lattice_tree
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench tree`; the exit status."""
+    ap = report.parser("tree", __doc__)
     ap.add_argument("--cases", default="1:63,16:7,16:15,1:255", help="batch:budget pairs")
     ap.add_argument("--depth", type=int, default=15, help="drafter depths D (block size - 1)")
     ap.add_argument("--branching", type=int, default=32, help="drafter candidates per depth")
     ap.add_argument("--variants", default="paths", help=f"comma-separated, of {BUILD_VARIANTS}")
-    ap.add_argument("--reps", type=int, default=200)
-    add_deadline(ap)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    deadline = Deadline(args.deadline_s, prog="bench_tree.py")
-    meta, rows = run_header(sys.argv), []
+    ap.add_argument("--reps", type=int, default=200, help="timed calls per case")
+    report.add_deadline(ap)
+    ap.add_argument("--out", required=True, help="JSON output path")
+    return report.run_subcommand("tree", ap, argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Every (case, variant) while `deadline` allows: compile and median call time; the JSON after each."""
+    meta, rows = report.run_header(command), []
     pairs = [tuple(map(int, case.split(":"))) for case in args.cases.split(",")]
     for (batch, budget), variant in itertools.product(pairs, args.variants.split(",")):
         if not deadline.allows(f"{batch}:{budget} {variant}"):
@@ -48,9 +48,6 @@ def main() -> None:
         row["median_us"] = round(1e6 * median_seconds(lambda b=build, x=inputs: b(*x), args.reps), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
-    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
-
-
-if __name__ == "__main__":
-    main()
+        report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    return 0

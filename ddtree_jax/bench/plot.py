@@ -1,12 +1,12 @@
-"""Plots of `ddtree-bench` results: round time and projected speed-up vs budget per batch size, round
-time vs context, the stage breakdown. Needs matplotlib (not a dependency of the package).
+"""Plots of `ddtree-bench rounds` results: round time and projected speed-up vs budget per batch size,
+round time vs context, the stage breakdown. Needs matplotlib (the `compare` extra).
 
 Projected speed-up of budget N at batch B = acceptance(N) x ar step(B) / ddtree round(N, B), with the
 acceptance curve of a trained pair and the round times of the benchmark; the budget that maximises it
 per batch size is written to default_budgets.json, the input to `budgets.DEFAULT_BUDGETS`'s 1k-context
 entries (the long-context ones: results/notes.md, "The budget at long context").
 
-    python scripts/plot_bench.py --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
+    ddtree-bench plot --bench results/h200/sweep/budgets.json results/h200/sweep/batches.json \\
         results/h200/sweep/small_budgets.json results/h200/sweep/batch32_budget7.json \\
         results/h200/sweep/ar_rows.json results/h200/sweep/ar_rows_inactive.json \\
         --stage-bench results/h200/sweep/stages.json \\
@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+from ddtree_jax.bench import report
+from ddtree_jax.errors import DDTreeError
 
 TICKS = [3, 7, 15, 31, 63, 127, 255]  # the budgets of the sweeps (5 also swept at batch 16)
 
@@ -35,19 +39,44 @@ def load_rows(paths: list[Path]) -> list[dict]:
     field's name was settled call it `batch`)."""
     rows = []
     for path in paths:
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise DDTreeError(f"{path}: cannot read a benchmark JSON ({e})") from None
         rows += [r for r in data.get("rows", []) if "error" not in r and not r.get("sampling")]
     return [r | {"batch_size": r.get("batch_size", r.get("batch"))} for r in rows]
 
 
 def acceptance_curve(path: Path) -> dict[int, float]:
     """{budget: mean acceptance} of ddtree (budget 0: dflash) from an eval_default_pair.py JSON."""
-    runs = json.loads(path.read_text())["runs"]
+    runs = json.loads(Path(path).read_text())["runs"]
     return {r["budget"]: r["mean_acceptance"] for r in runs if r["method"] in ("ddtree", "dflash")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def round_ms_at(rows: list[dict], context: int) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """({batch size: ar step ms}, {batch size: {budget: ddtree round ms}}) of the rows at `context`."""
+    at = [r for r in rows if r["context"] == context]
+    ar = {r["batch_size"]: r["round_ms"] for r in at if r["method"] == "ar"}
+    by_batch = defaultdict(dict)
+    for r in at:
+        if r["method"] == "ddtree":
+            by_batch[r["batch_size"]][r["budget"]] = r["round_ms"]
+    return ar, dict(by_batch)
+
+
+def default_budgets(ar: dict, by_batch: dict, acc: dict[int, float]) -> dict[int, dict]:
+    """{batch size: {budget, projected_speedup}}: the budget maximising acceptance x ar step / round."""
+    choice = {}
+    for b in sorted(by_batch):
+        budgets = [n for n in sorted(by_batch[b]) if n in acc]
+        best = max(budgets, key=lambda n: acc[n] / by_batch[b][n])
+        choice[b] = {"budget": best, "projected_speedup": acc[best] * ar[b] / by_batch[b][best]}
+    return choice
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench plot`; the exit status."""
+    ap = report.parser("plot", __doc__)
     ap.add_argument("--bench", type=Path, nargs="+", required=True, help="budget and batch sweeps")
     ap.add_argument(
         "--context-bench", type=Path, nargs="*", default=[], help="context sweeps (default: --bench)"
@@ -57,22 +86,32 @@ def main() -> None:
     )
     ap.add_argument("--acceptance", type=Path, help="eval_default_pair.py JSON with ddtree at the budgets")
     ap.add_argument("--context", type=int, default=1024, help="context of the budget plots")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, required=True, help="directory for the PNGs and default_budgets.json")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (EXIT_ERROR)
+        return e.code if isinstance(e.code, int) else report.EXIT_ERROR
+    try:
+        plot(args)
+    except (DDTreeError, KeyError) as e:
+        print(f"ddtree-bench plot: error: {e}", file=sys.stderr)
+        return report.EXIT_ERROR
+    return 0
 
-    import matplotlib
+
+def plot(args: argparse.Namespace) -> None:
+    """The three figures (and default_budgets.json with --acceptance) into --out."""
+    rows = load_rows(args.bench)  # a file that cannot be read fails first
+    try:
+        import matplotlib
+    except ImportError:
+        raise DDTreeError("needs matplotlib: pip install 'ddtree-jax[compare]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = load_rows(args.bench)
     args.out.mkdir(parents=True, exist_ok=True)
-    at = [r for r in rows if r["context"] == args.context]
-    ar = {r["batch_size"]: r["round_ms"] for r in at if r["method"] == "ar"}
-    by_batch = defaultdict(dict)
-    for r in at:
-        if r["method"] == "ddtree":
-            by_batch[r["batch_size"]][r["budget"]] = r["round_ms"]
+    ar, by_batch = round_ms_at(rows, args.context)
 
     fig, axes = plt.subplots(1, 2 if args.acceptance else 1, figsize=(11 if args.acceptance else 6, 4))
     axes = axes if args.acceptance else [axes]
@@ -83,13 +122,12 @@ def main() -> None:
     axes[0].set_xticks(TICKS, [str(n) for n in TICKS])
     axes[0].legend()
     if args.acceptance:
-        acc, choice = acceptance_curve(args.acceptance), {}
+        acc = acceptance_curve(args.acceptance)
+        choice = default_budgets(ar, by_batch, acc)
         for b in sorted(by_batch):
             budgets = [n for n in sorted(by_batch[b]) if n in acc]
             speedup = [acc[n] * ar[b] / by_batch[b][n] for n in budgets]
             axes[1].plot(budgets, speedup, "o-", label=f"batch {b}")
-            best = max(budgets, key=lambda n: acc[n] / by_batch[b][n])
-            choice[b] = {"budget": best, "projected_speedup": acc[best] * ar[b] / by_batch[b][best]}
         print(json.dumps({"default_budget_by_batch": choice}))
         (args.out / "default_budgets.json").write_text(json.dumps(choice, indent=1) + "\n")
         axes[1].axhline(1.0, color="grey", lw=0.8)
@@ -139,7 +177,3 @@ OLD_STAGE_NAMES = {"build": "tree_build", "commit": "walk_commit_rest"}  # in fi
 def _stage_ms(stages: dict, stage: str) -> float:
     """A stage's device-loop ms, under its name or the one it had before 2026-12-02."""
     return stages.get(stage, stages.get(OLD_STAGE_NAMES.get(stage, ""), 0.0))
-
-
-if __name__ == "__main__":
-    main()

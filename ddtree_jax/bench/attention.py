@@ -1,9 +1,10 @@
-"""Benchmark the Pallas tree-attention kernel against the jnp reference and JAX's bundled decode kernel.
+"""The Pallas tree-attention kernel against its jnp reference and JAX's bundled decode kernel.
 
-    python scripts/bench_attention.py --out results/bench_attention.json        # H200, <= ~4 min
-    python scripts/bench_attention.py --quick --out /tmp/bench_attention.json   # CPU smoke (interpret)
-    python scripts/bench_attention.py --nodes 1 --batch-sizes 1,4,16 --contexts 1024,8192,32768 \
+    ddtree-bench attention --deadline-s 240 --out results/bench_attention.json     # H200, <= ~4 min
+    ddtree-bench attention --quick --out /tmp/bench_attention.json                 # CPU smoke (interpret)
+    ddtree-bench attention --nodes 1 --batch-sizes 1,4,16 --contexts 1024,8192,32768 \
         --tunings "k=64;waves=8;merge=xla" --no-reference --profile --out x.json  # T = 1 vs bundled
+    ddtree-bench attention --print results/h200/bench_attention.json              # a recorded file's tables
 
 --tunings (';'-separated specs of ','-separated key=value; keys q k s w st merge waves mb, "default"
 = the defaults) replaces the built-in sweep: each spec runs on every shape of the grid. --profile
@@ -21,7 +22,7 @@ small caches stay in L2), each run closed by `block_until_ready`; time per call 
 so host dispatch is amortised over k calls. k is cut so that the copies fit COPY_BUDGET bytes.
 Every configuration is guarded: a failure is
 recorded as an error string and the run goes on. `--deadline-s` bounds the wall time: what does not
-fit is recorded as skipped.
+fit is listed under "skipped" (rows of files recorded before 2026-12-07 say `skipped: deadline`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -40,11 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from ddtree_jax.bench.report import run_header  # noqa: E402
-from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
-from ddtree_jax.kernels.tuning import resolve_tree_tuning  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference
+from ddtree_jax.kernels.tuning import resolve_tree_tuning
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -129,7 +128,7 @@ def time_per_call(
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         runs.append(time.perf_counter() - t0)
-    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, calls=k, compile_s=compile_s)
     if profile:
         try:
             timing["profile"] = device_profile(fn, args, runs=3, calls=k)
@@ -223,16 +222,6 @@ def bundled_decode_calls(interpret: bool, k_splits: int):
         return run
 
     return make, one
-
-
-class Deadline:
-    """Seconds left of --deadline-s (negative: passed)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def left(self) -> float:
-        return self.seconds - elapsed()
 
 
 def explicit_tuning(q_shape, cache_shape, tuning: dict) -> dict:
@@ -442,9 +431,9 @@ def print_table(results):
 
 
 def spec_name(spec: dict) -> str:
-    """A tuning spec back in --tunings form ("default" when empty)."""
+    """A tuning spec back in --tunings form ("default" when empty; old key names read as today's)."""
     short = {v: k for k, v in TUNING_KEYS.items()}
-    return ",".join(f"{short[k]}={v}" for k, v in spec.items()) or "default"
+    return ",".join(f"{short[OLD_TUNING_KEYS.get(k, k)]}={v}" for k, v in spec.items()) or "default"
 
 
 def print_decode_table(results):
@@ -491,28 +480,41 @@ def print_decode_table(results):
                 print(f"{'':>12}{name} kernels: {top}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/bench_attention.json", help="JSON output path")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
-    parser.add_argument("--deadline-s", type=float, default=None, help="start no row after this (s)")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
-    parser.add_argument("--batch-sizes", help="comma-separated batch sizes (replaces the built-in grid's)")
-    parser.add_argument("--contexts", help="comma-separated cache lengths S")
-    parser.add_argument("--nodes", help="comma-separated query counts T")
-    parser.add_argument("--tunings", help="';'-separated tuning specs swept on every grid shape")
-    parser.add_argument("--no-reference", action="store_true", help="skip timing the jnp reference")
-    parser.add_argument("--profile", action="store_true", help="device time by kernel (jax.profiler)")
-    parser.add_argument("--target-s", type=float, default=TARGET_S, help="timed seconds per config")
-    parser.add_argument("--print", dest="print_json", help="only print the tables of a results JSON")
-    opts = parser.parse_args(argv)
-    globals()["TARGET_S"] = opts.target_s
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sub-command's flags (besides --deadline-s)."""
+    p.add_argument("--out", help="JSON output path (required unless --print)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
+    p.add_argument("--batch-sizes", help="comma-separated batch sizes (replaces the built-in grid's)")
+    report.add_deprecated(p, "--batches", "--batch-sizes")
+    p.add_argument("--contexts", help="comma-separated cache lengths S")
+    p.add_argument("--nodes", help="comma-separated query counts T")
+    p.add_argument("--tunings", help="';'-separated tuning specs swept on every grid shape")
+    p.add_argument("--no-reference", action="store_true", help="skip timing the jnp reference")
+    p.add_argument("--profile", action="store_true", help="device time by kernel (jax.profiler)")
+    p.add_argument("--target-s", type=float, default=TARGET_S, help="timed seconds per config")
+    p.add_argument("--print", dest="print_json", help="only print the tables of a results JSON")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench attention`; the exit status."""
+    p = report.parser("attention", __doc__)
+    add_arguments(p)
+    report.add_deadline(p)
+    return report.run_subcommand("attention", p, argv, run)
+
+
+def run(opts: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Every row of the grid, then the tuning sweep, while `deadline` allows; the JSON after each row."""
     if opts.print_json:
         with open(opts.print_json) as f:
             results = json.load(f)
         print_table(results)
         print_decode_table(results)
-        return
+        return 0
+    if opts.out is None:
+        raise DDTreeError("--out is required (or --print FILE)")
+    globals()["TARGET_S"] = opts.target_s
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
@@ -526,7 +528,6 @@ def main(argv=None):
         decode_splits = 4
         sweep_shapes = [(1, 256, 16)]
         sweep = [dict(tile_k=bk, num_warps=w, num_stages=st) for bk in (16, 32) for w in (4,) for st in (2,)]
-        deadline = Deadline(opts.deadline_s or 600)
     else:
         batches, lengths_s, nodes = [1, 4, 16], [1024, 8192, 32768], [1, 16, 64, 128]
         hkv, g, d = 8, 4, 128
@@ -541,7 +542,6 @@ def main(argv=None):
             for st in (2, 3, 4)
         ]
         sweep += [dict(tile_q=bq, num_warps=w) for bq in (32, 128) for w in (4, 8)]
-        deadline = Deadline(opts.deadline_s or 240)
     ref_max_bytes = 16 << 30
 
     def ints(text):
@@ -552,7 +552,7 @@ def main(argv=None):
     nodes = ints(opts.nodes) if opts.nodes else nodes
     tunings = parse_tunings(opts.tunings) if opts.tunings else None
 
-    meta = run_header(sys.argv) | dict(
+    meta = report.run_header(command) | dict(
         platform=device.platform,
         interpret=interpret,
         quick=opts.quick,
@@ -566,6 +566,8 @@ def main(argv=None):
         tunings=tunings or [],
     )
     try:
+        if not deadline.allows("read ceiling"):  # no row runs either
+            raise TimeoutError("--deadline-s passed")
         results["ceiling"] = read_ceiling(ceiling_bytes)
     except Exception as e:  # noqa: BLE001
         results["ceiling"] = dict(error=short_error(e), bytes_per_s=4.52e12)
@@ -573,10 +575,8 @@ def main(argv=None):
     print(f"read ceiling {ceiling / 1e9:.0f} GB/s ({elapsed():.0f}s)", flush=True)
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
         results["meta"]["wall_s"] = elapsed()
-        with open(opts.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        report.write_json(opts.out, results | {"skipped": deadline.skipped})
 
     key = jax.random.key(0)
     rng = np.random.default_rng(0)
@@ -589,10 +589,7 @@ def main(argv=None):
         for b, s, t in shapes:
             by_cache.setdefault((b, s), []).append(t)
         for (b, s), ts in by_cache.items():
-            if deadline.left() < 0:
-                for t in ts:
-                    for tun in tunings:
-                        sink.append(dict(B=b, S=s, T=t, tuning=tun, skipped="deadline"))
+            if not deadline.allows(f"B={b} S={s} T={','.join(map(str, ts))} {len(tunings)} tuning(s)"):
                 continue
             try:
                 kc, vc = make_cache(jax.random.fold_in(key, b * 100003 + s), b, hkv, s, d, dtype)
@@ -643,6 +640,7 @@ def main(argv=None):
     if 1 in nodes:
         print_decode_table(results)
     print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
+    return 0
 
 
 def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, deadline, tuning, **_):
@@ -668,7 +666,3 @@ def bench_kernel_only(args, *, b, s, t, hkv, g, d, ceiling, interpret, k, deadli
         if os.environ.get("BENCH_TRACEBACK"):
             traceback.print_exc()
     return row
-
-
-if __name__ == "__main__":
-    main()

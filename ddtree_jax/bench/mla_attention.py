@@ -1,7 +1,7 @@
-"""Benchmark the Pallas MLA (latent-cache) attention kernel against its jnp reference, with floors.
+"""The Pallas MLA (latent-cache) attention kernel against its jnp reference, with floors.
 
-    python scripts/bench_mla_attention.py --out results/h200/bench_mla_attention.json   # H200, <= 4 min
-    python scripts/bench_mla_attention.py --quick --out /tmp/mla.json                  # CPU smoke (interpret)
+    ddtree-bench mla-attention --deadline-s 210 --out results/h200/bench_mla_attention.json  # H200, <= 4 min
+    ddtree-bench mla-attention --quick --out /tmp/mla.json                  # CPU smoke (interpret)
 
 Kimi-K2 shapes (latent 512 + RoPE key 64, bf16): H = 64 heads (TP1) and 8 (one TP8 shard; the
 latent cache is the same on every device), T = 1 (ar) and 64 (a budget-63 verify, random ancestor
@@ -10,19 +10,17 @@ jit, the kernel's error against the reference on the device, and two floors: byt
 queries + output) over the read ceiling measured in the same run (a large `jnp.sum`), and FLOPs
 (2 x rows x keys x (512 + 64 + 512)) over 790 TFLOP/s (bf16 matmul on the H200, docs/design.md). Then,
 while --deadline-s allows, a tuning sweep of the kernel alone on the shapes that decide the
-defaults. Timing as in bench_attention.py: k independent calls per jitted program, each on its own
+defaults. Timing as in `ddtree-bench attention`: k independent calls per jitted program, each on its own
 copy of the cache, median over runs / k. Every configuration is guarded: failures are recorded as
-error strings and the run goes on; what does not fit `--deadline-s` is recorded as skipped.
+error strings and the run goes on; what does not fit `--deadline-s` is listed under "skipped" (rows of
+files recorded before 2026-12-07 say `skipped: deadline`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
-import sys
 import time
 import warnings
 
@@ -30,13 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bench_attention import random_tree_mask, read_ceiling, rel_errors, short_error  # noqa: E402
-
-from ddtree_jax.bench.report import run_header  # noqa: E402
-from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference  # noqa: E402
-from ddtree_jax.kernels.tuning import resolve_mla_tuning  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.bench.attention import random_tree_mask, read_ceiling, rel_errors, short_error
+from ddtree_jax.kernels.mla_attention import mla_attention, mla_attention_reference
+from ddtree_jax.kernels.tuning import resolve_mla_tuning
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -79,7 +74,7 @@ def time_per_call(make_fn, args, *, k: int, target_s: float = 0.25, max_reps: in
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*call_args))
         runs.append(time.perf_counter() - t0)
-    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, k=k, compile_s=compile_s)
+    timing = dict(s=statistics.median(runs) / k, min_s=min(runs) / k, reps=reps, calls=k, compile_s=compile_s)
     return timing, first_out
 
 
@@ -246,11 +241,12 @@ def sweep_tunings(quick: bool) -> list[tuple[dict, list[dict]]]:
 FIRST_PASS = 5
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/h200/bench_mla_attention.json", help="JSON output path")
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench mla-attention`; the exit status."""
+    parser = report.parser("mla-attention", __doc__)
+    parser.add_argument("--out", required=True, help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke test, interpret mode)")
-    parser.add_argument("--deadline-s", type=float, default=None, help="no row starts after this (s; 210)")
+    report.add_deadline(parser)
     parser.add_argument("--no-sweep", action="store_true", help="skip the tuning sweep")
     parser.add_argument(
         "--sweep", choices=["none", "first", "full"], default="full",
@@ -259,12 +255,17 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep-first", action="store_true", help="run the sweep before the main rows")
     parser.add_argument("--heads", default=None, help="main rows' H, comma list (default 64,8)")
     parser.add_argument("--batch-sizes", default=None, help="main rows' B (default 1,16)")
+    report.add_deprecated(parser, "--batches", "--batch-sizes")
     parser.add_argument("--contexts", default=None, help="main rows' S (default 1024,4096,8192,32768)")
     parser.add_argument("--nodes", default=None, help="main rows' T (default 1,64)")
     parser.add_argument(
         "--dry-run", action="store_true", help="print the planned rows and tunings, run nothing"
     )
-    opts = parser.parse_args(argv)
+    return report.run_subcommand("mla-attention", parser, argv, run_all)
+
+
+def run_all(opts: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """The main rows and the sweep while `deadline` allows; the JSON after each row."""
     if opts.no_sweep:
         opts.sweep = "none"
 
@@ -277,7 +278,6 @@ def main(argv=None) -> None:
     else:
         heads, batches, lengths_s, nodes = [64, 8], [1, 16], [1024, 4096, 8192, 32768], [1, 64]
         c, r, k, ceiling_bytes = 512, 64, 8, 4 << 30
-    deadline_s = opts.deadline_s or (600 if opts.quick else 210)
     heads, batches, lengths_s, nodes = (
         ints(text) if text else default
         for text, default in (
@@ -298,12 +298,10 @@ def main(argv=None) -> None:
         plan += [("sweep", shape, tun) for shape, tunings in sweep_runs for tun in tunings]
         for kind, shape, tun in plan:
             print(kind, shape, resolve_mla_tuning((shape["B"], shape["T"], shape["H"], c), shape["S"], **tun))
-        print(
-            f"{len(main_shapes)} rows, {len(plan) - len(main_shapes)} sweep points, deadline {deadline_s} s"
-        )
-        return
+        print(f"{len(main_shapes)} rows, {len(plan) - len(main_shapes)} sweep points")
+        return 0
 
-    meta = run_header(sys.argv) | dict(
+    meta = report.run_header(command) | dict(
         platform=device.platform,
         interpret=interpret,
         dtype=str(jnp.dtype(dtype)),
@@ -319,6 +317,8 @@ def main(argv=None) -> None:
         tuning_sweep=[],
     )
     try:
+        if not deadline.allows("read ceiling"):  # no row runs either
+            raise TimeoutError("--deadline-s passed")
         results["ceiling"] = read_ceiling(ceiling_bytes)
     except Exception as e:  # noqa: BLE001
         results["ceiling"] = dict(error=short_error(e), bytes_per_s=4.52e12)
@@ -326,18 +326,15 @@ def main(argv=None) -> None:
     print(f"read ceiling {ceiling / 1e9:.0f} GB/s ({elapsed():.0f}s)", flush=True)
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
         results["meta"]["wall_s"] = elapsed()
-        with open(opts.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        report.write_json(opts.out, results | {"skipped": deadline.skipped})
 
     key = jax.random.key(0)
     rng = np.random.default_rng(0)
 
     def run(shape: dict, tunings: list[dict], sink: list, with_reference: bool) -> None:
         """Rows of one shape (inputs made once), guarded, saved after each."""
-        if elapsed() > deadline_s:
-            sink.extend(dict(shape, tuning=tun, skipped="deadline") for tun in tunings)
+        if not deadline.allows(f"{shape} {len(tunings)} tuning(s)"):
             return
         try:
             dims = dict(b=shape["B"], s=shape["S"], t=shape["T"], h=shape["H"], c=c, r=r, dtype=dtype)
@@ -346,8 +343,7 @@ def main(argv=None) -> None:
             sink.append(dict(shape, error="inputs: " + short_error(e)))
             return
         for tun in tunings:
-            if elapsed() > deadline_s:
-                sink.append(dict(shape, tuning=tun, skipped="deadline"))
+            if not deadline.allows(f"{shape} {tun or 'default'}"):
                 continue
             row = bench_row(
                 args, shape=shape, ceiling=ceiling, interpret=interpret, k=k, tuning=tun,
@@ -378,7 +374,4 @@ def main(argv=None) -> None:
     save()
     print_table(results)
     print(f"\nwrote {opts.out} ({elapsed():.0f}s)")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -2,13 +2,13 @@
 log-sum-exp (`tree_attention_merged`, an experiment not wired into the engine: it lives here, with
 its benchmark), with the FLOP and byte floors of each shape (issue 22).
 
-python scripts/bench_prefix_attention.py --shapes 16:8192,16:32768,1:1024 --out prefix.json   # GPU
+ddtree-bench prefix-attention --cases 16:8192,16:32768,1:1024 --out prefix.json   # GPU
 
 Each timing: one jitted program of `--calls` dependent calls (the next call's queries depend on the
 last output, so XLA cannot merge them), median of `--reps` runs, per call. At B = 1, S = 1k the K/V
 (4 MB) stay in L2: optimistic for every variant alike. Before timing, the merged form with the jnp
 prefix standing in for cuDNN is checked against `tree_attention_reference` on a small random tree
-(the check runs on any backend: `--shapes 1:64 --nodes 8` on a CPU).
+(the check runs on any backend: `--cases 1:64 --nodes 8` on a CPU).
 """
 
 from __future__ import annotations
@@ -16,21 +16,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
-
-from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
-from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
-from ddtree_jax.kernels.flash import merge_by_lse  # noqa: E402
-from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs
+from ddtree_jax.kernels.flash import merge_by_lse
+from ddtree_jax.kernels.tree_attention import tree_attention, tree_attention_reference
 
 PEAK_TFLOPS = 790.0  # bf16 dense, measured (docs/design.md)
 
@@ -197,21 +193,26 @@ def per_call_us(fn, args, calls: int, reps: int) -> float:
     return 1e6 * median_seconds(lambda: many(*args), reps) / calls
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="16:8192,16:32768,1:1024", help="batch:cache pairs")
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench prefix-attention`; the exit status."""
+    ap = report.parser("prefix-attention", __doc__)
+    ap.add_argument("--cases", default="16:8192,16:32768,1:1024", help="batch_size:context pairs")
+    report.add_deprecated(ap, "--shapes", "--cases")
     ap.add_argument("--nodes", type=int, default=64, help="T")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
-    add_deadline(ap)
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    deadline = Deadline(args.deadline_s, prog="bench_prefix_attention.py")
+    report.add_deadline(ap)
+    ap.add_argument("--out", required=True, help="JSON output path")
+    return report.run_subcommand("prefix-attention", ap, argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """The merged form checked, then every shape while `deadline` allows; the JSON after each."""
     hkv, g, d, t = 8, 4, 128, args.nodes
-    check_err = check_merged()
+    check_err = check_merged() if deadline.allows("merged check") else None
     # the Triton kernel interpreted off the GPU (a toy run on a CPU checks the script, not the speed)
     triton = functools.partial(tree_attention, interpret=jax.default_backend() != "gpu")
-    ceiling = read_ceiling_gbs(4 << 30)
+    ceiling = read_ceiling_gbs(4 << 30) if deadline.allows("read ceiling") else None  # None: no row runs
 
     def prefix_only(q, kc, vc, lengths, *_):  # the cuDNN part alone (no tree part, no merge)
         return _unpack_rows(prefix_attention_cudnn(_pack_queries(q, hkv), kc, vc, lengths)[0], t)
@@ -221,9 +222,9 @@ def main() -> None:
         "merged_cudnn": tree_attention_merged,
         "prefix_cudnn_only": prefix_only,
     }
-    meta = run_header(sys.argv) | {"read_ceiling_gbs": ceiling, "merged_reference_check_err": check_err}
+    meta = report.run_header(command) | {"read_ceiling_gbs": ceiling, "merged_reference_check_err": check_err}
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.cases.split(","):
         if not deadline.allows(shape):
             continue
         b, s = map(int, shape.split(":"))
@@ -231,7 +232,7 @@ def main() -> None:
         visible = s - t
         kv_bytes = 2 * b * hkv * visible * d * 2
         flops = 4 * b * hkv * (t * g) * (visible + t) * d
-        row = {"batch_size": b, "cache": s, "nodes": t, "visible": visible}
+        row = {"batch_size": b, "context": s, "nodes": t, "visible": visible}
         row["byte_floor_us"] = round(1e6 * kv_bytes / (ceiling * 1e9), 1)
         row["flop_floor_us"] = round(1e6 * flops / (PEAK_TFLOPS * 1e12), 1)
         floor = max(row["byte_floor_us"], row["flop_floor_us"])
@@ -254,11 +255,8 @@ def main() -> None:
             row[f"{name}_wall_s"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+        report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
         del x
-    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
-    print(np.round(ceiling, 1), "GB/s read ceiling")
-
-
-if __name__ == "__main__":
-    main()
+    report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    print(f"{ceiling} GB/s read ceiling")
+    return 0

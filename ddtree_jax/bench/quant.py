@@ -4,7 +4,7 @@ against bf16, through XLA (`ddtree_jax.quant.arrays`) and through the Pallas gro
 Kimi-K2 routed experts (384 x [7168 -> 2048], top-8) and a dense projection ([7168 -> 18432], Kimi-K2's
 dense MLP), at 1, 16, 64 and 512 tokens.
 
-python scripts/bench_quant.py --out bench_quant.json [--hlo-dir hlo/] [--small]
+    ddtree-bench quant --out bench_quant.json [--hlo-dir hlo/] [--quick] [--deadline-s 200]
 
 Per case: the time of one call (`pipelined`: 20 calls queued, one sync, divided by 20; `synced`: the
 median of 10 synced calls, dispatch included); the bytes it must read (experts: the distinct experts its
@@ -18,7 +18,6 @@ import argparse
 import functools
 import json
 import re
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -27,11 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source tree
-
-from ddtree_jax.bench.report import run_header  # noqa: E402
-from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs  # noqa: E402
-from ddtree_jax.quant import arrays  # noqa: E402
+from ddtree_jax.bench import report
+from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs
+from ddtree_jax.quant import arrays
 
 FORMATS = ("bf16", "int4", "int4-s4", "fp8")
 ENTRY_LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+([a-z][a-z0-9\-_.]*)\(")
@@ -127,7 +124,7 @@ def cases(args, shapes, weights, per_expert):
             w_exp, w_dense = weights[fmt]
             methods = {"sorted": arrays.sorted_matmul}
             if fmt != "int4-s4":
-                kernel = functools.partial(arrays.pallas_ragged_matmul, interpret=args.small)
+                kernel = functools.partial(arrays.pallas_ragged_matmul, interpret=args.quick)
                 methods["pallas"] = functools.partial(arrays.sorted_matmul, grouped=kernel)
             if t <= args.gather_max_tokens:
                 methods["gather"] = arrays.gather_matmul
@@ -140,34 +137,44 @@ def cases(args, shapes, weights, per_expert):
                 yield row, fn, (x, w_exp, jnp.asarray(ids)), hidden * width
             dense = {"matmul": arrays.matmul} | ({"reduce": arrays.reduce_matmul} if t == 1 else {})
             if fmt != "int4-s4":
-                dense["pallas"] = functools.partial(dense_pallas, interpret=args.small)
+                dense["pallas"] = functools.partial(dense_pallas, interpret=args.quick)
             for method, fn in dense.items():
                 row = {"kind": "dense", "format": fmt, "method": method, "tokens": t, "rows": t}
                 row["per_expert_bytes"] = arrays.stored_bytes(w_dense)
                 yield row, fn, (x[:t], w_dense), hidden * dense_out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench quant`; the exit status."""
+    ap = report.parser("quant", __doc__)
+    ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument(
         "--hlo-dir", type=Path, default=None, help="write the optimized HLO of the 16-token cases"
     )
-    ap.add_argument("--tokens", default="1,16,64,512")
+    ap.add_argument("--tokens", default="1,16,64,512", help="token counts of the cases")
     ap.add_argument(
         "--gather-max-tokens", type=int, default=64, help="the gather variant up to this many tokens"
     )
-    ap.add_argument(
-        "--deadline-s", type=float, default=200, help="skip the cases left after this many seconds"
-    )
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run)")
-    args = ap.parse_args()
+    report.add_deadline(ap)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
+    report.add_deprecated(ap, "--small", "--quick", flag=True)
+    return report.run_subcommand("quant", ap, argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Every case while `deadline` allows; the JSON after each."""
     begin = time.perf_counter()
-    shapes = (256, 128, 16, 4, 384) if args.small else (7168, 2048, 384, 8, 18432)
+    if args.hlo_dir is not None:
+        args.hlo_dir = Path(args.hlo_dir)
+    shapes = (256, 128, 16, 4, 384) if args.quick else (7168, 2048, 384, 8, 18432)
     hidden, width, experts, experts_per_token, dense_out = shapes
     if args.hlo_dir is not None:
         args.hlo_dir.mkdir(parents=True, exist_ok=True)
-    ceiling = read_ceiling_gbs((1 << 24) if args.small else (4 << 30))
+    if not deadline.allows("weights and read ceiling"):  # no case runs either
+        meta = report.run_header(command)
+        report.write_json(args.out, {"meta": meta, "rows": [], "skipped": deadline.skipped})
+        return 0
+    ceiling = read_ceiling_gbs((1 << 24) if args.quick else (4 << 30))
     weights, measured = {}, {}
     for fmt in FORMATS:
         before = in_use()
@@ -177,7 +184,7 @@ def main() -> None:
         )
         measured[fmt] = in_use() - before
     per_expert = {fmt: arrays.stored_bytes(w[0]) / experts for fmt, w in weights.items()}
-    meta = run_header(sys.argv) | {
+    meta = report.run_header(command) | {
         "read_ceiling_gbs": round(ceiling, 1),
         "shapes": {
             "hidden": hidden,
@@ -194,8 +201,7 @@ def main() -> None:
     }
     rows = []
     for row, fn, call, elements in cases(args, shapes, weights, per_expert):
-        if time.perf_counter() - begin > args.deadline_s:
-            rows.append(row | {"error": "skipped: deadline"})
+        if not deadline.allows({k: v for k, v in row.items() if k != "per_expert_bytes"}):
             continue
         try:
             run_case(row, fn, call, row.pop("per_expert_bytes"), elements, args.hlo_dir)
@@ -205,13 +211,8 @@ def main() -> None:
             traceback.print_exc()
         rows.append(row)
         print(json.dumps(row), flush=True)
-        args.out.write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
-        )  # partial results survive
+        report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     meta["wall_s"] = round(time.perf_counter() - begin, 1)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     print(json.dumps(meta))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

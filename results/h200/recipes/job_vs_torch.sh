@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The main job beside a gpt-fast-style PyTorch job, one device call (issue 50): the anchor at batch 16
+# (96 prompts x 128) and 64 (192 x 128), then the README's main job on the held-out prompts (ar and ddtree
+# at batch 16, ar at 64 on the prompts twice over; each run twice on one warm compile cache, the second
+# counted) and the host loop beside the device job; prints ours / PyTorch.
+#   ANCHOR=path/to/torch_job_anchor.py bash results/h200/recipes/job_vs_torch.sh   (writes under $OUT)
+set -u
+OUT=${OUT:-/tmp/job-vs-torch}; mkdir -p "$OUT"
+ANCHOR=${ANCHOR:-../shared/anchors/torch_job_anchor.py}
+CACHE=/tmp/ddtree-job-cache
+P96=results/heldout-prompts-96.jsonl
+P192=/tmp/heldout-192.jsonl
+python3 -c "
+import json
+lines = [json.loads(x) for x in open('$P96')]
+with open('$P192', 'w') as f:
+    for rep in range(2):
+        for x in lines:
+            f.write(json.dumps(dict(x, id=f\"{x['id']}-{rep}\")) + '\n')
+"
+nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/device.txt"
+git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null
+for b in 16 64; do
+  n=$(( b == 16 ? 96 : 192 ))
+  OUT="$OUT" BATCH=$b PROMPTS=$n NEW=128 timeout 150 python3 "$ANCHOR" > "$OUT/anchor-b$b.txt" 2>&1
+done
+job() {  # name, then ddtree-generate flags
+  local name=$1; shift
+  for run in 1 2; do
+    timeout 120 python3 -m ddtree_jax.cli --max-new-tokens 128 --compile-cache "$CACHE" \
+      --out "/tmp/$name-$run.jsonl" --overwrite "$@" > "$OUT/$name-$run.txt" 2>/dev/null
+  done
+}
+job ar-b16 --prompts "$P96" --batch-size 16 --method ar
+job ddtree-b16 --prompts "$P96" --batch-size 16 --method ddtree
+job ar-b64 --prompts "$P192" --batch-size 64 --method ar
+job ddtree-b64 --prompts "$P192" --batch-size 64 --method ddtree
+job ar-b16-hostloop --prompts "$P96" --batch-size 16 --method ar --host-loop
+python3 - "$OUT" <<'PY'
+import json, re, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def tok_s(name):
+    text = (out / name).read_text() if (out / name).exists() else ""
+    m = re.search(r"\(([\d.]+) tok/s\)", text)
+    return float(m.group(1)) if m else None
+rows = {}
+for b in (16, 64):
+    text = (out / f"anchor-b{b}.txt").read_text()
+    m = re.findall(r"\{.*\}", text)
+    anchor = json.loads(m[-1]) if m else {}
+    rows[f"anchor-b{b}"] = anchor
+    for method in ("ar", "ddtree"):
+        ours = tok_s(f"{method}-b{b}-2.txt")
+        tps = anchor.get("tok_s") or anchor.get("tokens_per_s")
+        rows[f"{method}-b{b}"] = {"tok_s": ours, "first_run_tok_s": tok_s(f"{method}-b{b}-1.txt"),
+                                 "vs_torch": round(ours / tps, 3) if ours and tps else None}
+rows["ar-b16-hostloop"] = {"tok_s": tok_s("ar-b16-hostloop-2.txt")}
+(out / "summary.json").write_text(json.dumps(rows, indent=1))
+print(json.dumps(rows, indent=1))
+PY

@@ -1,0 +1,112 @@
+"""The continuous job on the device (job.py): the tokens of the host loop and of static batches, the
+same programs whatever the number of prompts, few returns to the host, and a prompt's tokens
+independent of the prompts prefilled beside it."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import load_drafter, load_target
+from test_scheduling import PROMPTS, generator
+
+from ddtree_jax import scheduler
+from ddtree_jax.engine import Plan
+from ddtree_jax.prompts import Prompt
+from ddtree_jax.scheduler import Generator, Schedule
+
+
+def results(gen, prompts, options=None):
+    options = options or [{}] * len(prompts)
+    items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
+    by_id = {r.id: r for r in gen.run(items)}
+    return [by_id[i] for i in range(len(prompts))]
+
+
+def fields(rs):
+    return [(r.output_ids, r.acceptance_lengths, r.finish_reason) for r in rs]
+
+
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 3}
+
+
+@pytest.mark.parametrize("method,sampling", [("ddtree", None), ("ddtree", SEEDED), ("ar", SEEDED)])
+def test_device_job_equals_host_loop(method, sampling, monkeypatch):
+    """The device job and the host loop give the same tokens and acceptance, greedy and sampled, with
+    more prompts than rows (refills) and one iteration per call (tokens do not depend on where a call
+    ends)."""
+    budget = 7 if method == "ddtree" else 0
+    kw = dict(method=method, budget=budget, batch_size=3, chunk=16, sampling=sampling, stop_ids=(17,))
+    host = results(generator(device_loop=False, **kw), PROMPTS)
+    monkeypatch.setattr(scheduler, "FIRST_MOST", 1)
+    monkeypatch.setattr(scheduler, "_next_most", lambda most, seconds: 1)
+    gen = generator(**kw)
+    device = results(gen, PROMPTS)
+    assert gen.loop == "device" and fields(device) == fields(host)
+    occ = gen.occupancy  # one iteration (harvest, admission, `stride` rounds) a call
+    assert occ.host_returns * gen.schedule.stride >= occ.rounds
+
+
+class Compiles:
+    """Counts XLA compilations and jaxpr traces (jax.monitoring duration events) while active."""
+
+    EVENTS = {"/jax/core/compile/backend_compile_duration": "compiles",
+              "/jax/core/compile/jaxpr_trace_duration": "traces"}  # fmt: skip
+
+    def __init__(self):
+        self.counts = {"compiles": 0, "traces": 0}
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, **kwargs):
+        if self.active and event in self.EVENTS:
+            self.counts[self.EVENTS[event]] += 1
+
+
+_COUNTER = Compiles()
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_job_compiles_once_whatever_the_prompts(method, monkeypatch):
+    """The main job's path traces and compiles the same programs for 4 prompts as for 12 (nothing is
+    compiled per prompt or per refill inside the generation), and returns to the host at most
+    ceil(rounds / K) + flushes times (K fixed here: the host sizes it by wall time otherwise)."""
+    monkeypatch.setattr(scheduler, "_next_most", lambda most, seconds: most)
+    budget = 7 if method == "ddtree" else 0
+    seen = []
+    longest_first = sorted(PROMPTS * 2, key=len, reverse=True)  # every list holds the longest prompt
+    for n in (4, 12, 14):
+        gen = generator(method=method, budget=budget, batch_size=3, chunk=16)
+        _COUNTER.counts = {"compiles": 0, "traces": 0}
+        _COUNTER.active = True
+        try:
+            out = results(gen, longest_first[:n])
+        finally:
+            _COUNTER.active = False
+        seen.append((dict(_COUNTER.counts), len(gen.compile_log)))
+        assert len(out) == n
+        occ = gen.occupancy
+        flushes = -(-n // (4 * gen.rows_run - gen.rows_run))  # the finished buffer: 4 B, a harvest <= B
+        assert occ.host_returns <= -(-occ.rounds // scheduler.FIRST_MOST) + flushes + 1
+    # the first run (4 prompts) compiles the job's programs; 12 and 14 prompts compile nothing new (the
+    # same prompt slots: the longest prompt is in every list; the same queue block: 16 prompts)
+    assert seen[1][0]["compiles"] == 0 and seen[2][0]["compiles"] == 0, seen
+    assert seen[1][1] == 0 and seen[2][1] == 0
+
+
+def test_prefill_together_is_order_and_slot_invariant_in_bfloat16():
+    """A prompt's tokens and acceptance are the same whichever prompts share its prefill pass and
+    whichever slot and row it lands in, in bfloat16 (fixed shapes: [R, C] chunks, each prompt on its
+    own chunk schedule)."""
+    cfg, params = load_target("qwen3_gqa4_tp")
+    dcfg, dparams = load_drafter("dflash_qwen3_gqa4_tp")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, params)
+    dparams = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, dparams)
+    plan = Plan(cfg, dcfg, "ddtree", 16, budget=7, branching=7)
+
+    def job(prompts, slots):
+        gen = Generator(params, dparams, plan, (), schedule=Schedule(4, chunk=16, prefill_slots=slots))
+        return {tuple(p): r for p, r in zip(prompts, results(gen, prompts), strict=True)}
+
+    forward = job(PROMPTS, 4)
+    backward = job(PROMPTS[::-1], 4)
+    for p in PROMPTS:
+        assert fields([forward[tuple(p)]]) == fields([backward[tuple(p)]]), p
