@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> Report:
         },
     )  # fmt: skip
     hists = {ours_name: outputs.histogram(our_list), theirs_name: outputs.histogram(their_list)}
-    sides, warning = provenance_of_sides(args, theirs_name)
+    resolved_settings = check_generation_flags(args).with_budget(inputs.pair.target, inputs.prompts).record()
+    sides, warning = provenance_of_sides(args, theirs_name, resolved_settings)
     return Report(
         command="external",
         verdict=verdict_of([comparison]),
@@ -148,10 +149,11 @@ def run(args: argparse.Namespace) -> Report:
     )
 
 
-def provenance_of_sides(args: argparse.Namespace, theirs_name: str) -> tuple[dict, list[str]]:
-    """{side: (provenance, settings)} of ours (this run's, or --ours' sidecar) and theirs (--theirs'
-    sidecar: None for another system's file), and what they differ in that changes bfloat16 outputs;
-    both sides printed on stderr, the differences as a warning."""
+def provenance_of_sides(args: argparse.Namespace, theirs_name: str, resolved: dict) -> tuple[dict, list[str]]:
+    """{side: (provenance, settings)} of ours (this run's, its settings `resolved` as a sidecar records
+    them: ar's budget 0, ddtree's branching; or --ours' sidecar) and theirs (--theirs' sidecar: None for
+    another system's file), and what they differ in that changes bfloat16 outputs; both sides printed on
+    stderr, the differences as a warning."""
     import sys
 
     from ddtree_jax import provenance
@@ -159,7 +161,7 @@ def provenance_of_sides(args: argparse.Namespace, theirs_name: str) -> tuple[dic
     if args.ours is None:
         ours = (
             provenance.provenance(),
-            {k: v for k, v in vars(args).items() if k in provenance.PROGRAM_SETTINGS},
+            {k: v for k, v in resolved.items() if k in provenance.PROGRAM_SETTINGS},
         )
     else:
         ours = provenance.of_outputs(args.ours)
