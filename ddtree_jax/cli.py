@@ -222,7 +222,9 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
         f"compile: {gen.compile_seconds:.2f} s   wall: {wall:.2f} s",
     ]
     if gen.compile_log:
-        lines.append(compiled_programs(gen.compile_log))
+        hits = gen.programs.cache_hits
+        loaded = f", {hits} read from the compile cache" if hits else ""
+        lines.append(compiled_programs(gen.compile_log) + loaded)
     if accepted:
         hist = collections.Counter(accepted)
         lines.append(

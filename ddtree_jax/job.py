@@ -4,8 +4,8 @@ from a queue of prompts held on the device, prefilling up to R admitted prompts 
 One call of `run_job` is a stretch of the job: a `lax.while_loop` whose every iteration
   1. harvests the rows that finished (eos, stop ids, limits) into the call's `Finished` buffer and
      frees them,
-  2. admits the next queued prompts into free rows when enough rows are free (`refill_at`, or no row
-     is running), up to R at once in one prefill pass (prefill.py: each prompt on its own chunk
+  2. admits the next queued prompts into free rows while enough rows are free (`refill_at`, or no row
+     is running), up to R at once in each prefill pass (prefill.py: each prompt on its own chunk
      schedule, so its tokens do not depend on its companions or its slot),
   3. runs `stride` decoding rounds (engine.decode_round; a row that finishes among them waits for
      the next harvest, frozen).
@@ -266,18 +266,21 @@ def run_job(
     def body(c):
         job, finished, i = c
         job, finished = harvest(job, finished)
-        n = admissible(job, queue, slots)
-        free, waiting = jnp.sum(job.occupant < 0), queue.end[0] - job.next[0]
-        due = (n > 0) & ((free >= jnp.minimum(refill_at, waiting)) | (free == rows))
-        n = jnp.where(due, n, 0)
-        req = requests(job, queue, slots, n)
 
-        def refill(job):
+        def to_admit(job):  # this device's prompts to admit in the next pass (0: none is due)
+            n = admissible(job, queue, slots)
+            free, waiting = jnp.sum(job.occupant < 0), queue.end[0] - job.next[0]
+            due = (n > 0) & ((free >= jnp.minimum(refill_at, waiting)) | (free == rows))
+            return jnp.where(due, n, 0)
+
+        def admit(job):  # one prefill pass of up to `slots` prompts
+            n = to_admit(job)
+            req = requests(job, queue, slots, n)
             return _refill(
                 params, draft_params, job, req, n, call, plan=plan, chunk=chunk, attention=attention
             )
 
-        job = jax.lax.cond(_count(n, plan) > 0, refill, lambda j: j, job)
+        job = jax.lax.while_loop(lambda j: _count(to_admit(j), plan) > 0, admit, job)
         still_waiting = (queue.end[0] - job.next[0] > 0).astype(jnp.int32)
 
         def one_round(_, carry):  # (a row done mid-way waits for the next harvest: < `stride` rounds)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import engine, job, models, prefill
+from ddtree_jax import engine, executables, job, models, prefill
 from ddtree_jax.config import TargetConfig
 from ddtree_jax.engine import ALL, ROW, DecodeState, Plan, on_mesh, param_specs, state_specs
 from ddtree_jax.kv_cache import KVCache
@@ -290,11 +290,12 @@ class Programs:
         self.chunk, self.attention = chunk, attention  # the prefill chunks' size and attention
         self.compile_seconds = 0.0
         self.compile_log: list[tuple[str, float]] = []
+        self.cache_hits = 0  # programs of compile_log read from the compile cache (executables.py)
         self._stages: dict[str, Any] | None = None
 
     def _call(self, name: str, *args, **static):
-        """Program `name` on (params, draft params, *args), compiled ahead on its first use of these
-        shapes and layouts, then called directly."""
+        """Program `name` on (params, draft params, *args), compiled ahead (or read from the compile
+        cache: executables.py) on its first use of these shapes and layouts, then called directly."""
         static |= {"plan": self.plan}
         args = (self.params, self.draft_params, *args)
         leaves, tree = jax.tree.flatten(args[2:])
@@ -303,7 +304,11 @@ class Programs:
         compiled = _COMPILED.get(key)
         if compiled is None:
             begin = time.perf_counter()
-            compiled = _COMPILED[key] = JITTED[name].lower(*args, **static).compile()
+            loaded = executables.load_or_compile(
+                name, (static, executables.signature(*args)), lambda: JITTED[name].lower(*args, **static)
+            )
+            compiled = _COMPILED[key] = loaded.compiled
+            self.cache_hits += loaded.hit
             self.count_compile(name, time.perf_counter() - begin)
         return compiled(*args)
 

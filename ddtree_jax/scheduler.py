@@ -56,8 +56,10 @@ class Schedule:
     host_stepped: bool = False  # rounds driven from the host, one timed step at a time
     chunk: int = 256  # C: prefill tokens per row per step (a power of two); the tail runs in C / 4
     refill_at: int = 1  # continuous: refill once this many rows are free (or none runs)
-    prefill_slots: int = 8  # R: prompts prefilled together in one pass (at most the rows per device)
-    stride: int = 8  # the device job's rounds between harvests (a loop of static length on the device)
+    # R: prompts prefilled together in one pass (at most the rows per device), and the device job's
+    # rounds between harvests (a loop of static length on the device); None: by backend (job_defaults)
+    prefill_slots: int | None = None
+    stride: int | None = None
     device_loop: bool = True  # continuous: the whole job in one device program (job.py)
     batch_invariant: bool = False  # fixed rows and kernel splits: tokens independent of the batch
     # "same": the plan's attention; "cudnn": cuDNN flash attention where it applies (CUDA, bf16/f16,
@@ -69,7 +71,7 @@ class Schedule:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
-        if min(self.batch_size, self.refill_at, self.prefill_slots, self.stride) < 1:
+        if min(self.batch_size, self.refill_at, self.prefill_slots or 1, self.stride or 1) < 1:
             raise ValueError("batch_size, refill_at, prefill_slots and stride must be >= 1")
 
 
@@ -250,7 +252,8 @@ class Generator:
         call runs, and returns only every `most` iterations or when the finished buffer fills."""
         occ, dp = self.occupancy, self.plan.dp
         rows = run.rows // dp  # per device
-        slots = min(self.schedule.prefill_slots, rows)
+        slots, stride = job_defaults(self.schedule)
+        slots = min(slots, rows)
         size = 4 * rows  # the finished buffer, per device: at least 3 rows' harvests a call
         share = [order[d::dp] for d in range(dp)]  # each device's prompts, in the order they enter
         block = min(prompt_slots(max(len(x) for x in share)), QUEUE_BLOCK)
@@ -265,7 +268,7 @@ class Generator:
             starts[call] = time.perf_counter()
             state, finished = self.programs.job(
                 state, queue, most, self.schedule.refill_at, call, slots=slots,
-                stride=self.schedule.stride, finished_size=size,
+                stride=stride, finished_size=size,
             )  # fmt: skip
             if pending is None:  # the first call: nothing to read yet
                 pending, call = (call, finished), call + 1
@@ -497,6 +500,17 @@ class _Run:
 def _retire(state: DecodeState, rows: jax.Array) -> DecodeState:
     """The state with rows [B] bool done (cut at a stop string on the host)."""
     return dataclasses.replace(state, done=state.done | rows)
+
+
+def job_defaults(schedule: Schedule) -> tuple[int, int]:
+    """(prefill slots R, stride) of the device job: the schedule's, else by backend. A GPU launches
+    each of a round's kernels from the host (XLA's loop returns to its thread every iteration of a loop
+    whose test is on the device), so it runs 8 rounds between harvests and prefills 8 prompts a pass
+    (results/h200/2026-12-07); a CPU has no launch cost but computes every slot of a pass, a prompt's
+    or padding, so it prefills one prompt a pass and harvests every round."""
+    cpu = jax.default_backend() == "cpu"
+    slots = schedule.prefill_slots or (1 if cpu else 8)
+    return slots, schedule.stride or (1 if cpu else 8)
 
 
 def _finished_outputs(f: job.Finished) -> dict:

@@ -84,9 +84,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "each step (draft, build, verify, walk, commit)")),
     "prefill_chunk": (("--prefill-chunk",), dict(type=int, default=256, help="prefill tokens per row per "
         "step (a power of two >= 16)")),
-    "prefill_slots": (("--prefill-slots",), dict(type=int, default=8, help="prompts prefilled together "
-        "in one pass of the continuous job (at most the rows per --dp device); each prompt's tokens are "
-        "the same whichever prompts share its pass")),
+    "prefill_slots": (("--prefill-slots",), dict(type=int, help="prompts prefilled together in one pass "
+        "of the continuous job (at most the rows per --dp device; default 8 on a GPU, 1 on a CPU); a "
+        "prompt's tokens are the same whichever prompts share its pass")),
     "host_loop": (("--host-loop",), dict(action="store_true", help="continuous batching driven from the "
         "host (a refill program per admission, rounds between): the baseline of the job on the device")),
     "prefill_attention": (("--prefill-attention",), dict(choices=("same", "cudnn"), default="same",
@@ -301,7 +301,7 @@ class Settings:
     host_stepped: bool = False
     batch_invariant: bool = False
     prefill_chunk: int = 256
-    prefill_slots: int = 8
+    prefill_slots: int | None = None
     host_loop: bool = False
     prefill_attention: str = "same"
     tp: int = 1

@@ -204,10 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="ddtree")
     p.add_argument("--budget", type=int, default=15)
     p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--prefill-slots", type=int, default=8, help="continuous: prompts prefilled together")
+    p.add_argument("--prefill-slots", type=int, help="continuous: prompts a prefill pass (by backend)")
     p.add_argument("--refill-at", type=int, default=1, help="continuous: refill once this many rows are free")
     p.add_argument("--host-loop", action="store_true", help="continuous batching driven from the host")
-    p.add_argument("--stride", type=int, default=8, help="continuous: rounds between harvests on the device")
+    p.add_argument("--stride", type=int, help="continuous: rounds between harvests (default by backend)")
     p.add_argument("--repeats", type=int, default=1, help="continuous runs (the fastest reported)")
     p.add_argument("--stop-fraction", type=float, default=0.3)
     p.add_argument(
