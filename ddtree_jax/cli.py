@@ -267,46 +267,22 @@ def left(run: Prepared, llm: LLM) -> int:
 
 class Status:
     """What a run says on stderr while no result has come yet (loading the weights, compiling the
-    programs; to a terminal only, so that an error stays the one line a log or a script reads), and how
-    many programs the compile cache gave (JAX's monitoring events, counted while the
-    run lasts)."""
-
-    HITS, REQUESTS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/compile_requests_use_cache"
+    programs, then how many the compile cache gave); to a terminal only, so that an error stays the one
+    line a log or a script reads."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.counts: collections.Counter = collections.Counter()
-
-    def _count(self, event: str, **_) -> None:
-        if event in (self.HITS, self.REQUESTS):
-            self.counts[event] += 1
-
-    def __enter__(self) -> Status:
-        import jax
-
-        jax.monitoring.register_event_listener(self._count)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import jax
-
-        jax.monitoring.unregister_event_listener(self._count)
 
     def say(self, text: str) -> None:
-        """One status line on stderr (process 0 only)."""
+        """One status line on stderr (when enabled: process 0, on a terminal)."""
         if self.enabled:
             print(f"ddtree-generate: {text}", file=sys.stderr, flush=True)
 
-    def cache(self) -> str:
-        """How many of the programs compiled so far came from the compile cache."""
-        requests, hits = self.counts[self.REQUESTS], self.counts[self.HITS]
-        if not requests:
-            return (
-                "compile cache: off (every program compiled)"
-                if self.counts
-                else "compile cache: off or unused"
-            )
-        return f"compile cache: {hits} of {requests} programs loaded from it, {requests - hits} compiled"
+
+def cache_note(gen) -> str:
+    """How many of the programs compiled so far the compile cache gave (executables.py)."""
+    hits = getattr(gen.programs, "cache_hits", 0)
+    return f"{hits} of {len(gen.compile_log)} programs read from the compile cache"
 
 
 def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status | None = None) -> list:
@@ -339,7 +315,7 @@ def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status 
                 if not results and status is not None and status.enabled:
                     bar.write(
                         f"ddtree-generate: first result after {llm.compile_seconds - compiled:.1f} s of "
-                        f"compiling ({status.cache()})",
+                        f"compiling ({cache_note(llm.generator)})",
                         file=sys.stderr,
                     )
                 with critical():  # a result counts in the summary once its line is written
@@ -373,26 +349,26 @@ def run(s: Settings) -> None:
         generate_all(prepared, None, writer)
         print(f"{len(refused)} requests not served (their lines hold the errors)", file=report)
         return
-    with Status(s.is_writer and sys.stderr.isatty()) as status:
-        pair = f"{s.target}" + (f" and {s.draft}" if s.draft else "")
-        pair = "the bundled pair" if Path(s.target) == BUNDLED / "target" else pair
-        status.say(f"loading {pair} ({s.dtype}) ...")
-        loading = time.perf_counter()
-        # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
-        llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
-        status.say(
-            f"loaded in {time.perf_counter() - loading:.1f} s; compiling the programs (the first result "
-            "waits for them)"
-        )
-        try:
-            results = generate_all(prepared, llm, writer, status)
-        except Interrupted as e:
-            if s.is_writer and e.results:
-                print(
-                    summarize(e.results, llm.generator, time.perf_counter() - start, s.batch_size),
-                    file=report,
-                )
-            raise
+    status = Status(s.is_writer and sys.stderr.isatty())
+    pair = f"{s.target}" + (f" and {s.draft}" if s.draft else "")
+    pair = "the bundled pair" if Path(s.target) == BUNDLED / "target" else pair
+    status.say(f"loading {pair} ({s.dtype}) ...")
+    loading = time.perf_counter()
+    # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
+    llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
+    status.say(
+        f"loaded in {time.perf_counter() - loading:.1f} s; compiling the programs (the first result "
+        "waits for them)"
+    )
+    try:
+        results = generate_all(prepared, llm, writer, status)
+    except Interrupted as e:
+        if s.is_writer and e.results:
+            print(
+                summarize(e.results, llm.generator, time.perf_counter() - start, s.batch_size),
+                file=report,
+            )
+        raise
     if s.is_writer:
         print(summarize(results, llm.generator, time.perf_counter() - start, s.batch_size), file=report)
         if prepared.done:
@@ -403,7 +379,6 @@ def run(s: Settings) -> None:
             )
         if refused:
             print(f"requests not served: {len(refused)} (their lines hold the errors)", file=report)
-        print(status.cache(), file=report)
 
 
 def main(argv: list[str] | None = None) -> int:
