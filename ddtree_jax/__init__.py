@@ -1,11 +1,11 @@
 """ddtree-jax: DDTree speculative decoding on DFlash drafters, in JAX/Pallas.
 
-The Python API (api.py): `LLM` loads a target and drafter once, `LLM.generate` / `LLM.stream` run
-prompts under `SamplingParams` and return `Result`s.
+The Python API (api.py): `LLM` loads a target and drafter once; `LLM.generate` / `LLM.chat` run prompts
+under `SamplingParams` and return vLLM-shaped `RequestOutput`s, `LLM.stream` / `LLM.results` `Result`s.
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Result", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "Result", "SamplingParams"]
 
 
 def __getattr__(name: str):

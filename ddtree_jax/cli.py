@@ -16,8 +16,10 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from ddtree_jax import openai_batch
 from ddtree_jax.api import (
     LLM,
     check_budget,
@@ -28,9 +30,9 @@ from ddtree_jax.api import (
     read_configs,
 )  # fmt: skip
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, finished_ids, interruptible
-from ddtree_jax.prompts import KNOWN_KEYS, sample_key, scan_prompts, tokenize
-from ddtree_jax.settings import BUNDLED, GENERATE, Settings, add_flags
+from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, critical, finished_ids, interruptible
+from ddtree_jax.prompts import KNOWN_KEYS, LOGPROBS, SAMPLES, id_key, sample_key, scan_prompts, tokenize
+from ddtree_jax.settings import BUNDLED, GENERATE, Parser, Settings, add_flags
 
 __all__ = ["BUNDLED", "check_lengths", "main"]
 
@@ -42,12 +44,17 @@ EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KE
   {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed, n override the
   flags; an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
+  OpenAI Batch API files (`vllm run-batch`'s: {{"custom_id", "method", "url": "/v1/chat/completions" or
+  "/v1/completions", "body": {{messages | prompt, max_tokens, temperature, top_p, n, stop, seed,
+  logprobs, ...}}}}) are read too, the first line deciding; a request that cannot be served becomes its
+  output line's error and the rest runs.
 
 output: one JSON line per prompt and sample (--n): id, index, output_ids, text, finish_reason,
   stop_reason (after a --stop string), prompt_tokens, num_output_tokens, rounds, acceptance_lengths,
   e2e_latency; written as each prompt finishes (so in finishing order; with --static-batches batch by
   batch, in input order); the settings go to OUT.settings.json, which --resume checks: a resumed run's
-  lines are those of an uninterrupted run with the same settings.
+  lines are those of an uninterrupted run with the same settings. --output-format openai writes OpenAI
+  batch output lines instead: one per prompt, its n samples as choices.
 
 exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output path; one line on stderr);
   {EXIT_SIGNAL + 2} after SIGINT, {EXIT_SIGNAL + 15} after SIGTERM (finished lines kept; --resume goes on);
@@ -65,16 +72,9 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
-
-    def error(self, message: str):
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    p = _Parser(
+    p = Parser(
         prog="ddtree-generate",
         description="Batched generation with autoregressive, DFlash or DDTree decoding.",
         epilog=EPILOG,
@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """A run checked before any weight loads: its settings (budget resolved), the configs and the
-    tokenizer (each read once), every prompt of the file and the ids already in --out."""
+    tokenizer (each read once), every prompt of the file, the ids already in --out, and the batch
+    requests not served (their lines' errors) with every request's url."""
 
     settings: Settings
     target_cfg: Any
@@ -98,24 +99,97 @@ class Prepared:
     codec: Any
     prompts: list
     done: frozenset
+    refused: tuple = ()  # prompts.Record of each batch request not served (its `error` says why)
+    # id_key -> (its OpenAI url, whether a batch request gave it): chat for messages, else completions
+    endpoints: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(s: Settings) -> Prepared:
-    """Every check that needs no weight: --out, the prompts file, the configs, the limits."""
+    """Every check that needs no weight: --out, the prompts file, the configs, the limits. A prompt that
+    fails a check stops the run, except in an OpenAI batch file, where it becomes its line's error."""
     if s.is_writer:
         check_out(s.out, s.prompts, s.resume, s.overwrite)
     records = scan_prompts(s.prompts, s.max_line_bytes, s.max_new_tokens)
     cfg, dcfg, codec = read_configs(s)
-    prompts = tokenize(records, s.prompts, codec, s.chat_template, cfg.vocab_size)
+    batch = any(r.endpoint is not None for r in records)
+    refused = [r for r in records if r.error is not None]
+    records = [r for r in records if r.error is None]
+    if batch:  # each request checked alone: one that fails is refused, the others run
+        prompts = []
+        for r in records:
+            try:
+                (p,) = tokenize([r], s.prompts, codec, s.chat_template, cfg.vocab_size)
+                check_lengths([p], cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
+                check_prompt_logprobs([p], s.logprobs, s.prompts)
+                check_stops([p], s, codec)
+                prompts.append(p)
+            except DDTreeError as e:
+                refused.append(dataclasses.replace(r, error=str(e).removeprefix(f"{s.prompts}:{r.line}: ")))
+        refused.sort(key=lambda r: r.line)
+    else:
+        prompts = tokenize(records, s.prompts, codec, s.chat_template, cfg.vocab_size)
     s = s.with_budget(cfg, prompts)  # from the whole file, resumed or not: one budget per --out
     check_budget(s, dcfg)
-    check_lengths(prompts, cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
-    check_prompt_logprobs(prompts, s.logprobs, s.prompts)
-    check_stops(prompts, s, codec)
+    if not batch:
+        check_lengths(prompts, cfg.max_position_embeddings, s.max_new_tokens, s.prompts)
+        check_prompt_logprobs(prompts, s.logprobs, s.prompts)
+        check_stops(prompts, s, codec)
     done = finished_ids(s.out, s.record()) if s.resume else set()
     start_processes(s)
     check_memory(s, cfg, dcfg)
-    return Prepared(s, cfg, dcfg, codec, prompts, frozenset(done))
+    endpoints = {id_key(r.id): _endpoint(r) for r in records}
+    return Prepared(s, cfg, dcfg, codec, prompts, frozenset(done), tuple(refused), endpoints)
+
+
+def _endpoint(r) -> tuple[str, bool]:
+    """(a prompt's OpenAI url, whether its batch request gave it): a prompts line's messages are chat's,
+    its text or token ids completions'."""
+    if r.endpoint is not None:
+        return r.endpoint, True
+    return (openai_batch.CHAT if r.kind == "messages" else openai_batch.COMPLETIONS), False
+
+
+class Lines:
+    """What --out gets for each finished sample and each refused request, in --output-format: ours (a
+    line per sample) or openai (a line per prompt once its n samples are in; openai_batch.py)."""
+
+    def __init__(self, run: Prepared):
+        s = run.settings
+        self.openai = s.output_format == "openai"
+        self.prompts = {id_key(p.id): p for p in run.prompts}
+        self.samples = {key: p.options.get(SAMPLES, s.n) for key, p in self.prompts.items()}
+        self.endpoints, self.model, self.logprobs = run.endpoints, Path(s.target).name, s.logprobs
+        self.pending: dict[str, list] = collections.defaultdict(list)
+        codec = run.codec
+        self.decode = (
+            None if codec is None else lambda ids, skip: codec.tokenizer.decode(ids, skip_special_tokens=skip)
+        )
+
+    def refused(self, r) -> dict:
+        """The line of a request not served."""
+        return (
+            openai_batch.error_line(r.id, r.error)
+            if self.openai
+            else {"id": r.id, "index": 0, "error": r.error}
+        )
+
+    def of(self, result) -> list[dict]:
+        """The lines a finished sample completes: its own (ours), or its prompt's once every sample is in."""
+        if not self.openai:
+            return [result.to_json()]
+        key = id_key(result.id)
+        self.pending[key].append(result)
+        if len(self.pending[key]) < self.samples[key]:
+            return []
+        p, results = self.prompts[key], self.pending.pop(key)
+        url, batch = self.endpoints[key]
+        # log-probabilities: those a batch request asked for; a prompts line's own K, else the run's
+        k = (
+            p.options.get(openai_batch.TOP_LOGPROBS)
+            if batch
+            else p.options.get(LOGPROBS, self.logprobs or None)
+        )
+        return [openai_batch.response_line(p.id, url, self.model, len(p.input_ids), results, k, self.decode)]
 
 
 def start_processes(s: Settings) -> None:
@@ -191,24 +265,67 @@ def left(run: Prepared, llm: LLM) -> int:
     return sum(sample_key(p.id, p.index) not in run.done for p in llm.generator.samples(run.prompts))
 
 
-def generate_all(run: Prepared, llm: LLM, writer: Writer) -> list:
-    """Run every prompt's samples not yet in --out through the LLM; process 0 writes each line as its
-    sample finishes."""
+class Status:
+    """What a run says on stderr while no result has come yet (loading the weights, compiling the
+    programs, then how many the compile cache gave); to a terminal only, so that an error stays the one
+    line a log or a script reads."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def say(self, text: str) -> None:
+        """One status line on stderr (when enabled: process 0, on a terminal)."""
+        if self.enabled:
+            print(f"ddtree-generate: {text}", file=sys.stderr, flush=True)
+
+
+def cache_note(gen) -> str:
+    """How many of the programs compiled so far the compile cache gave (executables.py)."""
+    hits = getattr(gen.programs, "cache_hits", 0)
+    return f"{hits} of {len(gen.compile_log)} programs read from the compile cache"
+
+
+def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status | None = None) -> list:
+    """Write the refused requests' lines not yet in --out, then run every prompt's samples not yet in
+    --out through the LLM (None: none left); process 0 writes each line as its sample finishes. The bar's
+    rate and ETA count generation only (its clock is moved past every compilation); an interruption
+    carries the results so far (`Interrupted.results`)."""
     from tqdm import tqdm
 
     s = run.settings
+    lines = Lines(run)
     results = []
     try:
+        if s.is_writer:
+            writer.write([lines.refused(r) for r in run.refused if id_key(r.id) not in run.done])
+        if llm is None:
+            return results
         finished = llm.run(run.prompts, skip=run.done)
         total = left(run, llm)
-        for result in tqdm(
-            finished, total=total, desc="prompts", unit="prompt", file=sys.stderr, disable=not s.is_writer
-        ):
-            results.append(result)
-            if s.is_writer:
-                writer.write([result.to_json()])
+        bar = tqdm(
+            total=total, desc="prompts (compiling)", unit="prompt", file=sys.stderr, disable=not s.is_writer,
+            smoothing=0,
+        )  # fmt: skip
+        with bar:
+            start, compiled = bar.start_t, llm.compile_seconds
+            for result in finished:
+                bar.start_t = start + (llm.compile_seconds - compiled)  # the ETA from generation only
+                if not results:
+                    bar.set_description("prompts", refresh=False)
+                if not results and status is not None and status.enabled:
+                    bar.write(
+                        f"ddtree-generate: first result after {llm.compile_seconds - compiled:.1f} s of "
+                        f"compiling ({cache_note(llm.generator)})",
+                        file=sys.stderr,
+                    )
+                with critical():  # a result counts in the summary once its line is written
+                    if s.is_writer:
+                        writer.write(lines.of(result))
+                    results.append(result)
+                bar.update(1)
     except Interrupted as e:
         e.kept = f"{writer.written} new results written to {s.out}"  # not a note: JAX adds its own
+        e.results = results
         raise
     finally:
         writer.close()
@@ -216,20 +333,52 @@ def generate_all(run: Prepared, llm: LLM, writer: Writer) -> list:
 
 
 def run(s: Settings) -> None:
-    """Generate for every prompt not yet in --out, appending each result as it finishes."""
+    """Generate for every prompt not yet in --out, appending each result as it finishes; the summary
+    at the end, or at an interruption (of what was written)."""
     start = time.perf_counter()
     prepared = prepare(s)
     s = prepared.settings
     report = sys.stderr if s.out == STDOUT else sys.stdout
     samples = [sample_key(p.id, i) for p in prepared.prompts for i in range(p.options.get("n", s.n))]
-    if all(key in prepared.done for key in samples):
+    refused = [r for r in prepared.refused if id_key(r.id) not in prepared.done]
+    if all(key in prepared.done for key in samples) and not refused:
         print(f"all {len(prepared.done)} prompts are already in {s.out}: nothing to do", file=report)
         return
+    writer = Writer(s.out, s.record(), append=s.resume)
+    if all(key in prepared.done for key in samples):  # only refused requests' lines to write
+        generate_all(prepared, None, writer)
+        print(f"{len(refused)} requests not served (their lines hold the errors)", file=report)
+        return
+    status = Status(s.is_writer and sys.stderr.isatty())
+    pair = f"{s.target}" + (f" and {s.draft}" if s.draft else "")
+    pair = "the bundled pair" if Path(s.target) == BUNDLED / "target" else pair
+    status.say(f"loading {pair} ({s.dtype}) ...")
+    loading = time.perf_counter()
     # after prepare: jax.distributed starts first, then the compile cache (LLM) and the weights
     llm = LLM.from_settings(s, prepared.target_cfg, prepared.draft_cfg, prepared.codec)
-    results = generate_all(prepared, llm, Writer(s.out, s.record(), append=s.resume))
+    status.say(
+        f"loaded in {time.perf_counter() - loading:.1f} s; compiling the programs (the first result "
+        "waits for them)"
+    )
+    try:
+        results = generate_all(prepared, llm, writer, status)
+    except Interrupted as e:
+        if s.is_writer and e.results:
+            print(
+                summarize(e.results, llm.generator, time.perf_counter() - start, s.batch_size),
+                file=report,
+            )
+        raise
     if s.is_writer:
         print(summarize(results, llm.generator, time.perf_counter() - start, s.batch_size), file=report)
+        if prepared.done:
+            print(
+                f"resumed: {len(prepared.done)} samples were already in {s.out}; {len(results)} generated "
+                "now",
+                file=report,
+            )
+        if refused:
+            print(f"requests not served: {len(refused)} (their lines hold the errors)", file=report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ SETTINGS = (
     "draft_window",
     "draft_yarn_scaling",
     "dequantize",
+    "output_format",
 )
 # The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
 # on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
@@ -62,6 +63,7 @@ SCHEDULE_SETTINGS = (
 # Settings added since the first sidecars: a sidecar without one was made with this value.
 ADDED_SETTINGS = {
     "n": 1, "stop": [], "include_stop_str_in_output": False, "logprobs": 0, "logprobs_mode": "raw",
+    "output_format": "ours",
 }  # fmt: skip
 STDOUT = "-"
 
@@ -73,6 +75,7 @@ class Interrupted(Exception):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.kept: str | None = None  # what was written before it (set by the writer's caller)
+        self.results: list = []  # the results written before it (their summary is printed)
 
 
 def settings_path(out: Path) -> Path:
@@ -205,9 +208,15 @@ def finished_ids(out: str, settings: dict[str, Any]) -> set[str]:
     for n, line in enumerate(raw[:keep].decode("utf-8", errors="replace").splitlines(), start=1):
         try:
             record = json.loads(line)
+            if "custom_id" in record:  # an OpenAI batch output line: every sample of its prompt
+                body = (record.get("response") or {}).get("body") or {}
+                for i in range(max(len(body.get("choices") or ()), 1)):
+                    done.add(sample_key(record["custom_id"], i))
+                ids.add(id_key(record["custom_id"]))
+                continue
             done.add(sample_key(record["id"], record.get("index", 0)))
             ids.add(id_key(record["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise DDTreeError(f"{out}:{n}: not an output line of ddtree-generate; cannot resume") from None
     _check_prompts(path, stored.get(PROMPT_DIGESTS), _digests.get(path.resolve()), ids)
     if keep < len(raw):
@@ -314,6 +323,11 @@ class _Guard:
 
 
 _guard = _Guard()
+
+
+def critical() -> contextlib.AbstractContextManager:
+    """A block that SIGINT and SIGTERM do not cut (within `interruptible`): they arrive after it."""
+    return _guard.critical()
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ddtree_jax import openai_batch
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.sampling import GREEDY as SAMPLING_OPTIONS
 from ddtree_jax.sampling import check as check_sampling
@@ -49,9 +50,11 @@ class Record:
 
     id: Any
     line: int
-    kind: str  # "prompt" | "messages" | "input_ids"
+    kind: str  # "prompt" | "messages" | "input_ids" ("error": a batch request not served)
     value: Any
     options: dict[str, Any]
+    endpoint: str | None = None  # an OpenAI batch request's url (openai_batch.py); None: a prompts line
+    error: str | None = None  # why a batch request is not served (its output line's error)
 
 
 def id_key(value: Any) -> str:
@@ -97,6 +100,7 @@ def scan_prompts(
     path = Path(path)
     records: list[Record] = []
     seen: dict[str, int] = {}
+    batch = None  # whether the file holds OpenAI batch requests: its first line decides
     for n, raw in _lines(path, max_line_bytes):
         where = f"{path}:{n}"
         try:
@@ -108,44 +112,83 @@ def scan_prompts(
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DDTreeError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise DDTreeError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(record, dict):
             raise DDTreeError(f"{where}: expected a JSON object")
+        batch = openai_batch.is_batch_line(record) if batch is None else batch
+        if batch != openai_batch.is_batch_line(record):
+            raise DDTreeError(
+                f"{where}: {'no' if batch else 'a'} custom_id: a file holds OpenAI batch requests (each with "
+                "a custom_id) or prompts lines, not both"
+            )
+        id_ = record["custom_id"] if batch else record.get("id", len(records))
+        name = "custom_id" if batch else "id"
+        if not isinstance(id_, str | int) or isinstance(id_, bool):
+            raise DDTreeError(f"{where}: '{name}' must be a string or an integer, got {id_!r}")
+        if (first := seen.get(id_key(id_))) is not None:
+            raise DDTreeError(f"{where}: duplicate {name} {id_!r} (first on line {first})")
+        seen[id_key(id_)] = n
+        if batch:
+            records.append(_batch_record(record, id_, n, where, max_new_tokens))
+            continue
         unknown = [k for k in record if k not in KNOWN_KEYS]
         if unknown:
             raise DDTreeError(f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(KNOWN_KEYS)})")
-        id_ = record.get("id", len(records))
-        if not isinstance(id_, str | int) or isinstance(id_, bool):
-            raise DDTreeError(f"{where}: 'id' must be a string or an integer, got {id_!r}")
-        if (first := seen.get(id_key(id_))) is not None:
-            raise DDTreeError(f"{where}: duplicate id {id_!r} (first on line {first})")
-        seen[id_key(id_)] = n
         kind, value = _prompt_field(record, where)
-        options = {k: record[k] for k in SAMPLING_OPTIONS if k in record}
-        for name, option in options.items():
-            if (why := check_sampling(name, option)) is not None:
-                raise DDTreeError(f"{where}: '{name}' {why}")
-        if SAMPLES in record:
-            options[SAMPLES] = _samples(record[SAMPLES], where)
-        if STOP in record:
-            stop = record[STOP]
-            if (why := check_stop(stop)) is not None:
-                raise DDTreeError(f"{where}: '{STOP}' {why}")
-            options[STOP] = (stop,) if isinstance(stop, str) else tuple(stop)
-        if INCLUDE_STOP in record:
-            if not isinstance(record[INCLUDE_STOP], bool):
-                raise DDTreeError(f"{where}: '{INCLUDE_STOP}' must be true or false")
-            options[INCLUDE_STOP] = record[INCLUDE_STOP]
-        if LIMIT in record:
-            options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
-        if LOGPROBS in record:
-            if (why := check_logprobs(record[LOGPROBS])) is not None:
-                raise DDTreeError(f"{where}: '{LOGPROBS}' {why}")
-            options[LOGPROBS] = record[LOGPROBS]
-        records.append(Record(id_, n, kind, value, options))
+        records.append(Record(id_, n, kind, value, _options(record, where, max_new_tokens)))
     if not records:
         raise DDTreeError(f"{path}: no prompts")
     return records
+
+
+def _batch_record(record: dict, id_: Any, n: int, where: str, max_new_tokens: int | None) -> Record:
+    """One OpenAI batch request as a Record; a request this engine cannot serve as a Record with its
+    `error` (the run goes on)."""
+    url = record.get("url")
+    try:
+        kind, value, options = openai_batch.request(record)
+        if value in ("", []):
+            raise ValueError("empty prompt")
+        limit = options.get(LIMIT)
+        if isinstance(limit, int) and max_new_tokens is not None and limit > max_new_tokens:
+            raise ValueError(
+                f"max_tokens {limit} exceeds the run's --max-new-tokens {max_new_tokens} (which sizes the "
+                "cache; run with a larger one to serve it)"
+            )
+        top = options.pop(openai_batch.TOP_LOGPROBS, None)
+        options = _options(options, "", max_new_tokens) | (
+            {} if top is None else {openai_batch.TOP_LOGPROBS: top}
+        )
+    except (ValueError, DDTreeError) as e:
+        why = str(e).removeprefix(": ")
+        return Record(id_, n, "error", record.get("body"), {}, endpoint=url, error=why)
+    return Record(id_, n, kind, value, options, endpoint=url)
+
+
+def _options(record: dict, where: str, max_new_tokens: int | None) -> dict[str, Any]:
+    """A line's own settings (sampling, n, stop strings, limit, logprobs), checked; errors name `where`."""
+    options = {k: record[k] for k in SAMPLING_OPTIONS if k in record}
+    for name, option in options.items():
+        if (why := check_sampling(name, option)) is not None:
+            raise DDTreeError(f"{where}: '{name}' {why}")
+    if SAMPLES in record:
+        options[SAMPLES] = _samples(record[SAMPLES], where)
+    if STOP in record:
+        stop = record[STOP]
+        if (why := check_stop(stop)) is not None:
+            raise DDTreeError(f"{where}: '{STOP}' {why}")
+        options[STOP] = (stop,) if isinstance(stop, str) else tuple(stop)
+    if INCLUDE_STOP in record:
+        if not isinstance(record[INCLUDE_STOP], bool):
+            raise DDTreeError(f"{where}: '{INCLUDE_STOP}' must be true or false")
+        options[INCLUDE_STOP] = record[INCLUDE_STOP]
+    if LIMIT in record:
+        options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
+    if LOGPROBS in record:
+        if (why := check_logprobs(record[LOGPROBS])) is not None:
+            raise DDTreeError(f"{where}: '{LOGPROBS}' {why}")
+        options[LOGPROBS] = record[LOGPROBS]
+    return options
 
 
 def _limit(value: Any, most: int | None, where: str) -> int:
@@ -207,12 +250,17 @@ def _prompt_field(record: dict, where: str) -> tuple[str, Any]:
 
 
 def tokenize(
-    records: list[Record], path: str | Path, codec: TextCodec | None, chat_template: bool, vocab_size: int
+    records: list[Record],
+    path: str | Path | None,
+    codec: TextCodec | None,
+    chat_template: bool,
+    vocab_size: int,
 ) -> list[Prompt]:
-    """Token ids of every scanned record; errors name the file and line."""
+    """Token ids of every scanned record; errors name the file and line (`path` None: the Python API's
+    `prompt N`, N the record's line: its position)."""
     prompts = []
     for r in records:
-        where = f"{path}:{r.line}"
+        where = f"prompt {r.line}" if path is None else f"{path}:{r.line}"
         try:
             ids = _input_ids(r, where, codec, chat_template)
         except DDTreeError as e:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "resume": (("--resume",), dict(action="store_true", help="skip the ids already in --out, append the "
         "rest (the settings must be those --out was made with)")),
     "overwrite": (("--overwrite",), dict(action="store_true", help="replace an existing --out")),
+    "output_format": (("--output-format",), dict(choices=["ours", "openai"], default="ours", help="the lines "
+        "of --out: ours (one per sample, below) or openai (OpenAI Batch API output lines, one per prompt "
+        "with its n samples as choices, as `vllm run-batch` writes them)")),
     "method": (("--method",), dict(choices=["ar", "dflash", "ddtree"], help="default: ddtree with --draft, "
         "else ar")),
     "max_new_tokens": (("--max-new-tokens",), dict(type=int, default=128, help="tokens generated per "
@@ -138,8 +143,106 @@ GENERATE_ONLY = (
     "params_cache", "max_line_bytes", "prefill_chunk", "prefill_slots", "prefill_attention",
     "batch_invariant", "static_batches", "host_loop",
     "coordinator", "num_processes", "process_id",
+    "output_format",
 )  # fmt: skip
 GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING, *RUN, *COMPILE, *GENERATE_ONLY)
+
+
+# Other engines' spellings of our flags and keyword arguments (vLLM's and SGLang's offline and
+# run-batch options): what "did you mean" suggests for them.
+OTHER_NAMES = {
+    "max_tokens": ("max_new_tokens", "vLLM's"),
+    "max_completion_tokens": ("max_new_tokens", "OpenAI's"),
+    "model": ("target", "vLLM's"),
+    "model_path": ("target", "SGLang's"),
+    "tokenizer": ("target", "vLLM's (the tokenizer is the target directory's tokenizer.json)"),
+    "speculative_model": ("draft", "vLLM's"),
+    "speculative_draft_model_path": ("draft", "SGLang's"),
+    "speculative_algorithm": ("method", "SGLang's"),
+    "speculative_num_draft_tokens": ("budget", "SGLang's"),
+    "num_speculative_tokens": ("budget", "vLLM's"),
+    "tensor_parallel_size": ("tp", "vLLM's"),
+    "tp_size": ("tp", "SGLang's"),
+    "data_parallel_size": ("dp", "vLLM's"),
+    "dp_size": ("dp", "SGLang's"),
+    "max_num_seqs": ("batch_size", "vLLM's"),
+    "max_running_requests": ("batch_size", "SGLang's"),
+    "input_file": ("prompts", "vLLM run-batch's"),
+    "i": ("prompts", "vLLM run-batch's"),
+    "output_file": ("out", "vLLM run-batch's"),
+    "o": ("out", "vLLM run-batch's"),
+    "output": ("out", None),
+    "input": ("prompts", None),
+    "temp": ("temperature", None),
+    "num_samples": ("n", None),
+}
+
+
+def suggestion(name: str, known: list[str], flags: bool = True) -> str:
+    """' (did you mean X? ...)' for an unknown flag (`flags`: '--max-tokens') or keyword argument
+    ('max_tokens') among `known` (the same spelling), or '' when nothing is close."""
+    bare = name.lstrip("-").replace("-", "_")
+    spell = (lambda n: ("-" if len(n) == 1 else "--") + n.replace("_", "-")) if flags else (lambda n: n)
+    if bare in OTHER_NAMES:
+        ours, whose = OTHER_NAMES[bare]
+        if spell(ours) in known:
+            return (
+                f" (did you mean {spell(ours)}? {name} is {whose} name)"
+                if whose
+                else f" (did you mean {spell(ours)}?)"
+            )
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse for every command: no abbreviations (a script keeps working the day a flag is added),
+    usage errors in one line that exit 1, and a "did you mean" for each unknown flag (a close one of
+    ours, or ours for vLLM's and SGLang's spellings)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 (argparse's, with hints)
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            known = _options(self, parsed)
+            hints = "".join(
+                f"; {x.split('=')[0]}{hint}" for x in extras if x.startswith("-")
+                if (hint := suggestion(x.split("=")[0], known))
+            )  # fmt: skip
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hints}")
+        return parsed
+
+
+def _options(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> list[str]:
+    """The option strings `parser` takes, with those of the sub-command chosen in `parsed`."""
+    out = []
+    for action in parser._actions:
+        out += [o for o in action.option_strings if o.startswith("--") or len(o) == 2]
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            out += _options(chosen, parsed) if chosen is not None else []
+    return out
+
+
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)(?: (-?\d[\d.e+-]*)(?![\w.]))?")
+
+
+def api_words(message: str, owner: str = "LLM") -> str:
+    """A message written with flags in the Python API's words: `--max-new-tokens 128` becomes
+    `LLM(max_new_tokens=128)`, `--budget` becomes `budget`, "the run's" becomes "the LLM's"."""
+
+    def keyword(m: re.Match) -> str:
+        name = m.group(1).replace("-", "_")
+        return f"{owner}({name}={m.group(2)})" if m.group(2) else name
+
+    message = message.replace("--no-chat-template", f"{owner}(chat_template=False)")
+    return _FLAG.sub(keyword, message).replace("the run's ", f"the {owner}'s ")
 
 
 def add_flags(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -206,6 +309,7 @@ class Settings:
     moe_sharding: str = "ep"
     dequantize: bool = False
     out: str | None = None
+    output_format: str = "ours"  # --out's lines: "ours" or "openai" (openai_batch.py)
     resume: bool = False
     overwrite: bool = False
     params_cache: str | None = None

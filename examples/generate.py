@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> tuple[LLM, list]:
     prompts = args.prompt + [[int(i) for i in ids.split(",")] for ids in args.input_ids] or TEXTS
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed, n=args.n)
 
-    results = llm.generate(prompts, sampling)  # every prompt's n samples, in input order
+    results = llm.results(prompts, sampling)  # every prompt's n samples, in input order (each a line)
     for r in results:
         print(json.dumps(r.to_json()))
     compiled = len(llm.compile_log)

@@ -149,7 +149,7 @@ def test_bad_checkpoint(tmp_path, capsys, how, needle):
         ('{"id": 1, "input_ids": []}\n', "p.jsonl:1: empty prompt"),
         ('{"id": 1, "input_ids": [1, 999]}\n', "p.jsonl:1: token ids [999] outside the vocabulary"),
         ('{"id": 1, "prompt": "hi"}\n', "p.jsonl:1: 'prompt' needs a tokenizer.json"),
-        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "p.jsonl:1: prompt 7: 500 tokens"),
+        ('{"id": 7, "input_ids": ' + json.dumps([3] * 500) + "}\n", "p.jsonl:1: 500 tokens + --max-new"),
     ],
 )
 def test_bad_prompts(tmp_path, capsys, line, needle):
@@ -378,7 +378,7 @@ def test_limits_refused_before_loading(tmp_path, capsys, monkeypatch, flags, nee
     [
         (
             b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [1]\n',
-            "p.jsonl:2: not valid JSON (Expecting ',' delimiter at column 27)",
+            "p.jsonl:2: not valid JSON (Expecting ',' delimiter, column 27)",
         ),
         (b'{"id": 1, "input_ids": [1]}\n{"id": 2, "prompt": "\xff"}\n', "p.jsonl:2: not UTF-8 text"),
         (
@@ -451,8 +451,25 @@ def test_missing_chat_template_names_the_line(tmp_path, capsys):
     [
         (["--out"], "argument --out: expected one argument"),
         (["--out", "o.jsonl", "--budget", "x"], "argument --budget: invalid int value: 'x'"),
-        (["--out", "o.jsonl", "--tempreature", "1"], "unrecognized arguments: --tempreature"),
+        (
+            ["--out", "o.jsonl", "--tempreature", "1"],
+            "unrecognized arguments: --tempreature 1; --tempreature (did you mean --temperature?)",
+        ),
         ([], "the following arguments are required: --out"),
+        # no abbreviations: a script keeps working the day a flag is added
+        (
+            ["--out", "o.jsonl", "--temp", "0.5"],
+            "unrecognized arguments: --temp 0.5; --temp (did you mean --temperature?)",
+        ),
+        (["--out", "o.jsonl", "--max-new", "16"], "unrecognized arguments: --max-new 16"),
+        # vLLM's and SGLang's spellings
+        (
+            ["--out", "o.jsonl", "--max-tokens", "16"],
+            "--max-tokens (did you mean --max-new-tokens? --max-tokens is vLLM's name)",
+        ),
+        (["--out", "o.jsonl", "--model", "M"], "--model (did you mean --target? --model is vLLM's name)"),
+        (["--out", "o.jsonl", "--tp-size=2"], "--tp-size (did you mean --tp? --tp-size is SGLang's name)"),
+        (["-i", "b.jsonl", "--out", "o.jsonl"], "-i (did you mean --prompts? -i is vLLM run-batch's name)"),
     ],
 )
 def test_usage_errors_exit_1(capsys, argv, needle):
@@ -460,6 +477,29 @@ def test_usage_errors_exit_1(capsys, argv, needle):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert needle in err and len(err.splitlines()) == 1 and err.startswith("ddtree-generate: error: ")
+
+
+@pytest.mark.parametrize(
+    "command,argv,needle",
+    [
+        (
+            "compare",
+            ["external", "--report", "r", "--theirs", "t", "--budg", "3"],
+            "--budg (did you mean --budget?)",
+        ),
+        ("compare", ["external", "--report", "r", "--theirs", "t", "--max-tokens", "3"], "is vLLM's name"),
+        ("compare", ["lossless", "--report", "r", "--temp", "1"], "unrecognized arguments: --temp 1"),
+        ("bench", ["load", "--out", "o.json", "--deadline", "3"], "--deadline (did you mean --deadline-s?)"),
+    ],
+)
+def test_every_command_refuses_abbreviations_with_a_suggestion(capsys, command, argv, needle):
+    """ddtree-compare's and ddtree-bench's sub-commands parse as ddtree-generate does."""
+    from ddtree_jax.bench.cli import main as bench
+    from ddtree_jax.compare.cli import main as compare
+
+    assert (compare if command == "compare" else bench)(argv) == 1
+    err = capsys.readouterr().err
+    assert needle in err and len(err.splitlines()) == 1, err
 
 
 def test_help_shows_defaults_keys_and_exit_codes(capsys):

@@ -106,7 +106,7 @@ def test_agrees_then_finds_shifted_token(setup, ours, capsys, form):
     row["output_ids"][SHIFTED_POSITION] = (row["output_ids"][SHIFTED_POSITION] + 1) % 256
     capsys.readouterr()
     assert main(argv(tmp_path, write(tmp_path / "theirs.jsonl", [form(r) for r in shifted]))) == 0
-    assert capsys.readouterr().out.startswith("external: differ: theirs identical to ours on 4/5 prompts")
+    assert capsys.readouterr().out.startswith("external: differ: theirs identical to ours on 4/5 samples")
     rep = report_of(tmp_path)
     (c,) = rep["comparisons"]
     (d,) = c["divergences"]
@@ -137,7 +137,9 @@ def test_partial_coverage(setup, ours):
     assert main(argv(tmp_path, write(tmp_path / "theirs.jsonl", theirs))) == 0
     (c,) = report_of(tmp_path)["comparisons"]
     assert c["prompts"] == c["identical"] == 2
-    assert c["not_compared"] == [ours[i]["id"] for i in (0, 2, 4)]
+    assert c["not_compared"] == [{"id": ours[i]["id"], "index": 0, "missing_in": "theirs"} for i in (0, 2, 4)]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert f"Not compared, missing in theirs: {ours[0]['id']!r} #0" in md
 
 
 def test_text_only_needs_a_tokenizer(setup, capsys):
@@ -155,7 +157,7 @@ def test_text_only_needs_a_tokenizer(setup, capsys):
         ([{"id": "nobody", "output_ids": [1]}], "theirs.jsonl:1: id 'nobody' matches no prompt in"),
         (
             [{"id": "golden-1", "output_ids": [1]}, {"meta_info": {"id": "golden-1"}, "output_ids": [2]}],
-            "theirs.jsonl:2: duplicate id 'golden-1' (first at",
+            "theirs.jsonl:2: duplicate sample: id 'golden-1', index 0 (first at",
         ),
         (
             [{"id": "golden-1", "meta_info": {"completion_tokens": 3}}],
@@ -171,6 +173,8 @@ def test_text_only_needs_a_tokenizer(setup, capsys):
             "theirs.jsonl:1: 'id' 'golden-1' and",
         ),
         (["not json"], "theirs.jsonl:1: not valid JSON"),
+        (['{"id": "golden-1", "output_ids": [1], "text": "x'], "Unterminated string starting at, column"),
+        ([{"id": "golden-1", "index": -1, "output_ids": [1]}], "'index' must be a non-negative integer"),
     ],
 )
 def test_bad_their_lines(setup, capsys, lines, needle):
@@ -239,7 +243,15 @@ def test_text_only_is_compared_as_text(tmp_path):
     write(tmp_path / "theirs.jsonl", theirs)
     assert main(args) == 0
     (c,) = report_of(tmp_path)["comparisons"]
-    assert report_of(tmp_path)["verdict"] == "agree" and c["identical"] == 2 and c["text_only"] == ["a", "b"]
+    assert (
+        report_of(tmp_path)["verdict"] == "agree"
+        and c["identical"] == 2
+        and c["text_only"]
+        == [
+            {"id": "a", "index": 0},
+            {"id": "b", "index": 0},
+        ]
+    )
     write(tmp_path / "theirs.jsonl", [theirs[0], {"meta_info": {"id": "b"}, "text": merged + "x"}])
     assert main(args) == 0
     (c,) = report_of(tmp_path)["comparisons"]
@@ -271,3 +283,80 @@ def test_logprobs_compared_where_both_give_them(setup):
     assert lp["mean_abs_diff"] == pytest.approx((0.25 + 0.01 * (n - 1)) / n)
     assert (lp["largest"][0]["id"], lp["largest"][0]["position"]) == (ours[1]["id"], 3)
     assert "log-probabilities" in (setup / "r" / "report.md").read_text()
+
+
+def test_sampled_runs_compare_sample_by_sample(tmp_path, capsys):
+    """ddtree-generate --n 2 output (two lines per id, by index) read as theirs: ours generated with the
+    same flags agree sample by sample; a changed sample 1 is found at its index; a missing and an extra
+    sample are named; the report gives our generation's time and tok/s and no unset setting."""
+    from ddtree_jax.cli import main as generate
+
+    prompts = write(
+        tmp_path / "p.jsonl", [{"id": "a", "input_ids": [5, 6, 7]}, {"id": "b", "input_ids": [9, 3]}]
+    )
+    sampled = ["--temperature", "0.9", "--seed", "5", "--max-new-tokens", "6", "--dtype", "float32"]
+    pair = ["--target", str(FIXTURES / TP), "--prompts", str(prompts)]
+    assert generate([*pair, *sampled, "--n", "2", "--out", str(tmp_path / "n2.jsonl")]) == 0
+    lines = [json.loads(s) for s in (tmp_path / "n2.jsonl").read_text().splitlines()]
+    assert sorted((r["id"], r["index"]) for r in lines) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    args = ["external", *pair, *sampled, "--n", "2", "--theirs", str(tmp_path / "n2.jsonl")]
+    args += ["--report", str(tmp_path / "r")]
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("external: agree: n2 identical to ours on 4/4 samples")
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "None" not in md and "budget" not in md and "## Our generation" in md and "tok/s" in md
+    changed = [dict(r) for r in lines]
+    b1 = next(r for r in changed if (r["id"], r["index"]) == ("b", 1))
+    b1["output_ids"] = [*b1["output_ids"][:2], (b1["output_ids"][2] + 1) % 256, *b1["output_ids"][3:]]
+    a1 = next(r for r in changed if (r["id"], r["index"]) == ("a", 1))
+    changed.remove(a1)
+    changed.append(dict(a1, index=2))  # an extra sample, beyond --n 2
+    write(tmp_path / "n2.jsonl", changed)
+    assert main(args) == 0
+    (c,) = report_of(tmp_path)["comparisons"]
+    (d,) = c["divergences"]
+    assert (c["prompts"], c["identical"], d["id"], d["index"], d["position"]) == (3, 2, "b", 1, 2)
+    assert c["not_compared"] == [{"id": "a", "index": 1, "missing_in": "theirs"}]
+    assert c["extra_samples"] == [{"id": "a", "index": 2, "in": "theirs"}]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "Extra samples in theirs, beyond --n 2" in md and "'a' #2" in md
+
+
+def test_divergent_tokens_shown_as_text():
+    from ddtree_jax.compare.inputs import token_text
+    from ddtree_jax.text import TextCodec
+
+    codec = TextCodec(FIXTURES / "qwen3_gqa2_tied")
+    assert token_text(7, codec) == f"7 {codec.decode([7])!r}" and token_text(7, None) == "7"
+    assert token_text(None, codec) is None
+
+
+def test_openai_batch_output_compared_as_text(tmp_path, capsys):
+    """`vllm run-batch` output lines (here ddtree-generate --output-format openai's): each choice a sample
+    of the prompt named by custom_id, compared as text; a changed text is found at its sample."""
+    from ddtree_jax.cli import main as generate
+
+    tied = str(FIXTURES / "qwen3_gqa2_tied")
+    prompts = write(
+        tmp_path / "p.jsonl", [{"id": "a", "prompt": "hello"}, {"id": "b", "input_ids": [9, 3, 4]}]
+    )
+    flags = ["--target", tied, "--prompts", str(prompts), "--temperature", "0.9", "--seed", "2"]
+    flags += ["--max-new-tokens", "6", "--dtype", "float32"]
+    run_batch = tmp_path / "run_batch.jsonl"
+    assert generate([*flags, "--n", "2", "--out", str(run_batch), "--output-format", "openai"]) == 0
+    args = ["external", *flags, "--n", "2", "--theirs", str(run_batch), "--report", str(tmp_path / "r")]
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.startswith("external: agree: run_batch identical to ours on 4/4 samples")
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert sorted((t["id"], t["index"]) for t in c["text_only"]) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    lines = [json.loads(s) for s in run_batch.read_text().splitlines()]
+    b = next(r for r in lines if r["custom_id"] == "b")
+    b["response"]["body"]["choices"][1]["text"] += "!"
+    write(run_batch, lines)
+    assert main(args) == 0
+    (c,) = report_of(tmp_path)["comparisons"]
+    assert c["identical"] == 3 and [(d["id"], d["index"]) for d in c["divergences"]] == [("b", 1)]
+    write(run_batch, [{"custom_id": "a", "response": None, "error": {"code": "x", "message": "m"}}])
+    assert main(args) == 1 and "request 'a' has no response" in capsys.readouterr().err

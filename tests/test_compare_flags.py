@@ -14,6 +14,7 @@ from ddtree_jax.compare.inputs import resolved
 # ddtree-generate's flags no comparison honours (each was offered and ignored or refused before)
 NEVER = ("params_cache", "prefill_chunk", "batch_invariant", "static_batches", "prefill_attention")
 NEVER += ("max_line_bytes", "out", "resume", "overwrite", "coordinator", "num_processes", "process_id")
+NEVER += ("output_format",)
 
 
 def offered(name: str) -> set[str]:
@@ -35,7 +36,9 @@ def test_each_subcommand_offers_its_group_only(name):
 @pytest.mark.parametrize(
     "name,flags",
     [
-        ("lossless", ["--method", "ddtree"]),  # (its --budget is argparse's abbreviation of --budgets)
+        ("lossless", ["--method", "ddtree"]),
+        ("lossless", ["--budget", "7"]),  # not an abbreviation of --budgets: abbreviations are off
+        ("distribution", ["--n", "2"]),  # external's only
         ("reference", ["--temperature", "0.5"]),
         ("reference", ["--draft-window", "4"]),
         ("external", ["--params-cache", "/tmp/x"]),

@@ -194,7 +194,7 @@ def test_bad_logprobs(tmp_path, capsys, record, flags, needle):
 
 
 def test_bad_sampling_params_logprobs():
-    with pytest.raises(DDTreeError, match="SamplingParams.logprobs must be an integer >= 0"):
+    with pytest.raises(DDTreeError, match=r"SamplingParams\(logprobs=...\) must be an integer >= 0"):
         SamplingParams(logprobs=-1)
 
 
@@ -203,14 +203,14 @@ def test_api_sampling_params_logprobs(greedy):
     the LLM's is refused."""
     llm = LLM(FIXTURES / TARGET, dtype="float32", max_new_tokens=4, logprobs=2)
     prompts = golden_prompts(TARGET)[:2]
-    one, two = llm.generate(prompts, [SamplingParams(logprobs=1), SamplingParams()])
+    one, two = llm.results(prompts, [SamplingParams(logprobs=1), SamplingParams()])
     for res, k, ref in zip((one, two), (1, 2), greedy["ar"], strict=False):
         assert res.output_ids == ref.output_ids[:4]
         np.testing.assert_allclose(
             np.array(res.output_top_logprobs), np.array(ref.output_top_logprobs[:4])[:, :k], atol=1e-5
         )
-    with pytest.raises(DDTreeError, match="prompt 0: logprobs 3 exceeds the run's --logprobs 2"):
-        llm.generate(prompts[:1], SamplingParams(logprobs=3))
+    with pytest.raises(DDTreeError, match=r"^prompt 0: SamplingParams\(logprobs=3\) needs an LLM made"):
+        llm.results(prompts[:1], SamplingParams(logprobs=3))
 
 
 def test_on_a_mesh_equal_to_one_device(greedy):

@@ -162,15 +162,32 @@ def test_symlink_written_through(reference, tmp_path):
     assert link.is_symlink() and rows(real) == expected
 
 
+def test_status_before_the_first_result(reference, tmp_path, capsys, monkeypatch):
+    """On a terminal: loading, compiling, then the first result's compile time and how many programs
+    the compile cache gave."""
+    prompts, expected = reference
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(argv(prompts, tmp_path / "o.jsonl")) == 0
+    captured = capsys.readouterr()
+    assert f"ddtree-generate: loading {TARGET} (float32) ...\nddtree-generate: loaded in " in captured.err
+    assert "compiling the programs (the first result waits for them)" in captured.err
+    assert "ddtree-generate: first result after " in captured.err
+    assert "programs read from the compile cache)" in captured.err
+
+
 def test_resume_appends_the_rest(reference, tmp_path, capsys):
     prompts, expected = reference
     out = tmp_path / "o.jsonl"
     assert main(argv(prompts, out)) == 0
     lines = out.read_text().splitlines(keepends=True)
     out.write_text("".join(lines[:2]) + lines[2][:10])  # two lines kept, the third cut short
+    capsys.readouterr()
     assert main(argv(prompts, out, "--resume")) == 0
     assert rows(out) == expected
-    assert "dropped an unfinished last line" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "dropped an unfinished last line" in captured.err
+    # the summary counts the prompts already done
+    assert f"resumed: 2 samples were already in {out}; {len(expected) - 2} generated now" in captured.out
     assert main(argv(prompts, out, "--resume")) == 0
     assert "nothing to do" in capsys.readouterr().out and rows(out) == expected
 
@@ -204,13 +221,16 @@ def test_interrupt_then_resume(tmp_path, sig):
             proc.send_signal(sig)
             break
         time.sleep(0.005)
-    _, err = proc.communicate(timeout=240)
+    printed, err = proc.communicate(timeout=240)
     assert proc.returncode == 128 + sig, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"ddtree-generate: interrupted by {sig.name} (") and "--resume continues" in last
     assert "Traceback" not in err
     partial = rows(out)  # every line whole
     assert 1 <= len(partial) < 40
+    assert f"prompts: {len(partial)}   output tokens: " in printed  # the summary of what it wrote
+    assert "ddtree-generate: loading" not in err  # status lines go to a terminal only
+    assert "prompts (compiling):   0%" in err  # the bar's phase until the first result
     assert main(argv(prompts, out, "--resume")) == 0
     assert main(argv(prompts, tmp_path / "whole.jsonl")) == 0
     assert rows(out) == rows(tmp_path / "whole.jsonl")

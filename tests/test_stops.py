@@ -85,7 +85,7 @@ def stops_of(llm, ids: list[int]) -> list[str]:
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_ddtree_and_dflash_stop_where_ar_stops(llms, temperature):
     sampling = dict(temperature=temperature, top_k=40, seed=5, n=2)
-    free = llms["ar"].generate(PROMPTS, SamplingParams(**sampling))
+    free = llms["ar"].results(PROMPTS, SamplingParams(**sampling))
     stops = [tuple(stops_of(llms["ar"], r.output_ids)) for r in free[::2]]  # from each prompt's sample 0
     per_prompt = [SamplingParams(**sampling, stop=s) for s in stops]
     assert all(len(s[0]) == 4 for s in stops)  # the spanning stop string is whole
@@ -98,24 +98,24 @@ def test_ddtree_and_dflash_stop_where_ar_stops(llms, temperature):
             want.append((r.id, r.index, r.output_ids[: cut[0]], cut[1], "stop", cut[2]))
     assert want[0][4] == want[2][4] == "stop"
     for method, llm in llms.items():
-        results = llm.generate(PROMPTS, per_prompt)
+        results = llm.results(PROMPTS, per_prompt)
         got = [(r.id, r.index, r.output_ids, r.text, r.finish_reason, r.stop_reason) for r in results]
         assert got == want, method
         for r in results:
             assert 1 + sum(r.acceptance_lengths) == len(r.output_ids)
             assert r.rounds == len(r.acceptance_lengths)
     if temperature == 0:  # the case the cut inside a round needs: ddtree accepted tokens past the stop
-        free_tree = llms["ddtree"].generate(PROMPTS, SamplingParams(**sampling))
+        free_tree = llms["ddtree"].results(PROMPTS, SamplingParams(**sampling))
         ends = [{1 + sum(r.acceptance_lengths[:j]) for j in range(r.rounds + 1)} for r in free_tree]
         assert any(len(w[2]) not in e for w, e in zip(want, ends, strict=True))
     including = [dataclasses.replace(s, include_stop_str_in_output=True) for s in per_prompt]
-    included = llms["ddtree"].generate(PROMPTS, including)
+    included = llms["ddtree"].results(PROMPTS, including)
     assert [r.text for r in included] == [w[3] + (w[5] or "") for w in want]
 
 
 def test_cli_stop_flags_equal_the_api(llms, tmp_path):
     """--stop (repeated) on a static batch run, and a prompt line's own stop: the API's results."""
-    free = llms["ar"].generate(PROMPTS)
+    free = llms["ar"].results(PROMPTS)
     stops = stops_of(llms["ar"], free[0].output_ids)
     prompts = tmp_path / "p.jsonl"
     lines = [{"id": 0, "prompt": PROMPTS[0]}, {"id": 1, "prompt": PROMPTS[1], "stop": "\n"}]
@@ -125,7 +125,7 @@ def test_cli_stop_flags_equal_the_api(llms, tmp_path):
     flags += ["--dtype", "float32", "--max-new-tokens", "40", "--batch-size", "2", "--static-batches"]
     assert main([*flags, "--stop", stops[0], "--stop", stops[1]]) == 0
     got = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
-    api = llms["ar"].generate(PROMPTS, [SamplingParams(stop=tuple(stops)), SamplingParams(stop=("\n",))])
+    api = llms["ar"].results(PROMPTS, [SamplingParams(stop=tuple(stops)), SamplingParams(stop=("\n",))])
     keys = ("output_ids", "text", "finish_reason", "stop_reason")
     assert [{k: r.get(k) for k in keys} for r in got] == [{k: getattr(r, k) for k in keys} for r in api]
     assert all(r["finish_reason"] == "stop" for r in got)
@@ -133,7 +133,7 @@ def test_cli_stop_flags_equal_the_api(llms, tmp_path):
 
 def test_stop_strings_need_a_tokenizer(tmp_path, capsys):
     with pytest.raises(DDTreeError, match="stop strings need the target's tokenizer.json"):
-        LLM(str(FIXTURES / "qwen3_gqa4_tp"), dtype="float32", max_new_tokens=4).generate(
+        LLM(str(FIXTURES / "qwen3_gqa4_tp"), dtype="float32", max_new_tokens=4).results(
             [[1, 2]], SamplingParams(stop="x")
         )
     prompts = tmp_path / "p.jsonl"
@@ -148,7 +148,7 @@ def test_stop_strings_need_a_tokenizer(tmp_path, capsys):
     ]
     assert main([*argv, "--stop", "x"]) == 1
     assert "stop strings need the target's tokenizer.json" in capsys.readouterr().err
-    with pytest.raises(DDTreeError, match="SamplingParams.stop must be a non-empty string"):
+    with pytest.raises(DDTreeError, match=r"SamplingParams\(stop=...\) must be a non-empty string"):
         SamplingParams(stop=("",))
 
 

@@ -20,16 +20,15 @@ from typing import Any
 
 import jax
 
+from ddtree_jax import settings
 from ddtree_jax.errors import DDTreeError
 
 EXIT_ERROR = 1  # a bad flag or --out (one line, before any work), or a measurement that failed
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line and exit with EXIT_ERROR, like every other error."""
-
-    def error(self, message: str):
-        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (--help lists the flags)\n")
+class Parser(settings.Parser):
+    """ddtree-generate's parser class: no abbreviations, one-line usage errors (EXIT_ERROR), a "did you
+    mean" for unknown flags."""
 
 
 def parser(name: str, doc: str, epilog: str | None = None) -> Parser:

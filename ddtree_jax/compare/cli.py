@@ -21,13 +21,13 @@ SUBCOMMANDS = ("lossless", "reference", "external", "distribution")
 # ddtree-generate's flags each sub-command honours: the pair, the prompts and the decoding flags for
 # all; lossless runs every method at its --budgets (no --method, --budget); reference decodes greedily
 # (its PyTorch side has no sampler and no draft window) and not host-stepped; external and
-# distribution run one method at one budget.
+# distribution run one method at one budget; external compares --n samples per prompt.
 SHARED = (*settings.PAIR, *settings.PROMPTS, "max_new_tokens", "batch_size", "block_size", "branching")
 SHARED += ("attention", *settings.COMPILE)
 FLAGS = {
     "lossless": (*SHARED, "draft_window", *settings.SAMPLING, "host_stepped"),
     "reference": (*SHARED, "method"),
-    "external": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN),
+    "external": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN, "n"),
     "distribution": (*SHARED, "draft_window", *settings.SAMPLING, *settings.RUN),
 }
 # The sub-commands that run one method: ddtree-generate's default --method is filled in (reference runs
@@ -47,16 +47,9 @@ def add_generation_flags(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(**settings.defaults(tuple(f for f in settings.GENERATE if f not in FLAGS[name])))
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors exit 1, like every other error (sub-parsers are of this class too)."""
-
-    def error(self, message: str):
-        self.exit(1, f"{self.prog}: error: {message} (--help lists the flags)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-compare's parser: one sub-parser per module in SUBCOMMANDS."""
-    p = _Parser(
+    p = settings.Parser(  # (its sub-parsers are of its class: no abbreviations, one-line errors)
         prog="ddtree-compare",
         description="Compare decoders' outputs, acceptance and sampling distributions; write a report.",
     )

@@ -76,6 +76,47 @@ def generate_all(gen, prompts: list[Prompt], batch_size: int) -> list[Result]:
     return list(gen.scheduled(policy="static", batch_size=batch_size).run(prompts))
 
 
+@dataclasses.dataclass(frozen=True)
+class Speed:
+    """One method's generation over the prompts: output tokens and seconds, compilation left out."""
+
+    tokens: int
+    generate_seconds: float
+    compile_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Output tokens per second of generation (None when nothing was timed)."""
+        return self.tokens / self.generate_seconds if self.generate_seconds > 0 else None
+
+
+def generate_timed(gen, prompts: list[Prompt], batch_size: int) -> tuple[list[Result], Speed]:
+    """`generate_all`, with its generation and compilation seconds."""
+    g = gen.scheduled(policy="static", batch_size=batch_size)
+    compiled = g.compile_seconds
+    results = list(g.run(prompts))
+    tokens = sum(len(r.output_ids) for r in results)
+    return results, Speed(tokens, g.generate_seconds, g.compile_seconds - compiled)
+
+
+def speed_rows(speeds: dict[str, Speed]) -> list[list]:
+    """The rows of a report's speed table: method, output tokens, generation s, tok/s, compile s."""
+    return [
+        [name, s.tokens, round(s.generate_seconds, 3), s.tokens_per_second, round(s.compile_seconds, 2)]
+        for name, s in speeds.items()
+    ]
+
+
+SPEED_HEADER = ["method", "output tokens", "generation s", "tok/s", "compile s"]
+
+
+def token_text(token: int | None, codec) -> str | None:
+    """A token as a report shows it: its id and, with a tokenizer, its text beside it."""
+    if token is None:
+        return None
+    return f"{token} {codec.decode([token])!r}" if codec is not None else str(token)
+
+
 def mean_acceptance(results: list[Result]) -> float | None:
     """Tokens per round over every round of `results` (None when there were no rounds)."""
     accepted = [a for r in results for a in r.acceptance_lengths]
@@ -91,10 +132,11 @@ def shown_path(path: str | None) -> str | None:
 
 
 def settings_of(args: argparse.Namespace, **extra) -> dict:
-    """The generation settings a report records (the flags as checked, defaults filled in)."""
+    """The generation settings a report records (the flags as checked, defaults filled in; a setting
+    left unset, such as ar's budget, left out)."""
     from ddtree_jax.pair import sampling_from_args
 
-    return {
+    out = {
         "target": shown_path(args.target),
         "draft": shown_path(args.draft),
         "prompts": shown_path(args.prompts),
@@ -108,3 +150,4 @@ def settings_of(args: argparse.Namespace, **extra) -> dict:
         "sampling": sampling_from_args(args),
         **extra,
     }
+    return {k: v for k, v in out.items() if v is not None}

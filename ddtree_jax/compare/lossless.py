@@ -15,10 +15,12 @@ from ddtree_jax.compare.divergence import Scorer, divergence
 from ddtree_jax.compare.inputs import (
     Inputs,
     check_generation_flags,
-    generate_all,
+    generate_timed,
     load_inputs,
     mean_acceptance,
     settings_of,
+    speed_rows,
+    token_text,
 )
 from ddtree_jax.compare.report import Comparison, Report, Table, verdict_of
 from ddtree_jax.errors import DDTreeError
@@ -74,21 +76,23 @@ def run(args: argparse.Namespace) -> Report:
     progress("loading the target and the drafter")
     inputs = load_inputs(args, with_draft=True)
     sampling = sampling_from_args(args)
-    outputs = {}
+    outputs, speeds = {}, {}
     runs = methods(budgets)
     for n, (label, method, budget) in enumerate(runs, start=1):
         progress(f"[{n}/{len(runs)}] {label}: {len(inputs.prompts)} prompts ...")
         start = time.perf_counter()
         plan = plan_from_args(inputs.pair, args, method=method, budget=budget)
         gen = generator(inputs.pair, plan, sampling, args.host_stepped)
-        outputs[label] = generate_all(gen, inputs.prompts, args.batch_size)
+        outputs[label], speeds[label] = generate_timed(gen, inputs.prompts, args.batch_size)
         progress(f"[{n}/{len(runs)}] {label}: done in {time.perf_counter() - start:.1f} s")
     progress("comparing with ar (a divergence loads the float32 scorer)")
-    return make_report(args, inputs, outputs, sampling)
+    return make_report(args, inputs, outputs, sampling, speeds)
 
 
-def make_report(args: argparse.Namespace, inputs: Inputs, outputs: dict, sampling: dict) -> Report:
-    """Compare every method's outputs with ar's."""
+def make_report(
+    args: argparse.Namespace, inputs: Inputs, outputs: dict, sampling: dict, speeds: dict | None = None
+) -> Report:
+    """Compare every method's outputs with ar's (`speeds`: each method's `Speed`, for the table)."""
     from ddtree_jax.compare.plots import acceptance_histograms  # matplotlib: not needed for --help
 
     scorer = None
@@ -123,7 +127,7 @@ def make_report(args: argparse.Namespace, inputs: Inputs, outputs: dict, samplin
         verdict=verdict,
         summary=summary_line(comparisons, args),
         comparisons=comparisons,
-        tables=tables(comparisons, outputs),
+        tables=tables(comparisons, outputs, speeds or {}, inputs.pair.codec),
         figures={"acceptance": acceptance_histograms({k: v for k, v in outputs.items() if k != "ar"})},
         details={"settings": settings_of(args, method="ar, dflash, ddtree", budgets=args.budgets)},
     )
@@ -145,13 +149,17 @@ def summary_line(comparisons: list[Comparison], args: argparse.Namespace) -> str
     return line
 
 
-def tables(comparisons: list[Comparison], outputs: dict) -> list[Table]:
-    """Per method: identical prompts and mean acceptance; every divergence with its margin."""
+def tables(comparisons: list[Comparison], outputs: dict, speeds: dict, codec=None) -> list[Table]:
+    """Per method: identical prompts, mean acceptance, generation time and tok/s (compilation left
+    out); every divergence with its margin, tokens as ids and text."""
     n = comparisons[0].prompts
-    rows = [["ar", f"{n}/{n}", "", "1"]]
+    timing = lambda label: speed_rows({label: speeds[label]})[0][2:4] if label in speeds else ["", ""]  # noqa: E731
+    rows = [["ar", f"{n}/{n}", "", "1", *timing("ar")]]
     for c in comparisons:
         label = c.name.split(" vs ")[0]
-        rows.append([label, f"{c.identical}/{n}", len(c.divergences), c.mean_acceptance[label]])
+        rows.append(
+            [label, f"{c.identical}/{n}", len(c.divergences), c.mean_acceptance[label], *timing(label)]
+        )
     div = [
         [
             c.name,
@@ -160,14 +168,15 @@ def tables(comparisons: list[Comparison], outputs: dict) -> list[Table]:
             d.margin,
             d.extra.get("gap"),
             d.extra.get("near_tie"),
-            d.extra.get("reference_token"),
-            d.extra.get("token"),
+            token_text(d.extra.get("reference_token"), codec),
+            token_text(d.extra.get("token"), codec),
             d.extra.get("reference_is_top1"),
         ]
         for c in comparisons
         for d in c.divergences
     ]
-    out = [Table("Methods against ar", ["method", "identical", "divergences", "mean acceptance"], rows)]
+    header = ["method", "identical", "divergences", "mean acceptance", "generation s", "tok/s"]
+    out = [Table("Methods against ar", header, rows)]
     if div:
         header = [
             "comparison",

@@ -10,7 +10,9 @@ Accepted fields (anything else is an error, so a misspelt field is never silentl
 - log-probabilities of the chosen tokens, when given: output_token_logprobs ([logprob, token_id, ...]
   per token) at the top level (ours, `--logprobs K`) or in meta_info (SGLang's return_logprob);
   output_top_logprobs is read past;
-- the DDTree reference: acceptance_lengths per round (tokens added, the bonus included), as ours.
+- the DDTree reference: acceptance_lengths per round (tokens added, the bonus included), as ours;
+- OpenAI batch output lines (`vllm run-batch`, `ddtree-generate --output-format openai`): each choice a
+  sample of the prompt whose id is the line's custom_id, compared as text.
 The id sits at the top level or in meta_info.id; a line without one takes its line's index among the
 file's non-empty lines (0-based), as a prompt without an id does.
 """
@@ -53,6 +55,7 @@ class OutputRecord:
     where: str  # FILE:LINE
     output_ids: list[int] | None
     text: str | None
+    index: int = 0  # which of the prompt's samples (ddtree-generate --n, vLLM's n)
     acceptance_lengths: list[int] | None = None
     completion_tokens: int | None = None  # SGLang: tokens generated
     verify_rounds: int | None = None  # SGLang: spec_verify_ct, target verify passes
@@ -102,8 +105,12 @@ def parse_line(record: Any, where: str, index: int) -> OutputRecord:
     text = record.get("text")
     if text is not None and not isinstance(text, str):
         raise DDTreeError(f"{where}: 'text' must be a string")
+    sample = record.get("index", 0)
+    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 0:
+        raise DDTreeError(f"{where}: 'index' must be a non-negative integer, got {sample!r}")
     out = OutputRecord(
         id=record.get("id", meta.get("id", index)),
+        index=sample,
         where=where,
         output_ids=_int_list(record["output_ids"], where, "output_ids") if "output_ids" in record else None,
         text=text,
@@ -141,26 +148,56 @@ def read_outputs(path: str | Path) -> list[OutputRecord]:
         try:
             record = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise DDTreeError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise DDTreeError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if isinstance(record, dict) and "custom_id" in record:  # an OpenAI batch output line
+            records += batch_records(record, f"{path}:{n}")
+            continue
         records.append(parse_line(record, f"{path}:{n}", len(records)))
     if not records:
         raise DDTreeError(f"{path}: no output lines")
     return records
 
 
-def match_prompts(
+def batch_records(record: dict, where: str) -> list[OutputRecord]:
+    """An OpenAI batch output line (`vllm run-batch`'s, `ddtree-generate --output-format openai`'s):
+    one record per choice, compared as text (the id: its custom_id; the index: the choice's); a line
+    holding an error has no output to compare: an error naming it."""
+    if record.get("error") is not None or not isinstance(record.get("response"), dict):
+        raise DDTreeError(
+            f"{where}: request {record.get('custom_id')!r} has no response ({record.get('error')})"
+        )
+    body = record["response"].get("body")
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list):
+        raise DDTreeError(f"{where}: 'response.body.choices' must be a list")
+    out = []
+    for i, c in enumerate(choices):
+        text = (c.get("message") or {}).get("content") if "message" in c else c.get("text")
+        if not isinstance(text, str):
+            raise DDTreeError(f"{where}: choice {i} has no text (message.content or text)")
+        out.append(
+            OutputRecord(
+                id=record["custom_id"], index=c.get("index", i), where=where, output_ids=None, text=text
+            )
+        )
+    return out
+
+
+def match_samples(
     records: list[OutputRecord], prompts: list[Prompt], prompts_path: str
-) -> dict[Any, OutputRecord]:
-    """Prompt id -> its record; an id that matches no prompt, or appears twice, is an error."""
+) -> dict[tuple[Any, int], OutputRecord]:
+    """(prompt id, sample index) -> its record; an id that matches no prompt, or a sample given twice,
+    is an error."""
     known = {p.id for p in prompts}
-    by_id: dict[Any, OutputRecord] = {}
+    by_key: dict[tuple[Any, int], OutputRecord] = {}
     for r in records:
         if r.id not in known:
             raise DDTreeError(f"{r.where}: id {r.id!r} matches no prompt in {prompts_path}")
-        if r.id in by_id:
-            raise DDTreeError(f"{r.where}: duplicate id {r.id!r} (first at {by_id[r.id].where})")
-        by_id[r.id] = r
-    return by_id
+        if (r.id, r.index) in by_key:
+            first = by_key[(r.id, r.index)].where
+            raise DDTreeError(f"{r.where}: duplicate sample: id {r.id!r}, index {r.index} (first at {first})")
+        by_key[(r.id, r.index)] = r
+    return by_key
 
 
 def tokens_of(record: OutputRecord, codec: TextCodec | None) -> list[int]:

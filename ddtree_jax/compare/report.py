@@ -97,7 +97,8 @@ class Report:
         parts = [f"# ddtree-compare {self.command}: {self.verdict}", "", self.summary, ""]
         parts += [n + "\n" for n in self.notes]
         if "settings" in self.details:
-            settings = ", ".join(f"{k} {v}" for k, v in self.details["settings"].items())
+            given = {k: v for k, v in self.details["settings"].items() if v is not None}
+            settings = ", ".join(f"{k} {v}" for k, v in given.items())
             parts += [f"Settings: {settings}.\n"]
         parts += [t.markdown() + "\n" for t in self.tables]
         parts += [f"![{stem}]({stem}.png)\n" for stem in self.figures]
