@@ -336,8 +336,8 @@ OPTIONS = (
     "method", "budget", "branching", "block_size", "draft_window", "draft_yarn_scaling", "dtype",
     "attention", "tp", "dp", "moe_sharding", "dequantize", "max_new_tokens", "logprobs", "logprobs_mode",
     "batch_size", "seed",
-    "static_batches", "host_stepped", "batch_invariant", "prefill_chunk", "prefill_attention",
-    "params_cache", "compile_cache",
+    "static_batches", "host_stepped", "batch_invariant", "prefill_chunk", "prefill_slots", "host_loop",
+    "prefill_attention", "params_cache", "compile_cache",
 )  # fmt: skip
 
 # vLLM's LLM(...) keyword arguments of the same meaning -> ours (speculative_config and max_model_len:
@@ -446,6 +446,8 @@ class LLM:
         host_stepped: bool | None = None,
         batch_invariant: bool | None = None,
         prefill_chunk: int | None = None,
+        prefill_slots: int | None = None,
+        host_loop: bool | None = None,
         prefill_attention: str | None = None,
         params_cache: str | Path | None = None,
         compile_cache: str | None = None,
