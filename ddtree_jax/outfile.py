@@ -83,6 +83,19 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
+def recorded_provenance(path: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(provenance, settings) an outputs file's sidecar OUT.settings.json records; (None,
+    None) without a readable sidecar (another system's file), provenance None for a sidecar older than
+    the record."""
+    try:
+        record = json.loads(settings_path(Path(path)).read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(record, dict):
+        return None, None
+    return record.get("provenance"), record
+
+
 def lock_path(out: Path) -> Path:
     """The lock file held while a run writes an outputs file: OUT.lock, beside it."""
     return out.with_name(out.name + ".lock")

@@ -9,7 +9,6 @@ device: tests/test_sharding.py, test_scheduling.py).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import platform
 import subprocess
@@ -132,18 +131,3 @@ def line(p: dict[str, Any] | None) -> str:
         f"ddtree_jax {p.get('ddtree_jax')} @ {commit}, jax {p.get('jax')} / jaxlib {p.get('jaxlib')}, "
         f"{p.get('device_count')} x {p.get('device_kind')}"
     )
-
-
-def of_outputs(path: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(provenance, settings) an outputs file's sidecar OUT.settings.json records (`outfile`); (None,
-    None) without a readable sidecar (another system's file), provenance None for a sidecar older than
-    the record."""
-    from ddtree_jax.outfile import settings_path
-
-    try:
-        record = json.loads(settings_path(Path(path)).read_text())
-    except (OSError, ValueError):
-        return None, None
-    if not isinstance(record, dict):
-        return None, None
-    return record.get("provenance"), record

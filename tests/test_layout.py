@@ -67,6 +67,53 @@ def test_no_module_imports_upward():
     assert not upward, upward
 
 
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph` (module -> modules it imports): each strongly connected component
+    of more than one module, or a module importing itself (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in on_stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                d = stack.pop()
+                on_stack.discard(d)
+                component.append(d)
+                if d == m:
+                    break
+            if len(component) > 1 or m in graph.get(m, ()):
+                found.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or through others (imports inside functions
+    included): a type both need lives below both (requests.py below prefill and programs)."""
+    graph = {m: {d for d in imports(path) if d != "ddtree_jax"} for m, path in MODULES.items()}
+    assert not cycles(graph), cycles(graph)
+
+
+def test_the_check_sees_a_circle():
+    """The checker itself: a circle of three modules and a module importing itself are reported, a
+    chain is not."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"a"}}) == [["a"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
 def test_kernels_import_no_other_package_module():
     """Every kernel imports kernels only: the quantized weights reach them as plain arrays and scales
     (quant.arrays' `kernel_experts`, `expert_weight`)."""

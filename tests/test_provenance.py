@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddtree_jax
-from ddtree_jax import provenance
+from ddtree_jax import outfile, provenance
 from ddtree_jax.outfile import Writer, release_locks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,8 +113,8 @@ def test_the_output_files_sidecar_records_it(tmp_path):
         release_locks()
     record = json.loads((tmp_path / "o.jsonl.settings.json").read_text())
     assert record["method"] == "ar" and record["provenance"] == provenance.provenance()
-    assert provenance.of_outputs(out) == (record["provenance"], record)
-    assert provenance.of_outputs(tmp_path / "none.jsonl") == (None, None)
+    assert outfile.recorded_provenance(out) == (record["provenance"], record)
+    assert outfile.recorded_provenance(tmp_path / "none.jsonl") == (None, None)
 
 
 def test_the_benchmarks_run_header_carries_it():
@@ -137,7 +137,7 @@ def test_compare_external_prints_both_sides_and_warns(tmp_path, capsys):
         sidecar = {"method": "ddtree", "attention": attention, "provenance": prov}
         (tmp_path / f"{name}.jsonl.settings.json").write_text(json.dumps(sidecar))
     args = argparse.Namespace(ours=str(tmp_path / "ours.jsonl"), theirs=str(tmp_path / "theirs.jsonl"))
-    sides, differ = provenance_of_sides(args, "theirs")
+    sides, differ = provenance_of_sides(args, "theirs", {})
     assert differ == [f"jaxlib {here['jaxlib']!r} -> '0.9.0'", "attention 'pallas' -> 'mosaic'"]
     err = capsys.readouterr().err.splitlines()
     assert err[0] == f"ddtree-compare external: ours: {provenance.line(here)}"
@@ -148,7 +148,7 @@ def test_compare_external_prints_both_sides_and_warns(tmp_path, capsys):
 
     (tmp_path / "sglang.jsonl").write_text("")
     generated = argparse.Namespace(ours=None, theirs=str(tmp_path / "sglang.jsonl"), attention="pallas")
-    sides, differ = provenance_of_sides(generated, "sglang")
+    sides, differ = provenance_of_sides(generated, "sglang", {"attention": "pallas", "seed": 0})
     assert sides["ours"] == (provenance.provenance(), {"attention": "pallas"})
     assert sides["sglang"] == (None, None)
     assert differ == ["provenance not recorded on one side"]

@@ -156,7 +156,7 @@ def provenance_of_sides(args: argparse.Namespace, theirs_name: str, resolved: di
     stderr, the differences as a warning."""
     import sys
 
-    from ddtree_jax import provenance
+    from ddtree_jax import outfile, provenance
 
     if args.ours is None:
         ours = (
@@ -164,8 +164,8 @@ def provenance_of_sides(args: argparse.Namespace, theirs_name: str, resolved: di
             {k: v for k, v in resolved.items() if k in provenance.PROGRAM_SETTINGS},
         )
     else:
-        ours = provenance.of_outputs(args.ours)
-    sides = {"ours": ours, theirs_name: provenance.of_outputs(args.theirs)}
+        ours = outfile.recorded_provenance(args.ours)
+    sides = {"ours": ours, theirs_name: outfile.recorded_provenance(args.theirs)}
     (p_ours, s_ours), (p_theirs, s_theirs) = sides.values()
     differ = provenance.numerics_differences(p_ours, p_theirs, s_ours, s_theirs)
     for name, (p, _) in sides.items():
