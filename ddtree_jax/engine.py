@@ -171,13 +171,17 @@ def draft_edges(params: Params, draft_params: Params, state: DecodeState, plan: 
     )
     logits = drafter.head_logits(plan.draft, params, hidden, plan.model_axis)
     unary, cand = collectives.sharded_top_k(logits, plan.draft.dflash2.selector_top_k, plan.model_axis)
-    elogp = jax.nn.log_softmax(dflash2.edge_scores(draft_params, hidden, unary, cand, state.bonus), axis=-1)
-    if plan.method != "dflash":
-        return elogp, cand
-    tok, ranks = dflash2.chain(elogp, cand)  # the argmax of the normalised row is the raw scores' argmax
-    prev = jnp.concatenate([jnp.zeros_like(ranks[:, :1]), ranks[:, :-1]], axis=1)
-    rows = jnp.take_along_axis(elogp, prev[:, :, None, None], axis=2)[:, :, 0]  # [B, D, K]
-    return jnp.take_along_axis(rows, ranks[..., None], axis=2), tok[..., None]
+    scores = dflash2.edge_scores(draft_params, hidden, unary, cand, state.bonus)  # [B, D, K, K]
+    if plan.method == "dflash":
+        tok, ranks = dflash2.chain(scores, cand)
+        prev = jnp.concatenate([jnp.zeros_like(ranks[:, :1]), ranks[:, :-1]], axis=1)
+        rows = jnp.take_along_axis(scores, prev[:, :, None, None], axis=2)[:, :, 0]  # [B, D, K]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(rows, axis=-1), ranks[..., None], axis=2)
+        return logp, tok[..., None]
+    if plan.tempered_draft and state.sampling is not None:
+        b, d, k, _ = scores.shape
+        scores = tempered(scores.reshape(b, d * k, k), state.sampling).reshape(b, d, k, k)
+    return jax.nn.log_softmax(scores, axis=-1), cand
 
 
 def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, plan: Plan) -> tree.Tree:
