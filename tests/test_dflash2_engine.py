@@ -86,3 +86,39 @@ def test_marginal_tree_of_the_same_drafter_equals_ar():
         prompts = [Prompt(i, i + 1, p, {}) for i, p in enumerate(PROMPTS[:5])]
         results = Generator(params, dparams, plan, (), schedule=Schedule(5, "static")).run(prompts)
         assert ids(results) == GREEDY5
+
+
+def test_bench_rounds_with_a_dflash2_drafter(tmp_path):
+    """`ddtree-bench rounds --dflash2` times the DFlash2 round and its stages (the edge-score build
+    included) at a tiny size."""
+    import json
+
+    from ddtree_jax.bench.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["rounds", "--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
+    argv += ["--dflash2", "--methods", "dflash,ddtree", "--budgets", "7", "--rounds", "2", "--stages"]
+    assert main([*argv, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["method"] for r in rows} == {"dflash", "ddtree"}
+    assert all("error" not in r for r in rows)
+
+
+def test_compare_distribution_accepts_the_dflash2_sampler(tmp_path):
+    """`ddtree-compare distribution` with the DFlash2 drafter (ddtree over edge scores): its samples pass
+    the G-test against the target's exact distribution."""
+    import json
+
+    from conftest import FIXTURES
+
+    from ddtree_jax.compare.cli import main
+
+    lines = [json.loads(s) for s in (FIXTURES / "prompts.jsonl").read_text().splitlines()]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in lines if r["id"] == "golden-2"))
+    argv = ["distribution", "--target", str(FIXTURES / TP), "--draft", str(FIXTURES / DRAFT)]
+    argv += ["--prompts", str(prompts), "--dtype", "float32", "--budget", "7", "--temperature", "1.0"]
+    argv += ["--samples", "600", "--batch-size", "600", "--positions", "2", "--report", str(tmp_path / "r")]
+    assert main(argv) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["verdict"] == "agree" and rep["comparisons"][0]["identical"] == 1
