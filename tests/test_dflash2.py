@@ -120,3 +120,36 @@ def test_is_causal_and_window_rules(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(raw | change))
         c = load_draft_config(tmp_path, cfg).dflash2
         assert (c.causal, c.sliding) == (causal, sliding), change
+
+
+def test_published_27b_config():
+    """The fields of the published Qwen3.8-27B-style DFlash2 config (block size inside dflash_config,
+    every layer sliding, `is_causal: false` at the top level) as this loader reads them."""
+    from pathlib import Path
+
+    from ddtree_jax.config import dflash2_config
+
+    raw = {
+        "architectures": ["DFlash2DraftModel"],
+        "hidden_size": 6656,
+        "is_causal": False,
+        "use_sliding_window": True,
+        "sliding_window": 2048,
+        "layer_types": ["sliding_attention"] * 5,
+        "dflash_config": {
+            "block_size": 16,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": 201818,
+            "output_multiplier": 0.19611613513818404,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "target_layer_ids": [1, 13, 25, 37, 49],
+        },
+    }
+    c = dflash2_config(raw, Path("config.json"), 5)
+    assert (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == (2, 16, 256, 16)
+    assert c.sliding == (True,) * 5 and c.sliding_window == 2048 and c.causal == (False,) * 5
+    assert c.final_logit_softcapping == 20.0 and c.output_multiplier == 0.19611613513818404
+    assert c.input_embedding_scale == 1.0 and c.selector
