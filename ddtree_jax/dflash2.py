@@ -24,8 +24,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ddtree_jax.collectives import Axis
 from ddtree_jax.config import DraftConfig
-from ddtree_jax.models.common import PADDED_LOGIT
+from ddtree_jax.models import gqa
+from ddtree_jax.models.common import PADDED_LOGIT, rms_norm
+from ddtree_jax.models.dense import mlp
 from ddtree_jax.weights import Params, WeightSpec, linear
 
 CONVS = ("attention_conv", "mlp_conv")
@@ -100,6 +103,38 @@ def conv_prepare(p: Params, h: jax.Array, group_size: int) -> tuple[jax.Array, j
 def conv_finish(p: Params, out: jax.Array, dynamic: jax.Array, group_size: int) -> jax.Array:
     """The sublayer output [B, T, H] convolved with `conv_prepare`'s second kernel (side 1)."""
     return convolve(out, dynamic, p["base_kernel"][1], group_size)
+
+
+def decoder_layer(
+    p: Params,
+    x: jax.Array,
+    cfg: DraftConfig,
+    rope: tuple[jax.Array, jax.Array],
+    attend: gqa.Attend,
+    model_axis: Axis = None,
+) -> jax.Array:
+    """One DFlash2 draft layer over x [B, T, H], T a whole number of blocks of cfg.block_size (the
+    convolutions run within each block): a v1 layer with `conv_prepare` / `conv_finish` around each
+    sublayer. `attend` carries the layer's mask (causal, window)."""
+    c, dims = cfg.dflash2, cfg.dims
+    b, t, h = x.shape
+    g = c.conv_group_size
+
+    def blocks(y):  # [B, T, ...] -> [B * T / K, K, ...]
+        return y.reshape(b * t // cfg.block_size, cfg.block_size, *y.shape[2:])
+
+    def prepare(conv, y):
+        y, dyn = conv_prepare(p[conv], blocks(y), g)
+        return y.reshape(b, t, h), dyn
+
+    def finish(conv, y, dyn):
+        return conv_finish(p[conv], blocks(y), dyn, g).reshape(b, t, h)
+
+    y, dyn = prepare("attention_conv", rms_norm(x, p["attn_norm"], dims.rms_norm_eps))
+    out, _ = gqa.attention(p, y, dims, rope, attend, model_axis)
+    x = x + finish("attention_conv", out, dyn)
+    y, dyn = prepare("mlp_conv", rms_norm(x, p["mlp_norm"], dims.rms_norm_eps))
+    return x + finish("mlp_conv", mlp(p, y, model_axis), dyn)
 
 
 def sliding_attend(entry, lengths: jax.Array, mask: jax.Array, window: int):

@@ -16,7 +16,7 @@ from ddtree_jax.config import DraftConfig
 from ddtree_jax.kv_cache import KVCache
 from ddtree_jax.models import gqa
 from ddtree_jax.models.common import rms_norm, rope_tables
-from ddtree_jax.models.dense import decoder_layer, layer_specs, mlp
+from ddtree_jax.models.dense import decoder_layer, layer_specs
 from ddtree_jax.sharding import check_divisible as check_dims
 from ddtree_jax.weights import Params, WeightSpec, linear, norm
 
@@ -117,23 +117,17 @@ def draft_hidden(
 
 
 def _dflash2_layer(p, x, cfg: DraftConfig, i: int, rope, cache: KVCache, attention, window, model_axis):
-    """One DFlash2 draft layer: a v1 layer with a grouped dynamic convolution around each sublayer;
-    causal within the block and windowed as the layer's type says (config.DFlash2Config)."""
-    c, dims = cfg.dflash2, cfg.dims
+    """Draft layer i of a DFlash2 drafter over one block: causal within it and windowed as the layer's
+    type says (config.DFlash2Config); sliding layers ignore `window` (their own governs)."""
+    c = cfg.dflash2
     b, k = x.shape[:2]
-    mask = jnp.broadcast_to(
-        jnp.tril(jnp.ones((k, k), jnp.bool_)) if c.causal[i] else jnp.ones((k, k), jnp.bool_), (b, k, k)
-    )
+    mask = jnp.tril(jnp.ones((k, k), jnp.bool_)) if c.causal[i] else jnp.ones((k, k), jnp.bool_)
+    mask = jnp.broadcast_to(mask, (b, k, k))
     if c.sliding[i]:
         attend = dflash2.sliding_attend(cache.layers[i], cache.lengths, mask, c.sliding_window)
     else:
         attend = gqa.layer_attend(attention, cache, i, mask, window)
-    g = c.conv_group_size
-    h, dyn = dflash2.conv_prepare(p["attention_conv"], rms_norm(x, p["attn_norm"], dims.rms_norm_eps), g)
-    out, _ = gqa.attention(p, h, dims, rope, attend, model_axis)
-    x = x + dflash2.conv_finish(p["attention_conv"], out, dyn, g)
-    h, dyn = dflash2.conv_prepare(p["mlp_conv"], rms_norm(x, p["mlp_norm"], dims.rms_norm_eps), g)
-    return x + dflash2.conv_finish(p["mlp_conv"], mlp(p, h, model_axis), dyn, g)
+    return dflash2.decoder_layer(p, x, cfg, rope, attend, model_axis)
 
 
 def cache_shapes(cfg: DraftConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:
