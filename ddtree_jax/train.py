@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import drafter, target
+from ddtree_jax import dflash2, drafter, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig
 from ddtree_jax.models.common import rms_norm, rope_tables
 from ddtree_jax.models.dense import DenseConfig, decoder_layer
@@ -265,7 +265,21 @@ def draft_train_logits(
 
     features [B, L, F]: the target's features of tokens [B, L]; position p of the context is visible
     to an anchor a iff p < a, as at inference where the anchor is the bonus after a committed prefix.
+    A DFlash2 drafter's logits come transformed as at inference (drafter.head_logits).
     """
+    hidden = draft_train_hidden(params, dcfg, target_params, features, tokens, anchors)
+    return drafter.head_logits(dcfg, target_params, hidden)
+
+
+def draft_train_hidden(
+    params: Params,
+    dcfg: DraftConfig,
+    target_params: Params,
+    features: jax.Array,
+    tokens: jax.Array,
+    anchors: jax.Array,
+) -> jax.Array:
+    """The final-normed draft states [B, N, K - 1, H] of `draft_train_logits`."""
     b, n = anchors.shape
     k = dcfg.block_size
     ctx_positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -274,10 +288,38 @@ def draft_train_logits(
     mask = block_mask(tokens.shape[1], anchors, k)
     rope = rope_tables(positions, dcfg.rope.inv_freq(), dcfg.rope.attention_factor)
     x = target.embed(target_params, block)
-    for p, (ck, cv) in zip(params["layers"], ctx_kv, strict=True):
-        x, _ = decoder_layer(p, x, dcfg.dims, rope, dense_attend(ck, cv, mask))
+    c = dcfg.dflash2
+    if c is not None and c.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(c.input_embedding_scale, x.dtype)
+    for i, (p, (ck, cv)) in enumerate(zip(params["layers"], ctx_kv, strict=True)):
+        if c is None:
+            x, _ = decoder_layer(p, x, dcfg.dims, rope, dense_attend(ck, cv, mask))
+        else:
+            layer_mask = dflash2_mask(
+                mask, positions, k, c.causal[i], c.sliding_window if c.sliding[i] else None
+            )
+            x = dflash2.decoder_layer(p, x, dcfg, rope, dense_attend(ck, cv, layer_mask))
     x = x.reshape(b, n, k, -1)[:, :, 1:]
-    return target.logits(target_params, rms_norm(x, params["norm"], dcfg.dims.rms_norm_eps))
+    return rms_norm(x, params["norm"], dcfg.dims.rms_norm_eps)
+
+
+def dflash2_mask(
+    mask: jax.Array, positions: jax.Array, block_size: int, causal: bool, window: int | None
+) -> jax.Array:
+    """`block_mask` [B, N*K, L + N*K] for one DFlash2 layer: causal within each block, and with a
+    window: the query at position q sees context positions > q - window and block slots within window."""
+    b, t = positions.shape
+    length = mask.shape[-1] - t
+    slot = jnp.arange(t) % block_size
+    rel = slot[:, None] - slot[None, :]  # [T, T] query slot - key slot (within one block where it counts)
+    own = jnp.ones((t, t), jnp.bool_)
+    if causal:
+        own &= rel >= 0
+    ctx = jnp.ones((b, t, length), jnp.bool_)
+    if window is not None:
+        own &= (rel < window) & (-rel < window)
+        ctx = jnp.arange(length)[None, None, :] > positions[:, :, None] - window
+    return mask & jnp.concatenate([ctx, jnp.broadcast_to(own, (b, t, t))], axis=-1)
 
 
 def slot_weights(block_size: int, gamma: float | None) -> jax.Array:
@@ -343,15 +385,46 @@ def draft_loss(
     k = dcfg.block_size
     features, greedy = target_teacher(target_params, tcfg, dcfg, tokens)
     anchors = sample_anchors(key, b, length, num_anchors, k)
-    logits = draft_train_logits(params, dcfg, target_params, features, tokens, anchors)
+    hidden = draft_train_hidden(params, dcfg, target_params, features, tokens, anchors)
+    logits = drafter.head_logits(dcfg, target_params, hidden)
     where = anchors[:, :, None] + jnp.arange(k - 1, dtype=jnp.int32)[None, None, :]  # [B, N, K-1]
     labels = jnp.take_along_axis(greedy, where.reshape(b, -1), axis=1).reshape(where.shape)
     keep = label_mask(tokens, greedy, anchors, k, consistent, greedy_anchors).astype(jnp.float32)
     weighted = cross_entropy(logits, labels) * slot_weights(k, gamma) * keep
     loss = weighted.sum() / jnp.maximum(keep.sum(), 1.0)
+    if dcfg.dflash2 is not None and dcfg.dflash2.selector:
+        first = jnp.take_along_axis(tokens, anchors, axis=1)  # the bonus of each block
+        loss += selector_loss(params, dcfg, hidden, logits, first, labels, keep)
     hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * keep
     agree = hits.sum(axis=(0, 1)) / jnp.maximum(keep.sum(axis=(0, 1)), 1.0)
     return loss, agree
+
+
+def selector_loss(
+    params: Params,
+    dcfg: DraftConfig,
+    hidden: jax.Array,
+    logits: jax.Array,
+    first: jax.Array,
+    labels: jax.Array,
+    keep: jax.Array,
+) -> jax.Array:
+    """A DFlash2 selector's cross-entropy over the K candidates (this project's objective; no public
+    training recipe states one): at slot j, the edge scores from the true predecessor (the label of slot
+    j - 1; the block's bonus `first` [B, N] at slot 1) to the top-K candidates of the draft logits, and
+    the label as the target class where it is among them. hidden [B, N, K-1, H], logits [B, N, K-1, V],
+    labels, keep [B, N, K-1]; the mean over the kept slots whose label is a candidate."""
+    unary, cand = jax.lax.top_k(logits, dcfg.dflash2.selector_top_k)  # [B, N, K-1, K]
+    cand = jax.lax.stop_gradient(cand)
+    prev = jnp.concatenate([first[:, :, None], labels[:, :, :-1]], axis=-1)  # [B, N, K-1]
+    sel = params["selector"]
+    proj = hidden @ sel["hidden_projection"]  # [B, N, K-1, r]
+    pair = (sel["predecessor_codebook"][prev] * proj)[..., None, :] * sel["successor_codebook"][cand]
+    scores = unary + pair.sum(-1)  # [B, N, K-1, K]
+    hit = cand == labels[..., None]
+    found = jnp.any(hit, axis=-1).astype(jnp.float32) * keep
+    nll = -jnp.sum(jax.nn.log_softmax(scores, axis=-1) * hit, axis=-1)
+    return jnp.sum(nll * found) / jnp.maximum(found.sum(), 1.0)
 
 
 # -- the optimiser loop ----------------------------------------------------------------------------
