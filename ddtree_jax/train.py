@@ -141,8 +141,10 @@ def target_hf_config(cfg: DenseConfig, bos_token_id: int | None = None) -> dict[
 
 
 def draft_hf_config(cfg: DraftConfig, tcfg: DenseConfig) -> dict[str, Any]:
-    """config.json of a z-lab DFlash drafter (no embedding, no lm_head: the target's are used)."""
-    return {
+    """config.json of a z-lab DFlash drafter (no embedding, no lm_head: the target's are used); a DFlash2
+    drafter's in the published layout (`DFlash2DraftModel`, its keys in `dflash_config`, explicit
+    `is_causal` when every layer agrees, the sliding layers as HF's Qwen3Config reads them)."""
+    out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "vocab_size": cfg.vocab_size,
@@ -155,6 +157,28 @@ def draft_hf_config(cfg: DraftConfig, tcfg: DenseConfig) -> dict[str, Any]:
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
         "torch_dtype": "bfloat16",
     }
+    c = cfg.dflash2
+    if c is None:
+        return out
+    if c.causal != tuple(c.sliding) and len(set(c.causal)) > 1:
+        raise ValueError("a DFlash2 config.json states is_causal for every layer or follows the layer types")
+    out["architectures"] = ["DFlash2DraftModel"]
+    out["dflash_config"] |= {
+        "block_size": cfg.block_size,
+        "conv_kernel_size": c.conv_kernel_size,
+        "conv_group_size": c.conv_group_size,
+        "selector_rank": c.selector_rank,
+        "selector_top_k": c.selector_top_k,
+        "input_embedding_scale": c.input_embedding_scale,
+        "output_multiplier": c.output_multiplier,
+        "final_logit_softcapping": c.final_logit_softcapping,
+    }
+    out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in c.sliding]
+    out["use_sliding_window"] = c.sliding_window is not None
+    out["sliding_window"] = c.sliding_window
+    if c.causal != tuple(c.sliding):
+        out["is_causal"] = c.causal[0]
+    return out
 
 
 # -- target loss -----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ by the loss on a validation slice of the held-out split.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax import drafter, target, train  # noqa: E402
 from ddtree_jax.checkpoint import save_hf  # noqa: E402
+from ddtree_jax.config import DFlash2Config  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
 from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
@@ -269,6 +271,12 @@ def stage_draft(args, streams, out, summary, log_path):
     dcfg = train.make_draft_config(
         tcfg, mask_id, args.draft_layers, args.block_size, args.draft_ff, layer_ids
     )
+    if args.dflash2:  # taps, group size, selector rank, top-K: a DFlash2 drafter (no window, not causal)
+        taps, group, rank, top_k = (int(x) for x in args.dflash2.split(","))
+        layers = (False,) * args.draft_layers
+        dcfg = dataclasses.replace(
+            dcfg, dflash2=DFlash2Config(taps, group, rank, top_k, sliding=layers, causal=layers)
+        )
     params = train.init_params(drafter.weight_specs(dcfg), args.seed + 1, dcfg.num_layers)
     # The drafter's logits go through the target's lm_head: start its output norm at the target's.
     params["norm"] = jnp.asarray(tparams["norm"], jnp.float32)
@@ -305,7 +313,8 @@ def stage_draft(args, streams, out, summary, log_path):
         max_seconds=args.max_seconds,
     )
     summary["draft_seconds"] = round(time.perf_counter() - start, 1)
-    save_hf(trainer.params, drafter.weight_specs(dcfg), out / "draft", train.draft_hf_config(dcfg, tcfg))
+    draft_dir = out / args.draft_dir
+    save_hf(trainer.params, drafter.weight_specs(dcfg), draft_dir, train.draft_hf_config(dcfg, tcfg))
 
 
 def stage_prompts(args, corpus, out, summary):
@@ -350,6 +359,13 @@ def main() -> None:
     )
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--draft-ff", type=int, default=None)
+    ap.add_argument(
+        "--dflash2",
+        default=None,
+        help="TAPS,GROUP,RANK,TOP_K: train a DFlash2 drafter (convolutions of TAPS taps over groups of GROUP "
+        "channels, a selector of rank RANK over TOP_K candidates) instead of a v1 one",
+    )
+    ap.add_argument("--draft-dir", default="draft", help="the drafter's folder under --out")
     ap.add_argument(
         "--draft-target-layers",
         default=None,

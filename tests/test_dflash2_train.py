@@ -77,3 +77,22 @@ def test_step_with_the_selector_lowers_loss():
         trainer.step(batch, key)
     after, plain_after = losses(trainer.params)
     assert after < before and after - plain_after < before - plain_before  # the selector's term fell too
+
+
+def test_written_checkpoint_loads_back(tmp_path):
+    """train.draft_hf_config + save_hf write the published layout: drafter.load reads the same config
+    and weights back (float32 here)."""
+    import ml_dtypes
+
+    from ddtree_jax.checkpoint import save_hf
+    from ddtree_jax.sharding import make_mesh, param_sharding
+
+    tcfg, dcfg = tiny_pair()
+    params = random_params(drafter.weight_specs(dcfg), 1, jnp.float32, scale=0.2)
+    config = train.draft_hf_config(dcfg, tcfg)
+    assert config["architectures"] == ["DFlash2DraftModel"] and "is_causal" not in config
+    save_hf(params, drafter.weight_specs(dcfg), tmp_path, config, dtype=ml_dtypes.bfloat16)
+    cfg, loaded = drafter.load(tmp_path, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)))
+    assert cfg.dflash2 == dcfg.dflash2 and cfg.block_size == dcfg.block_size
+    as_bf16 = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)), params)
+    jax.tree.map(np.testing.assert_array_equal, as_bf16, jax.tree.map(np.asarray, loaded))
