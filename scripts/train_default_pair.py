@@ -256,6 +256,31 @@ def self_generated(args, tcfg, tparams, stream: np.ndarray, log_path) -> np.ndar
     return np.asarray(rows, np.int32)  # [n, draft_seq_len]: each row one window
 
 
+def from_v1_drafter(params, dcfg, directory: Path, tcfg):
+    """A DFlash2 drafter's initial parameters from a v1 drafter of the same shape (--init-draft): its
+    weights, identity convolutions (tap 0 of both sides at 1, no dynamic part) and the selector as
+    initialised, so that it drafts exactly as the v1 drafter until training moves it."""
+    vcfg, vparams = drafter.load(directory, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)))
+    if dcfg.dflash2 is None or (vcfg.num_layers, vcfg.dims, vcfg.target_layer_ids) != (
+        dcfg.num_layers,
+        dcfg.dims,
+        dcfg.target_layer_ids,
+    ):
+        raise SystemExit(f"--init-draft {directory}: needs --dflash2 and a drafter of the same shape")
+    out = dict(params, fc=vparams["fc"], hidden_norm=vparams["hidden_norm"], norm=vparams["norm"])
+    out["layers"] = []
+    for new, old in zip(params["layers"], vparams["layers"], strict=True):
+        layer = dict(new, **old)
+        for conv in ("attention_conv", "mlp_conv"):
+            base = jnp.zeros_like(new[conv]["base_kernel"]).at[:, 0].set(1.0)
+            layer[conv] = {
+                "base_kernel": base,
+                "kernel_projection": jnp.zeros_like(new[conv]["kernel_projection"]),
+            }
+        out["layers"].append(layer)
+    return out
+
+
 def stage_draft(args, streams, out, summary, log_path):
     from tokenizers import Tokenizer
 
@@ -280,6 +305,8 @@ def stage_draft(args, streams, out, summary, log_path):
     params = train.init_params(drafter.weight_specs(dcfg), args.seed + 1, dcfg.num_layers)
     # The drafter's logits go through the target's lm_head: start its output norm at the target's.
     params["norm"] = jnp.asarray(tparams["norm"], jnp.float32)
+    if args.init_draft:
+        params = from_v1_drafter(params, dcfg, args.init_draft, tcfg)
     summary["draft_params"] = train.count_params(params)
     oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup)
     gamma = args.gamma if args.gamma > 0 else None
@@ -366,6 +393,9 @@ def main() -> None:
         "channels, a selector of rank RANK over TOP_K candidates) instead of a v1 one",
     )
     ap.add_argument("--draft-dir", default="draft", help="the drafter's folder under --out")
+    ap.add_argument(
+        "--init-draft", type=Path, default=None, help="with --dflash2: start from this v1 drafter's weights"
+    )
     ap.add_argument(
         "--draft-target-layers",
         default=None,
