@@ -327,7 +327,9 @@ def load_draft_config(
         num_layers=num_layers,
         dims=dims,
         rope=hf_rope(raw, dims.head_dim, path, yarn_scaling),
-        block_size=positive_field({"block_size": block_size} if block_size else raw, "block_size", path),
+        block_size=positive_field(
+            {} if block_size is None else {"block_size": block_size}, "block_size", path
+        ),
         mask_token_id=int(dflash["mask_token_id"]),
         target_layer_ids=tuple(int(i) for i in layer_ids),
         vocab_size=target.vocab_size,

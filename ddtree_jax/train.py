@@ -523,10 +523,15 @@ def draft_trainer(
     gamma: float | None,
     consistent: bool = False,
     greedy_anchors: bool = False,
+    only: tuple[str, ...] = (),
 ) -> Trainer:
-    """A Trainer of the drafter against the frozen target (aux: per-slot top-1 agreement)."""
+    """A Trainer of the drafter against the frozen target (aux: per-slot top-1 agreement); `only`: the
+    top-level parameter groups that learn (e.g. ("selector",)), the rest held (no gradient; give the
+    optimiser no weight decay to keep them exactly)."""
 
     def loss_fn(p, tokens, key):
+        if only:
+            p = {k: v if k in only else jax.lax.stop_gradient(v) for k, v in p.items()}
         return draft_loss(
             p, dcfg, target_params, tcfg, tokens, key, num_anchors, gamma, consistent, greedy_anchors
         )

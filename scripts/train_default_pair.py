@@ -308,10 +308,20 @@ def stage_draft(args, streams, out, summary, log_path):
     if args.init_draft:
         params = from_v1_drafter(params, dcfg, args.init_draft, tcfg)
     summary["draft_params"] = train.count_params(params)
-    oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup)
+    only = tuple(args.draft_train_only.split(",")) if args.draft_train_only else ()
+    oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup, weight_decay=0.0 if only else 0.1)
     gamma = args.gamma if args.gamma > 0 else None
     trainer = train.draft_trainer(
-        dcfg, params, tparams, tcfg, oc, args.anchors, gamma, args.consistent_labels, args.greedy_anchors
+        dcfg,
+        params,
+        tparams,
+        tcfg,
+        oc,
+        args.anchors,
+        gamma,
+        args.consistent_labels,
+        args.greedy_anchors,
+        only=only,
     )
     rng = np.random.default_rng(args.seed + 1)
     own = self_generated(args, tcfg, tparams, streams["train"], log_path) if args.selfgen_sequences else None
@@ -393,6 +403,12 @@ def main() -> None:
         "channels, a selector of rank RANK over TOP_K candidates) instead of a v1 one",
     )
     ap.add_argument("--draft-dir", default="draft", help="the drafter's folder under --out")
+    ap.add_argument(
+        "--draft-train-only",
+        default=None,
+        help="comma list of the drafter's top-level parameter groups that learn (e.g. selector); the rest "
+        "stay as initialised (no weight decay)",
+    )
     ap.add_argument(
         "--init-draft", type=Path, default=None, help="with --dflash2: start from this v1 drafter's weights"
     )

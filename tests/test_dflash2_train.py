@@ -96,3 +96,21 @@ def test_written_checkpoint_loads_back(tmp_path):
     assert cfg.dflash2 == dcfg.dflash2 and cfg.block_size == dcfg.block_size
     as_bf16 = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)), params)
     jax.tree.map(np.testing.assert_array_equal, as_bf16, jax.tree.map(np.asarray, loaded))
+
+
+def test_training_the_selector_alone_keeps_the_drafter():
+    """draft_trainer(only=("selector",)) with no weight decay: the selector learns, every other weight
+    stays exactly (the marginals of the drafter it started from)."""
+    tcfg, dcfg = tiny_pair(block_size=4)
+    dcfg = dataclasses.replace(dcfg, dflash2=dataclasses.replace(dcfg.dflash2, selector_top_k=32))
+    tparams = train.init_params(target.weight_specs(tcfg), 0, tcfg.num_layers)
+    params = train.init_params(drafter.weight_specs(dcfg), 1, dcfg.num_layers)
+    oc = train.OptimConfig(steps=10, lr=1e-2, warmup=1, weight_decay=0.0)
+    trainer = train.draft_trainer(dcfg, params, tparams, tcfg, oc, 3, 4.0, only=("selector",))
+    for _ in range(2):
+        trainer.step(tokens_of(1, 2, 16), jax.random.key(3))
+    for name in params:
+        same = jax.tree.leaves(
+            jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params[name], trainer.params[name])
+        )
+        assert all(same) == (name != "selector"), name
