@@ -32,7 +32,7 @@ def ids(results):
     return [r.output_ids for r in results]
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 7), ("ddtree", 15)])
+@pytest.mark.parametrize("method,budget", [("dflash", 0), ("ddtree", 15)])
 def test_greedy_equals_ar(method, budget):
     results = run(TP, PROMPTS[:5], method=method, draft_name=DRAFT, budget=budget)
     assert ids(results) == GREEDY5
@@ -64,10 +64,11 @@ def test_sampled_seed_exact_against_ar(ar_sampled, method, budget, tempered):
 
 
 def test_identical_on_a_mesh():
-    for sampling in (None, SAMPLED + SAMPLED[:3]):
-        one = ids(run(TP, PROMPTS, method="ddtree", draft_name=DRAFT, budget=7, options=sampling))
-        two = ids(run(TP, PROMPTS, method="ddtree", draft_name=DRAFT, budget=7, options=sampling, tp=2, dp=2))
-        assert one == two
+    """Sampled rows and a greedy one (SAMPLED[2]), on one device and on a 2 x 2 mesh."""
+    sampling = SAMPLED + SAMPLED[:3]
+    one = ids(run(TP, PROMPTS, method="ddtree", draft_name=DRAFT, budget=7, options=sampling))
+    two = ids(run(TP, PROMPTS, method="ddtree", draft_name=DRAFT, budget=7, options=sampling, tp=2, dp=2))
+    assert one == two
 
 
 def test_marginal_tree_of_the_same_drafter_equals_ar():
@@ -97,10 +98,10 @@ def test_bench_rounds_with_a_dflash2_drafter(tmp_path):
 
     out = tmp_path / "r.json"
     argv = ["rounds", "--shape", "tiny", "--draft-layers", "1", "--block-size", "4", "--contexts", "32"]
-    argv += ["--dflash2", "--methods", "dflash,ddtree", "--budgets", "7", "--rounds", "2", "--stages"]
+    argv += ["--dflash2", "--methods", "ddtree", "--budgets", "7", "--rounds", "1", "--stages"]
     assert main([*argv, "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {r["method"] for r in rows} == {"dflash", "ddtree"}
+    assert [r["method"] for r in rows] == ["ddtree"]
     assert all("error" not in r for r in rows)
 
 
@@ -118,7 +119,7 @@ def test_compare_distribution_accepts_the_dflash2_sampler(tmp_path):
     prompts.write_text("".join(json.dumps(r) + "\n" for r in lines if r["id"] == "golden-2"))
     argv = ["distribution", "--target", str(FIXTURES / TP), "--draft", str(FIXTURES / DRAFT)]
     argv += ["--prompts", str(prompts), "--dtype", "float32", "--budget", "7", "--temperature", "1.0"]
-    argv += ["--samples", "600", "--batch-size", "600", "--positions", "2", "--report", str(tmp_path / "r")]
+    argv += ["--samples", "400", "--batch-size", "400", "--positions", "2", "--report", str(tmp_path / "r")]
     assert main(argv) == 0
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["verdict"] == "agree" and rep["comparisons"][0]["identical"] == 1
