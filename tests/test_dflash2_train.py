@@ -114,3 +114,35 @@ def test_training_the_selector_alone_keeps_the_drafter():
             jax.tree.map(lambda a, b: bool(jnp.all(a == b)), params[name], trainer.params[name])
         )
         assert all(same) == (name != "selector"), name
+
+
+def test_init_from_the_bundled_v1_drafter_drafts_as_it():
+    """train_default_pair.py --init-draft: the DFlash2 drafter made from the bundled v1 drafter (identity
+    convolutions) gives its logits exactly (what results/dflash2's marginal rows rely on)."""
+    import importlib.util
+    from pathlib import Path
+
+    from ddtree_jax.pair import load_pair
+
+    path = Path(__file__).parent.parent / "scripts" / "train_default_pair.py"
+    spec = importlib.util.spec_from_file_location("train_default_pair", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assets = Path(__file__).parent.parent / "ddtree_jax" / "assets" / "default_pair"
+    pair = load_pair(assets / "target", assets / "draft", "float32")
+    tcfg, v1 = pair.target, pair.draft
+    dcfg = train.make_draft_config(tcfg, v1.mask_token_id, 2, v1.block_size, None, v1.target_layer_ids)
+    extra = DFlash2Config(2, 16, 8, 4, sliding=(False, False), causal=(False, False))
+    dcfg = dataclasses.replace(dcfg, dflash2=extra)
+    params = script.from_v1_drafter(
+        train.init_params(drafter.weight_specs(dcfg), 2, 2), dcfg, assets / "draft", tcfg
+    )
+    feats = jax.random.normal(jax.random.key(0), (1, 20, len(v1.target_layer_ids) * tcfg.hidden_size))
+    d = v1.dims
+    outs = []
+    for cfg, p in ((v1, pair.draft_params), (dcfg, params)):
+        cache = empty_cache(2, 1, d.num_kv_heads, 64, d.head_dim, jnp.float32)
+        cache = write(cache, drafter.context_kv(p, cfg, feats, jnp.arange(20)[None]), jnp.array([0]))
+        cache.lengths = jnp.array([20], jnp.int32)
+        outs.append(np.asarray(drafter.draft_logits(p, cfg, pair.params, jnp.array([5]), cache)))
+    np.testing.assert_array_equal(outs[0], outs[1])
