@@ -131,8 +131,32 @@ class TargetConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DFlash2Config:
+    """What a DFlash2 drafter adds to v1 (`architectures: ["DFlash2DraftModel"]`): grouped dynamic
+    causal convolutions around each sublayer, the candidate selector, per-layer sliding windows and
+    causality, and the logit transforms (ddtree_jax/dflash2.py)."""
+
+    conv_kernel_size: int  # taps K of both convolutions of a layer
+    conv_group_size: int  # channels sharing one dynamic tap (H / conv_group_size groups)
+    selector_rank: int  # r of the codebooks [V, r] and the hidden projection [H, r]
+    selector_top_k: int  # candidates per draft position
+    input_embedding_scale: float = 1.0  # the block's embeddings are multiplied by it
+    output_multiplier: float = 1.0  # the draft logits are multiplied by it ...
+    final_logit_softcapping: float | None = None  # ... then capped: tanh(x / cap) * cap
+    sliding_window: int | None = None  # the window of the sliding layers
+    sliding: tuple[bool, ...] = ()  # per draft layer: attends within `sliding_window`
+    causal: tuple[bool, ...] = ()  # per draft layer: causal within the block (sliding_attention layers
+    # are, unless the top-level `is_causal` says otherwise, window or not)
+    selector: bool = True  # False: propose from the marginals alone, as v1 (the comparison's baseline)
+
+
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftConfig:
-    """A DFlash block-diffusion drafter (z-lab layout): Qwen3 layers conditioned on target features."""
+    """A DFlash block-diffusion drafter (z-lab layout): Qwen3 layers conditioned on target features;
+    `dflash2` set for a DFlash2 drafter."""
 
     num_layers: int
     dims: LayerDims
@@ -142,6 +166,7 @@ class DraftConfig:
     target_layer_ids: tuple[int, ...]
     vocab_size: int
     target_architecture: str = "qwen3"  # the target's family gives the embedding and lm_head
+    dflash2: DFlash2Config | None = None
 
     @property
     def depth(self) -> int:
@@ -297,15 +322,21 @@ def load_draft_config(
     num_layers = positive_field(raw, "num_hidden_layers", path)
     num_target_layers = int(raw.get("num_target_layers", target.num_layers))
     layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
+    block_size = dflash.get("block_size", raw.get("block_size"))  # the reference reads dflash_config first
     cfg = DraftConfig(
         num_layers=num_layers,
         dims=dims,
         rope=hf_rope(raw, dims.head_dim, path, yarn_scaling),
-        block_size=positive_field(raw, "block_size", path),
+        block_size=positive_field(
+            {} if block_size is None else {"block_size": block_size}, "block_size", path
+        ),
         mask_token_id=int(dflash["mask_token_id"]),
         target_layer_ids=tuple(int(i) for i in layer_ids),
         vocab_size=target.vocab_size,
         target_architecture=target.architecture,
+        dflash2=dflash2_config(raw, path, num_layers)
+        if "DFlash2DraftModel" in raw.get("architectures", [])
+        else None,
     )
     if dims.hidden_size != target.hidden_size:
         raise DDTreeError(
@@ -323,3 +354,48 @@ def load_draft_config(
     if cfg.block_size < 2:
         raise DDTreeError(f"{path}: block_size must be at least 2")
     return cfg
+
+
+def dflash2_config(raw: dict[str, Any], path: Path, num_layers: int) -> DFlash2Config:
+    """The DFlash2 part of a drafter config.json: each key from `dflash_config`, else the top level (as
+    the public reference reads them); the four DFLASH2_REQUIRED keys must be there.
+
+    A "sliding_attention" layer (`layer_types`) attends within `sliding_window` when the config has
+    `use_sliding_window`; every layer is causal within the block as the top-level `is_causal` says, and
+    when that is absent exactly the "sliding_attention" layers are (the reference's rule)."""
+    dflash = raw.get("dflash_config") or {}
+
+    def value(name: str, default: Any = None) -> Any:
+        return dflash.get(name, raw.get(name, default))
+
+    missing = [name for name in DFLASH2_REQUIRED if value(name) is None]
+    if missing:
+        raise DDTreeError(f"{path}: a DFlash2 drafter needs 'dflash_config.{missing[0]}'")
+    fields = {name: positive_field({name: value(name)}, name, path) for name in DFLASH2_REQUIRED}
+    group, hidden = fields["conv_group_size"], raw["hidden_size"]
+    if hidden % group:
+        raise DDTreeError(f"{path}: conv_group_size {group} does not divide hidden_size {hidden}")
+    # As HF's Qwen3Config (which the reference reads): a window only under use_sliding_window, and
+    # without layer_types the layers from max_window_layers on slide.
+    window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    first_sliding = raw.get("max_window_layers", 28) if window is not None else num_layers
+    types = raw.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers:
+        raise DDTreeError(f"{path}: {len(types)} layer_types for {num_layers} layers")
+    sliding = tuple(t == "sliding_attention" for t in types)
+    if window is not None and not (isinstance(window, int) and window > 0):
+        raise DDTreeError(f"{path}: 'sliding_window' must be a positive integer, got {window!r}")
+    is_causal = raw.get("is_causal")
+    causal = sliding if is_causal is None else (bool(is_causal),) * num_layers
+    softcap = value("final_logit_softcapping")
+    return DFlash2Config(
+        **fields,
+        input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+        output_multiplier=float(value("output_multiplier", 1.0)),
+        final_logit_softcapping=float(softcap) if softcap and float(softcap) > 0 else None,
+        sliding_window=window,
+        sliding=tuple(x and window is not None for x in sliding),
+        causal=causal,
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import models
+from ddtree_jax import dflash2, models
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import DraftConfig
 from ddtree_jax.kv_cache import KVCache
@@ -33,6 +33,8 @@ def weight_specs(cfg: DraftConfig) -> list[WeightSpec]:
     for i in range(cfg.num_layers):
         specs += layer_specs(f"layers.{i}.", ("layers", i), cfg.dims)
     specs.append(norm(("norm",), "norm.weight", h))
+    if cfg.dflash2 is not None:
+        specs += dflash2.weight_specs(cfg)
     return specs
 
 
@@ -63,20 +65,69 @@ def draft_logits(
 
     With the vocabulary split over `model_axis`, this device's slice [B, D, V_local] (padded entries
     masked: `models.common.logits`). The embedding and lm_head are the target's, as its family reads them.
+    A DFlash2 drafter's logits come multiplied and soft capped as its config says (dflash2.transform_logits).
     """
+    hidden = draft_hidden(
+        params, cfg, target_params, bonus, cache, attention=attention, window=window, model_axis=model_axis
+    )
+    return head_logits(cfg, target_params, hidden, model_axis)
+
+
+def head_logits(
+    cfg: DraftConfig, target_params: Params, hidden: jax.Array, model_axis: Axis = None
+) -> jax.Array:
+    """The draft logits [B, D, V(_local)] of final-normed draft states [B, D, H] (the target's head)."""
+    logits = models.family_of(cfg.target_architecture).logits(
+        target_params, hidden, cfg.vocab_size, model_axis
+    )
+    return logits if cfg.dflash2 is None else dflash2.transform_logits(cfg, logits)
+
+
+def draft_hidden(
+    params: Params,
+    cfg: DraftConfig,
+    target_params: Params,
+    bonus: jax.Array,
+    cache: KVCache,
+    *,
+    attention: str = "reference",
+    window: int | None = None,
+    model_axis: Axis = None,
+) -> jax.Array:
+    """The final-normed draft states [B, D, H] of depths 1..D (`draft_logits` before the head)."""
     family = models.family_of(cfg.target_architecture)
     b, k = bonus.shape[0], cfg.block_size
     block = jnp.full((b, k), cfg.mask_token_id, jnp.int32).at[:, 0].set(bonus)
     positions = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]
     rope = rope_tables(positions, cfg.rope.inv_freq(), cfg.rope.attention_factor)
-    mask = jnp.ones((b, k, k), jnp.bool_)  # the block is bidirectional
+    full = jnp.ones((b, k, k), jnp.bool_)  # the block is bidirectional
     x = family.embed(target_params, block, model_axis)
+    c = cfg.dflash2
+    if c is not None and c.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(c.input_embedding_scale, x.dtype)
     for i, p in enumerate(params["layers"]):
-        attend = gqa.layer_attend(attention, cache, i, mask, window)
         with jax.named_scope(f"draft_layer{i}"):
-            x, _ = decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
-    hidden = rms_norm(x[:, 1:], params["norm"], cfg.dims.rms_norm_eps)
-    return family.logits(target_params, hidden, cfg.vocab_size, model_axis)
+            if c is None:
+                x, _ = decoder_layer(
+                    p, x, cfg.dims, rope, gqa.layer_attend(attention, cache, i, full, window), model_axis
+                )
+            else:
+                x = _dflash2_layer(p, x, cfg, i, rope, cache, attention, window, model_axis)
+    return rms_norm(x[:, 1:], params["norm"], cfg.dims.rms_norm_eps)
+
+
+def _dflash2_layer(p, x, cfg: DraftConfig, i: int, rope, cache: KVCache, attention, window, model_axis):
+    """Draft layer i of a DFlash2 drafter over one block: causal within it and windowed as the layer's
+    type says (config.DFlash2Config); sliding layers ignore `window` (their own governs)."""
+    c = cfg.dflash2
+    b, k = x.shape[:2]
+    mask = jnp.tril(jnp.ones((k, k), jnp.bool_)) if c.causal[i] else jnp.ones((k, k), jnp.bool_)
+    mask = jnp.broadcast_to(mask, (b, k, k))
+    if c.sliding[i]:
+        attend = dflash2.sliding_attend(cache.layers[i], cache.lengths, mask, c.sliding_window)
+    else:
+        attend = gqa.layer_attend(attention, cache, i, mask, window)
+    return dflash2.decoder_layer(p, x, cfg, rope, attend, model_axis)
 
 
 def cache_shapes(cfg: DraftConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[Entry]:

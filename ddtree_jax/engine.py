@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ddtree_jax import collectives, drafter, kv_cache, logprobs, models, target, tree
+from ddtree_jax import collectives, dflash2, drafter, kv_cache, logprobs, models, target, tree, tree_edges
 from ddtree_jax.config import DraftConfig, TargetConfig
 from ddtree_jax.kv_cache import KVCache, gather_slots
 from ddtree_jax.logprobs import Logprobs
@@ -135,7 +135,9 @@ class DecodeState:
 
 def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
     """The drafter's per-depth top-k: log-probs and tokens [B, D, k], sorted descending (global ids,
-    the same on every device of the "model" axis)."""
+    the same on every device of the "model" axis). A DFlash2 drafter's selector: `draft_edges`."""
+    if plan.draft.dflash2 is not None and plan.draft.dflash2.selector:
+        return draft_edges(params, draft_params, state, plan)
     logits = drafter.draft_logits(
         draft_params,
         plan.draft,
@@ -152,12 +154,45 @@ def draft(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
     return collectives.sharded_top_k(logp, plan.branching, plan.model_axis)
 
 
+def draft_edges(params: Params, draft_params: Params, state: DecodeState, plan: Plan):
+    """A DFlash2 drafter's proposal through its candidate selector (dflash2.py): for ddtree the edge
+    log-scores [B, D, K, K] (each predecessor's row normalised over the K candidates) and the
+    candidates [B, D, K]; for dflash the selector's greedy chain as logp, tok [B, D, 1] (its edge
+    log-scores, its tokens)."""
+    hidden = drafter.draft_hidden(
+        draft_params,
+        plan.draft,
+        params,
+        state.bonus,
+        state.draft_context,
+        attention=plan.attention,
+        window=plan.draft_window,
+        model_axis=plan.model_axis,
+    )
+    logits = drafter.head_logits(plan.draft, params, hidden, plan.model_axis)
+    unary, cand = collectives.sharded_top_k(logits, plan.draft.dflash2.selector_top_k, plan.model_axis)
+    scores = dflash2.edge_scores(draft_params, hidden, unary, cand, state.bonus)  # [B, D, K, K]
+    if plan.method == "dflash":
+        tok, ranks = dflash2.chain(scores, cand)
+        prev = jnp.concatenate([jnp.zeros_like(ranks[:, :1]), ranks[:, :-1]], axis=1)
+        rows = jnp.take_along_axis(scores, prev[:, :, None, None], axis=2)[:, :, 0]  # [B, D, K]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(rows, axis=-1), ranks[..., None], axis=2)
+        return logp, tok[..., None]
+    if plan.tempered_draft and state.sampling is not None:
+        b, d, k, _ = scores.shape
+        scores = tempered(scores.reshape(b, d * k, k), state.sampling).reshape(b, d, k, k)
+    return jax.nn.log_softmax(scores, axis=-1), cand
+
+
 def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, plan: Plan) -> tree.Tree:
-    """The round's tree: the root alone (ar), a chain (dflash) or the lattice top-N (ddtree)."""
+    """The round's tree: the root alone (ar), a chain (dflash) or the lattice top-N (ddtree); over a
+    DFlash2 selector's edge log-scores (logp [B, D, K, K]) the best-first edge-score tree."""
     if plan.method == "ar":
         return tree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0, 1), jnp.int32))
     if plan.method == "dflash":
         return tree.chain_tree(state.bonus, tok)
+    if logp.ndim == 4:
+        return tree_edges.edge_tree(state.bonus, logp, tok, plan.budget)
     return tree.lattice_tree(state.bonus, logp, tok, plan.budget)
 
 

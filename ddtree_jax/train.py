@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import drafter, target
+from ddtree_jax import dflash2, drafter, target
 from ddtree_jax.config import DraftConfig, LayerDims, RopeConfig
 from ddtree_jax.models.common import rms_norm, rope_tables
 from ddtree_jax.models.dense import DenseConfig, decoder_layer
@@ -141,8 +141,10 @@ def target_hf_config(cfg: DenseConfig, bos_token_id: int | None = None) -> dict[
 
 
 def draft_hf_config(cfg: DraftConfig, tcfg: DenseConfig) -> dict[str, Any]:
-    """config.json of a z-lab DFlash drafter (no embedding, no lm_head: the target's are used)."""
-    return {
+    """config.json of a z-lab DFlash drafter (no embedding, no lm_head: the target's are used); a DFlash2
+    drafter's in the published layout (`DFlash2DraftModel`, its keys in `dflash_config`, explicit
+    `is_causal` when every layer agrees, the sliding layers as HF's Qwen3Config reads them)."""
+    out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "vocab_size": cfg.vocab_size,
@@ -155,6 +157,28 @@ def draft_hf_config(cfg: DraftConfig, tcfg: DenseConfig) -> dict[str, Any]:
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
         "torch_dtype": "bfloat16",
     }
+    c = cfg.dflash2
+    if c is None:
+        return out
+    if c.causal != tuple(c.sliding) and len(set(c.causal)) > 1:
+        raise ValueError("a DFlash2 config.json states is_causal for every layer or follows the layer types")
+    out["architectures"] = ["DFlash2DraftModel"]
+    out["dflash_config"] |= {
+        "block_size": cfg.block_size,
+        "conv_kernel_size": c.conv_kernel_size,
+        "conv_group_size": c.conv_group_size,
+        "selector_rank": c.selector_rank,
+        "selector_top_k": c.selector_top_k,
+        "input_embedding_scale": c.input_embedding_scale,
+        "output_multiplier": c.output_multiplier,
+        "final_logit_softcapping": c.final_logit_softcapping,
+    }
+    out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in c.sliding]
+    out["use_sliding_window"] = c.sliding_window is not None
+    out["sliding_window"] = c.sliding_window
+    if c.causal != tuple(c.sliding):
+        out["is_causal"] = c.causal[0]
+    return out
 
 
 # -- target loss -----------------------------------------------------------------------------------
@@ -265,7 +289,21 @@ def draft_train_logits(
 
     features [B, L, F]: the target's features of tokens [B, L]; position p of the context is visible
     to an anchor a iff p < a, as at inference where the anchor is the bonus after a committed prefix.
+    A DFlash2 drafter's logits come transformed as at inference (drafter.head_logits).
     """
+    hidden = draft_train_hidden(params, dcfg, target_params, features, tokens, anchors)
+    return drafter.head_logits(dcfg, target_params, hidden)
+
+
+def draft_train_hidden(
+    params: Params,
+    dcfg: DraftConfig,
+    target_params: Params,
+    features: jax.Array,
+    tokens: jax.Array,
+    anchors: jax.Array,
+) -> jax.Array:
+    """The final-normed draft states [B, N, K - 1, H] of `draft_train_logits`."""
     b, n = anchors.shape
     k = dcfg.block_size
     ctx_positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -274,10 +312,38 @@ def draft_train_logits(
     mask = block_mask(tokens.shape[1], anchors, k)
     rope = rope_tables(positions, dcfg.rope.inv_freq(), dcfg.rope.attention_factor)
     x = target.embed(target_params, block)
-    for p, (ck, cv) in zip(params["layers"], ctx_kv, strict=True):
-        x, _ = decoder_layer(p, x, dcfg.dims, rope, dense_attend(ck, cv, mask))
+    c = dcfg.dflash2
+    if c is not None and c.input_embedding_scale != 1.0:
+        x = x * jnp.asarray(c.input_embedding_scale, x.dtype)
+    for i, (p, (ck, cv)) in enumerate(zip(params["layers"], ctx_kv, strict=True)):
+        if c is None:
+            x, _ = decoder_layer(p, x, dcfg.dims, rope, dense_attend(ck, cv, mask))
+        else:
+            layer_mask = dflash2_mask(
+                mask, positions, k, c.causal[i], c.sliding_window if c.sliding[i] else None
+            )
+            x = dflash2.decoder_layer(p, x, dcfg, rope, dense_attend(ck, cv, layer_mask))
     x = x.reshape(b, n, k, -1)[:, :, 1:]
-    return target.logits(target_params, rms_norm(x, params["norm"], dcfg.dims.rms_norm_eps))
+    return rms_norm(x, params["norm"], dcfg.dims.rms_norm_eps)
+
+
+def dflash2_mask(
+    mask: jax.Array, positions: jax.Array, block_size: int, causal: bool, window: int | None
+) -> jax.Array:
+    """`block_mask` [B, N*K, L + N*K] for one DFlash2 layer: causal within each block, and with a
+    window: the query at position q sees context positions > q - window and block slots within window."""
+    b, t = positions.shape
+    length = mask.shape[-1] - t
+    slot = jnp.arange(t) % block_size
+    rel = slot[:, None] - slot[None, :]  # [T, T] query slot - key slot (within one block where it counts)
+    own = jnp.ones((t, t), jnp.bool_)
+    if causal:
+        own &= rel >= 0
+    ctx = jnp.ones((b, t, length), jnp.bool_)
+    if window is not None:
+        own &= (rel < window) & (-rel < window)
+        ctx = jnp.arange(length)[None, None, :] > positions[:, :, None] - window
+    return mask & jnp.concatenate([ctx, jnp.broadcast_to(own, (b, t, t))], axis=-1)
 
 
 def slot_weights(block_size: int, gamma: float | None) -> jax.Array:
@@ -343,15 +409,46 @@ def draft_loss(
     k = dcfg.block_size
     features, greedy = target_teacher(target_params, tcfg, dcfg, tokens)
     anchors = sample_anchors(key, b, length, num_anchors, k)
-    logits = draft_train_logits(params, dcfg, target_params, features, tokens, anchors)
+    hidden = draft_train_hidden(params, dcfg, target_params, features, tokens, anchors)
+    logits = drafter.head_logits(dcfg, target_params, hidden)
     where = anchors[:, :, None] + jnp.arange(k - 1, dtype=jnp.int32)[None, None, :]  # [B, N, K-1]
     labels = jnp.take_along_axis(greedy, where.reshape(b, -1), axis=1).reshape(where.shape)
     keep = label_mask(tokens, greedy, anchors, k, consistent, greedy_anchors).astype(jnp.float32)
     weighted = cross_entropy(logits, labels) * slot_weights(k, gamma) * keep
     loss = weighted.sum() / jnp.maximum(keep.sum(), 1.0)
+    if dcfg.dflash2 is not None and dcfg.dflash2.selector:
+        first = jnp.take_along_axis(tokens, anchors, axis=1)  # the bonus of each block
+        loss += selector_loss(params, dcfg, hidden, logits, first, labels, keep)
     hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * keep
     agree = hits.sum(axis=(0, 1)) / jnp.maximum(keep.sum(axis=(0, 1)), 1.0)
     return loss, agree
+
+
+def selector_loss(
+    params: Params,
+    dcfg: DraftConfig,
+    hidden: jax.Array,
+    logits: jax.Array,
+    first: jax.Array,
+    labels: jax.Array,
+    keep: jax.Array,
+) -> jax.Array:
+    """A DFlash2 selector's cross-entropy over the K candidates (this project's objective; no public
+    training recipe states one): at slot j, the edge scores from the true predecessor (the label of slot
+    j - 1; the block's bonus `first` [B, N] at slot 1) to the top-K candidates of the draft logits, and
+    the label as the target class where it is among them. hidden [B, N, K-1, H], logits [B, N, K-1, V],
+    labels, keep [B, N, K-1]; the mean over the kept slots whose label is a candidate."""
+    unary, cand = jax.lax.top_k(logits, dcfg.dflash2.selector_top_k)  # [B, N, K-1, K]
+    cand = jax.lax.stop_gradient(cand)
+    prev = jnp.concatenate([first[:, :, None], labels[:, :, :-1]], axis=-1)  # [B, N, K-1]
+    sel = params["selector"]
+    proj = hidden @ sel["hidden_projection"]  # [B, N, K-1, r]
+    pair = (sel["predecessor_codebook"][prev] * proj)[..., None, :] * sel["successor_codebook"][cand]
+    scores = unary + pair.sum(-1)  # [B, N, K-1, K]
+    hit = cand == labels[..., None]
+    found = jnp.any(hit, axis=-1).astype(jnp.float32) * keep
+    nll = -jnp.sum(jax.nn.log_softmax(scores, axis=-1) * hit, axis=-1)
+    return jnp.sum(nll * found) / jnp.maximum(found.sum(), 1.0)
 
 
 # -- the optimiser loop ----------------------------------------------------------------------------
@@ -426,10 +523,15 @@ def draft_trainer(
     gamma: float | None,
     consistent: bool = False,
     greedy_anchors: bool = False,
+    only: tuple[str, ...] = (),
 ) -> Trainer:
-    """A Trainer of the drafter against the frozen target (aux: per-slot top-1 agreement)."""
+    """A Trainer of the drafter against the frozen target (aux: per-slot top-1 agreement); `only`: the
+    top-level parameter groups that learn (e.g. ("selector",)), the rest held (no gradient; give the
+    optimiser no weight decay to keep them exactly)."""
 
     def loss_fn(p, tokens, key):
+        if only:
+            p = {k: v if k in only else jax.lax.stop_gradient(v) for k, v in p.items()}
         return draft_loss(
             p, dcfg, target_params, tcfg, tokens, key, num_anchors, gamma, consistent, greedy_anchors
         )

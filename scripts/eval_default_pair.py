@@ -7,11 +7,15 @@ bundled pair and its held-out prompts), for ar, dflash and ddtree at several bud
 A script, not a CLI sub-command: the evaluation of the bundled pair's training (results/default-pair.md,
 its JSONs under results/), kept as it made them; `ddtree-generate` writes the acceptance lengths per
 prompt and `ddtree-bench` times random-weight shapes, neither a table per method and budget of a pair.
+
+A DFlash2 drafter's dflash and ddtree use its selector (the chain, the edge-score tree); --marginal
+drafts from its marginals alone, as a v1 drafter would.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -46,11 +50,21 @@ def main() -> None:
         action="store_true",
         help="tree scores from the drafter at the sampled temperature",
     )
+    ap.add_argument(
+        "--marginal",
+        action="store_true",
+        help="a DFlash2 drafter proposes from its marginals alone (the v1 chain and tree), not its selector",
+    )
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     pair = load_pair(args.target, args.draft, args.dtype)
+    if args.marginal:
+        if pair.draft is None or pair.draft.dflash2 is None:
+            ap.error("--marginal needs a DFlash2 drafter")
+        marginal = dataclasses.replace(pair.draft.dflash2, selector=False)
+        pair = dataclasses.replace(pair, draft=dataclasses.replace(pair.draft, dflash2=marginal))
     prompts = read_prompts(args.prompts, pair.codec, False, pair.target.vocab_size, args.max_new_tokens)[
         : args.num_prompts
     ]

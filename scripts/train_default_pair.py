@@ -21,6 +21,7 @@ users load pairs, they do not train them with this package.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax import drafter, target, train  # noqa: E402
 from ddtree_jax.checkpoint import save_hf  # noqa: E402
+from ddtree_jax.config import DFlash2Config  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
 from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
@@ -257,6 +259,31 @@ def self_generated(args, tcfg, tparams, stream: np.ndarray, log_path) -> np.ndar
     return np.asarray(rows, np.int32)  # [n, draft_seq_len]: each row one window
 
 
+def from_v1_drafter(params, dcfg, directory: Path, tcfg):
+    """A DFlash2 drafter's initial parameters from a v1 drafter of the same shape (--init-draft): its
+    weights, identity convolutions (tap 0 of both sides at 1, no dynamic part) and the selector as
+    initialised, so that it drafts exactly as the v1 drafter until training moves it."""
+    vcfg, vparams = drafter.load(directory, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)))
+    if dcfg.dflash2 is None or (vcfg.num_layers, vcfg.dims, vcfg.target_layer_ids) != (
+        dcfg.num_layers,
+        dcfg.dims,
+        dcfg.target_layer_ids,
+    ):
+        raise SystemExit(f"--init-draft {directory}: needs --dflash2 and a drafter of the same shape")
+    out = dict(params, fc=vparams["fc"], hidden_norm=vparams["hidden_norm"], norm=vparams["norm"])
+    out["layers"] = []
+    for new, old in zip(params["layers"], vparams["layers"], strict=True):
+        layer = dict(new, **old)
+        for conv in ("attention_conv", "mlp_conv"):
+            base = jnp.zeros_like(new[conv]["base_kernel"]).at[:, 0].set(1.0)
+            layer[conv] = {
+                "base_kernel": base,
+                "kernel_projection": jnp.zeros_like(new[conv]["kernel_projection"]),
+            }
+        out["layers"].append(layer)
+    return out
+
+
 def stage_draft(args, streams, out, summary, log_path):
     from tokenizers import Tokenizer
 
@@ -272,14 +299,32 @@ def stage_draft(args, streams, out, summary, log_path):
     dcfg = train.make_draft_config(
         tcfg, mask_id, args.draft_layers, args.block_size, args.draft_ff, layer_ids
     )
+    if args.dflash2:  # taps, group size, selector rank, top-K: a DFlash2 drafter (no window, not causal)
+        taps, group, rank, top_k = (int(x) for x in args.dflash2.split(","))
+        layers = (False,) * args.draft_layers
+        dcfg = dataclasses.replace(
+            dcfg, dflash2=DFlash2Config(taps, group, rank, top_k, sliding=layers, causal=layers)
+        )
     params = train.init_params(drafter.weight_specs(dcfg), args.seed + 1, dcfg.num_layers)
     # The drafter's logits go through the target's lm_head: start its output norm at the target's.
     params["norm"] = jnp.asarray(tparams["norm"], jnp.float32)
+    if args.init_draft:
+        params = from_v1_drafter(params, dcfg, args.init_draft, tcfg)
     summary["draft_params"] = train.count_params(params)
-    oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup)
+    only = tuple(args.draft_train_only.split(",")) if args.draft_train_only else ()
+    oc = train.OptimConfig(args.draft_steps, args.draft_lr, args.warmup, weight_decay=0.0 if only else 0.1)
     gamma = args.gamma if args.gamma > 0 else None
     trainer = train.draft_trainer(
-        dcfg, params, tparams, tcfg, oc, args.anchors, gamma, args.consistent_labels, args.greedy_anchors
+        dcfg,
+        params,
+        tparams,
+        tcfg,
+        oc,
+        args.anchors,
+        gamma,
+        args.consistent_labels,
+        args.greedy_anchors,
+        only=only,
     )
     rng = np.random.default_rng(args.seed + 1)
     own = self_generated(args, tcfg, tparams, streams["train"], log_path) if args.selfgen_sequences else None
@@ -308,7 +353,8 @@ def stage_draft(args, streams, out, summary, log_path):
         max_seconds=args.max_seconds,
     )
     summary["draft_seconds"] = round(time.perf_counter() - start, 1)
-    save_hf(trainer.params, drafter.weight_specs(dcfg), out / "draft", train.draft_hf_config(dcfg, tcfg))
+    draft_dir = out / args.draft_dir
+    save_hf(trainer.params, drafter.weight_specs(dcfg), draft_dir, train.draft_hf_config(dcfg, tcfg))
 
 
 def stage_prompts(args, corpus, out, summary):
@@ -353,6 +399,22 @@ def main() -> None:
     )
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--draft-ff", type=int, default=None)
+    ap.add_argument(
+        "--dflash2",
+        default=None,
+        help="TAPS,GROUP,RANK,TOP_K: train a DFlash2 drafter (convolutions of TAPS taps over groups of GROUP "
+        "channels, a selector of rank RANK over TOP_K candidates) instead of a v1 one",
+    )
+    ap.add_argument("--draft-dir", default="draft", help="the drafter's folder under --out")
+    ap.add_argument(
+        "--draft-train-only",
+        default=None,
+        help="comma list of the drafter's top-level parameter groups that learn (e.g. selector); the rest "
+        "stay as initialised (no weight decay)",
+    )
+    ap.add_argument(
+        "--init-draft", type=Path, default=None, help="with --dflash2: start from this v1 drafter's weights"
+    )
     ap.add_argument(
         "--draft-target-layers",
         default=None,

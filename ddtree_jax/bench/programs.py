@@ -136,7 +136,7 @@ def build_passes(state, logp, tok, *, plan: Plan, rounds: int):
 
     def body(_, carry):
         zero = _never(carry)[:, None, None]
-        lp = None if logp is None else logp + zero.astype(logp.dtype)
+        lp = None if logp is None else logp + zero.reshape((-1,) + (1,) * (logp.ndim - 1)).astype(logp.dtype)
         t = engine.build(dataclasses.replace(state, bonus=carry), lp, tok + zero, plan)
         mixed = t.tokens.sum(-1) + t.parent.sum(-1) + t.depth.sum(-1) + t.mask.sum((1, 2))
         return mixed % plan.target.vocab_size

@@ -25,7 +25,7 @@ from ddtree_jax.bench.floor import chosen_expert_floor, record_routing, step_wei
 from ddtree_jax.bench.programs import device_stage_ms, round_program, synthetic_state
 from ddtree_jax.bench.shapes import QUANTIZE, SHAPES, draft_shape
 from ddtree_jax.bench.timing import device_memory, read_ceiling_gbs
-from ddtree_jax.config import DraftConfig, TargetConfig
+from ddtree_jax.config import DFlash2Config, DraftConfig, TargetConfig
 from ddtree_jax.engine import DecodeState, Plan
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.kv_cache import bytes_per_token
@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
     p.add_argument("--draft-layers", type=int, default=5, help="the drafter's depth")
     p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
+    p.add_argument(
+        "--dflash2",
+        action="store_true",
+        help="a DFlash2 drafter (the published Qwen3.8-27B-DFlash2's settings: 2 conv taps, groups of 16, "
+        "selector rank 256, top-16 candidates, every layer sliding with window 2048, not causal)",
+    )
     p.add_argument("--methods", default="ar,dflash,ddtree", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument(
         "--budgets", default="15,63", help="comma list of ddtree budgets (tree nodes besides the root)"
@@ -334,6 +340,12 @@ def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: repo
     if family.ROUTED_EXPERTS:
         cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding, moe_dispatch=args.moe_dispatch)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
+    if args.dflash2:
+        layers = args.draft_layers
+        dflash2 = DFlash2Config(
+            2, 16, 256, 16, sliding_window=2048, sliding=(True,) * layers, causal=(False,) * layers
+        )
+        dcfg = dataclasses.replace(dcfg, dflash2=dflash2)
     family.check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
