@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ddtree_jax import compile_cache
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.prompts import (
+    IGNORE_EOS,
     INCLUDE_STOP,
     LIMIT,
     LOGPROBS,
@@ -98,8 +99,6 @@ REFUSED = {
     "repetition_penalty": (1.0, "penalties change the target's distribution (see presence_penalty)"),
     "min_p": (0.0, "not implemented in the sampler (temperature, top_k and top_p are)"),
     "min_tokens": (0, "EOS is not masked per row on the device (a scheduler hook this engine lacks)"),
-    "ignore_eos": (False, "the stop token ids are the run's, not per prompt (a scheduler hook this "
-        "engine lacks)"),
     "best_of": (None, "no ranking of samples: ask for n samples and rank them yourself"),
     "logit_bias": (None, "changes the target's distribution"),
     "allowed_token_ids": (None, "changes the target's distribution"),
@@ -174,7 +173,7 @@ class SamplingParams(metaclass=_Checked):
                 f"SamplingParams(stop_token_ids=...) must be token ids, got {self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop_token_ids", ids)
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise DDTreeError(f"SamplingParams({name}=...) must be True or False")
         if self.logprobs is not None and (why := check_logprobs(self.logprobs)) is not None:
@@ -194,6 +193,7 @@ class SamplingParams(metaclass=_Checked):
         0 (the chosen token's only) asks the engine for 1 (the chosen token comes with its top K)."""
         out = {name: getattr(self, name) for name in (*SAMPLING, SAMPLES, STOP, INCLUDE_STOP)}
         out = {k: v for k, v in out.items() if v is not None}
+        out |= {IGNORE_EOS: True} if self.ignore_eos else {}
         out |= {} if self.logprobs is None else {LOGPROBS: max(self.logprobs, 1)}
         return out if self.max_new_tokens is None else out | {LIMIT: self.max_new_tokens}
 

@@ -121,6 +121,7 @@ class DecodeState:
     stop_ids: jax.Array  # [MAX_STOP_IDS] the run's stop ids (-1 pads), the same for every row
     sampling: SamplingArrays | None = None  # None: greedy for every row (the greedy-only program)
     logprobs: Logprobs | None = None  # [B, max_new + W] (top K: [B, max_new + W, K]); None: plan K = 0
+    stops: jax.Array | None = None  # [B] bool: the stop ids end the row (ignore_eos: False); None: all do
 
     @property
     def lengths(self) -> jax.Array:
@@ -265,6 +266,8 @@ def commit(
     live = ~state.done
     in_path = jnp.arange(slots)[None, :] < w.length[:, None]
     is_stop = jnp.isin(w.emitted, state.stop_ids) & in_path
+    if state.stops is not None:  # rows that ignore the stop ids run on to their limit
+        is_stop = is_stop & state.stops[:, None]
     has_stop = jnp.any(is_stop, axis=-1)
     first_stop = jnp.argmax(is_stop, axis=-1)
     room = state.max_new_tokens - state.num_output
@@ -353,6 +356,7 @@ def state_specs(plan: Plan) -> DecodeState:
         stop_ids=ALL,
         sampling=ROW,
         logprobs=Logprobs(ROW, ROW, ROW) if plan.logprobs else None,
+        stops=ROW,
     )
 
 

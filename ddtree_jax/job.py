@@ -45,6 +45,7 @@ class Queue:
     lengths: jax.Array  # [Q] int32 (>= 1)
     limits: jax.Array  # [Q] int32: each one's max_new_tokens
     sampling: SamplingArrays | None  # [Q] each; None: the greedy-only program
+    stops: jax.Array  # [Q] bool: the stop ids end it (ignore_eos: False)
     base: jax.Array  # [1] int32: the job's index of this block's first prompt (a job's prompts come
     end: jax.Array  # [1] int32: ... in blocks of Q; its indices [base, end) are real, the rest padding)
     last: jax.Array  # [1] bool: no block follows
@@ -101,7 +102,7 @@ def job_specs(plan: Plan) -> Job:
 
 def queue_specs() -> Queue:
     """PartitionSpecs of a Queue: split over "data" (each device's share contiguous)."""
-    return Queue(ROW, ROW, ROW, ROW, ROW, ROW, ROW)
+    return Queue(ROW, ROW, ROW, ROW, ROW, ROW, ROW, ROW)
 
 
 def finished_specs(plan: Plan) -> Finished:
@@ -193,6 +194,7 @@ def requests(job: Job, queue: Queue, slots: int, n: jax.Array) -> Requests:
         rows=jnp.where(taken, free_rows, b),
         sampling=sampling,
         limits=queue.limits[q],
+        stops=queue.stops[q],
     )
 
 

@@ -60,7 +60,7 @@ def initial_state(
     if plan.logprobs:
         buf = logprobs.empty(r, plan.max_new_tokens + plan.path_slots, plan.logprobs)
         kept = logprobs.write(buf, first_scores, jnp.zeros((r,), jnp.int32))
-    stopped = active & jnp.isin(first, stop_ids)
+    stopped = active & jnp.isin(first, stop_ids) & (True if req.stops is None else req.stops)
     limits = jnp.minimum(req.limits.astype(jnp.int32), plan.max_new_tokens)
     return DecodeState(
         cache=cache,
@@ -76,6 +76,7 @@ def initial_state(
         stop_ids=stop_ids,
         sampling=req.sampling,
         logprobs=kept,
+        stops=req.stops,
     )
 
 

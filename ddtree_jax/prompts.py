@@ -26,7 +26,10 @@ LIMIT = "max_new_tokens"  # a prompt's own limit of new tokens (SGLang's per-req
 SAMPLES = "n"  # a prompt's own number of samples (vLLM's and SGLang's name)
 STOP, INCLUDE_STOP = "stop", "include_stop_str_in_output"  # stop strings (stops.py), vLLM's names
 LOGPROBS = "logprobs"  # a prompt's own K of top log-probabilities (at most the run's --logprobs)
-KNOWN_KEYS = ("id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, STOP, INCLUDE_STOP, LIMIT, LOGPROBS)
+IGNORE_EOS = "ignore_eos"  # the prompt's row runs on past the stop ids to its limit (vLLM's name)
+KNOWN_KEYS = (
+    "id", *PROMPT_KINDS, *SAMPLING_OPTIONS, SAMPLES, STOP, INCLUDE_STOP, LIMIT, LOGPROBS, IGNORE_EOS
+)  # fmt: skip
 # A line longer than this is refused before it is decoded or tokenised: 8 MiB of text is millions of
 # tokens, far past any supported context (tokenising 50 MB took 58 s and 8 GB before it was refused).
 MAX_LINE_BYTES = 8 << 20
@@ -178,10 +181,11 @@ def _options(record: dict, where: str, max_new_tokens: int | None) -> dict[str, 
         if (why := check_stop(stop)) is not None:
             raise DDTreeError(f"{where}: '{STOP}' {why}")
         options[STOP] = (stop,) if isinstance(stop, str) else tuple(stop)
-    if INCLUDE_STOP in record:
-        if not isinstance(record[INCLUDE_STOP], bool):
-            raise DDTreeError(f"{where}: '{INCLUDE_STOP}' must be true or false")
-        options[INCLUDE_STOP] = record[INCLUDE_STOP]
+    for name in (INCLUDE_STOP, IGNORE_EOS):
+        if name in record:
+            if not isinstance(record[name], bool):
+                raise DDTreeError(f"{where}: '{name}' must be true or false")
+            options[name] = record[name]
     if LIMIT in record:
         options[LIMIT] = _limit(record[LIMIT], max_new_tokens, where)
     if LOGPROBS in record:

@@ -23,9 +23,10 @@ class Requests:
     rows: jax.Array  # [R] int32: the state row each goes to
     sampling: SamplingArrays | None  # [R] each; None: every row greedy (the greedy-only program)
     limits: jax.Array  # [R] int32: each one's own max_new_tokens
+    stops: jax.Array | None = None  # [R] bool: the run's stop ids end it (ignore_eos: False); None: all
 
 
-REQUEST_SPECS = Requests(ROW, ROW, ROW, ROW, ROW)
+REQUEST_SPECS = Requests(ROW, ROW, ROW, ROW, ROW, ROW)
 
 
 def prompt_slots(length: int) -> int:

@@ -31,7 +31,7 @@ from ddtree_jax import attention, job, models
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
 from ddtree_jax.host_stepped import HostStepper
 from ddtree_jax.programs import EVERY_ROUND, Programs, Shape, rows_to_run
-from ddtree_jax.prompts import INCLUDE_STOP, LIMIT, LOGPROBS, SAMPLES, STOP, Prompt, sample_key
+from ddtree_jax.prompts import IGNORE_EOS, INCLUDE_STOP, LIMIT, LOGPROBS, SAMPLES, STOP, Prompt, sample_key
 from ddtree_jax.requests import Requests, prompt_slots
 from ddtree_jax.results import Result, device_outputs, fetch, row_result
 from ddtree_jax.sampling import GREEDY, MAX_SEED, SamplingArrays
@@ -43,7 +43,7 @@ POLICIES = ("continuous", "static")
 QUEUE_BLOCK = 1024  # the most prompts per device one queue block holds (a larger job: several blocks)
 FIRST_MOST = 32  # the device job's rounds per call at first; then sized to ~MOST_SECONDS a call
 MOST_SECONDS = 0.25  # a call's wall time aimed at: the progress bar moves at least twice a second
-OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP)  # a prompt's own settings over the generator's
+OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP, IGNORE_EOS)  # a prompt's own settings over the generator's
 STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
 
 
@@ -114,7 +114,8 @@ class Generator:
     ):
         self.plan, self.stop_ids, self.codec = plan, tuple(stop_ids), codec
         # defaults (sampling settings and n samples); a prompt's own settings override them
-        self.sampling = GREEDY | {SAMPLES: 1, STOP: (), INCLUDE_STOP: False} | (sampling or {})
+        defaults = {SAMPLES: 1, STOP: (), INCLUDE_STOP: False, IGNORE_EOS: False}
+        self.sampling = GREEDY | defaults | (sampling or {})
         self.schedule = schedule or Schedule()
         impl = attention.invariant(plan.attention) if self.schedule.batch_invariant else plan.attention
         self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
@@ -294,6 +295,7 @@ class Generator:
         tokens = np.zeros((dp, block, p), np.int32)
         lengths = np.ones((dp, block), np.int32)
         limits = np.full((dp, block), self.plan.max_new_tokens, np.int32)
+        stops = np.ones((dp, block), bool)
         settings = [[dict(GREEDY)] * block for _ in range(dp)]
         for d, mine in enumerate(share):
             for j, i in enumerate(mine[base : base + block]):
@@ -301,6 +303,7 @@ class Generator:
                 tokens[d, j, : len(prompt.input_ids)] = prompt.input_ids
                 lengths[d, j], limits[d, j] = len(prompt.input_ids), self._limit(prompt)
                 settings[d][j] = self._settings(prompt)
+                stops[d, j] = not settings[d][j][IGNORE_EOS]
         sampling = SamplingArrays.from_rows([x for d in settings for x in d]) if run.sampled else None
         ends = [min(base + block, len(mine)) for mine in share]
         last = all(base + block >= len(mine) for mine in share)
@@ -309,6 +312,7 @@ class Generator:
             lengths=jnp.asarray(lengths.reshape(-1)),
             limits=jnp.asarray(limits.reshape(-1)),
             sampling=sampling,
+            stops=jnp.asarray(stops.reshape(-1)),
             base=jnp.full((dp,), base, jnp.int32),
             end=jnp.asarray(np.array(ends, np.int32)),
             last=jnp.full((dp,), last, bool),
@@ -441,15 +445,17 @@ class Generator:
         lengths = np.ones((count,), np.int32)
         where = np.full((count,), run.rows, np.int32)
         limits = np.full((count,), self.plan.max_new_tokens, np.int32)
+        stops = np.ones((count,), bool)
         settings = [dict(GREEDY)] * count
         for j, (i, row) in enumerate(zip(take, rows, strict=True)):
             prompt = run.prompts[i]
             tokens[j, : len(prompt.input_ids)] = prompt.input_ids
             lengths[j], where[j], limits[j] = len(prompt.input_ids), row, self._limit(prompt)
             settings[j] = self._settings(prompt)
+            stops[j] = not settings[j][IGNORE_EOS]
         sampling = SamplingArrays.from_rows(settings) if run.sampled else None
         arrays = (jnp.asarray(x) for x in (tokens, lengths, where))
-        return Requests(*arrays, sampling=sampling, limits=jnp.asarray(limits))
+        return Requests(*arrays, sampling=sampling, limits=jnp.asarray(limits), stops=jnp.asarray(stops))
 
     def _limit(self, prompt: Prompt) -> int:
         """The prompt's own `max_new_tokens`, else the plan's."""

@@ -149,7 +149,7 @@ def test_logprobs_in_vllms_shape():
         ),
         (lambda: SamplingParams(repetition_penalty=1.2), DDTreeError, "repetition_penalty=1.2"),
         (lambda: SamplingParams(min_tokens=3), DDTreeError, r"min_tokens=3\) is not supported"),
-        (lambda: SamplingParams(ignore_eos=True), DDTreeError, r"ignore_eos=True\) is not supported"),
+        (lambda: SamplingParams(ignore_eos=1), DDTreeError, r"ignore_eos=...\) must be True or False"),
         (lambda: SamplingParams(guided_decoding={"json": {}}), DDTreeError, "guided"),
         (lambda: SamplingParams(max_tokens=3, max_new_tokens=4), DDTreeError, "one setting"),
         (lambda: LLM(FIXTURE, tensor_parallel_sizes=1), UnknownArgument, "did you mean tensor_parallel_size"),
@@ -191,6 +191,9 @@ def test_logprobs_past_the_llms_name_the_keyword():
 def test_penalties_at_their_off_values_are_accepted():
     s = SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, min_tokens=0, top_k=-1, best_of=1)
     assert s.top_k == 0 and s.options()["top_k"] == 0
+    # ignore_eos is the prompts line's option (the row runs on past the stop ids: test_job.py)
+    assert SamplingParams(ignore_eos=True).options()["ignore_eos"] is True
+    assert "ignore_eos" not in SamplingParams().options()
 
 
 def test_generate_keyword_errors_and_max_model_len():

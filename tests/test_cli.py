@@ -391,7 +391,7 @@ def test_limits_refused_before_loading(tmp_path, capsys, monkeypatch, flags, nee
             b'{"id": 1, "input_ids": [1], "temprature": 0.5}\n',
             "p.jsonl:1: unknown key 'temprature' (known keys: "
             "id, prompt, messages, input_ids, temperature, top_k, top_p, seed, n, stop, "
-            "include_stop_str_in_output, max_new_tokens, logprobs)",
+            "include_stop_str_in_output, max_new_tokens, logprobs, ignore_eos)",
         ),
         (
             b'{"id": 1, "input_ids": [1]}\n{"id": 2, "input_ids": [1], "max_new_tokens": 129}\n',

@@ -2,6 +2,8 @@
 same programs whatever the number of prompts, few returns to the host, and a prompt's tokens
 independent of the prompts prefilled beside it."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -117,3 +119,24 @@ def test_prefill_together_is_order_and_slot_invariant_in_bfloat16():
     backward = job(PROMPTS[::-1], 4)
     for p in PROMPTS:
         assert fields([forward[tuple(p)]]) == fields([backward[tuple(p)]]), p
+
+
+def test_ignore_eos_runs_a_row_on_past_the_stop_ids():
+    """A prompt with ignore_eos (vLLM's name) runs past the run's stop ids to its limit, with the tokens
+    of a run without stop ids; the others stop at the stop id; the device job and the host loop alike."""
+    free = results(generator(method="ddtree", batch_size=3, chunk=16), PROMPTS)
+    # the token most prompts emit before their last: rows that ignore it and rows that stop at it
+    seen = collections.Counter(t for f in free for t in set(f.output_ids[:-1]))
+    stop = seen.most_common(1)[0][0]
+    options = [{"ignore_eos": i % 2 == 0} for i in range(len(PROMPTS))]
+    hits = {o["ignore_eos"] for f, o in zip(free, options, strict=True) if stop in f.output_ids[:-1]}
+    assert hits == {True, False}, hits
+    for device_loop in (True, False):
+        gen = generator(method="ddtree", batch_size=3, chunk=16, stop_ids=(stop,), device_loop=device_loop)
+        got = results(gen, PROMPTS, options)
+        for i, (r, f) in enumerate(zip(got, free, strict=True)):
+            if options[i]["ignore_eos"] or stop not in f.output_ids:
+                assert r.output_ids == f.output_ids and r.finish_reason == "length", (device_loop, i)
+            else:
+                cut = f.output_ids.index(stop) + 1
+                assert r.output_ids == f.output_ids[:cut] and r.finish_reason == "stop", (device_loop, i)
