@@ -5,8 +5,9 @@ so far and to itself under a causal mask, as a verify does: no [P, P] scores; a 
 prompt is one pass), its end in chunks of C / 4, so a prompt computes fewer than C / 4 padding tokens.
 The drafter's context entries of each chunk come from the chunk's target features, at the same slots.
 
-R prompts prefill together, one weight read per chunk step for all of them, and each follows its OWN
-chunk schedule (`chunk_steps` of its own length): step k of the full chunks covers [kC, kC + C) of
+R prompts prefill together, one weight read per chunk step for all of them. In a static batch they
+share the longest prompt's chunk schedule; in the continuous job's passes (`own_schedules`) each follows
+its OWN chunk schedule (`chunk_steps` of its own length): step k of the full chunks covers [kC, kC + C) of
 the requests that have more than k full chunks, tail step j covers [f C + j C/4, ...) of a request with
 f full chunks and more than j tail chunks; a request with no chunk at a step computes it masked and
 keeps nothing of it. So a prompt sees the same arithmetic (shapes [R, C], its own tokens, its own
@@ -91,10 +92,13 @@ def prefill(
     capacity: int,
     chunk: int,
     attention: str,
+    own_schedules: bool = False,
 ) -> DecodeState:
     """The state of the R requests [R, P] (this device's rows): prompts run in chunks of min(`chunk`,
     P) tokens through the cache path (`attention`: the chunks' implementation), caches of `capacity`
-    slots, the first token chosen; a request bound for row `rows` or beyond is inactive."""
+    slots, the first token chosen; a request bound for row `rows` or beyond is inactive. Each request
+    on its own chunk schedule (`own_schedules`: the continuous job's passes, whose companions must not
+    matter), else every request on the longest's (a static batch: one set of shapes for all)."""
     cfg, (r, p) = plan.target, req.tokens.shape
     axis, dtype = plan.model_axis, params["embed"].dtype
     chunk = min(chunk, p)  # a chunk of the whole prompt buffer is one pass
@@ -123,7 +127,8 @@ def prefill(
         draft_cache = kv_cache.empty_like(_zeros(ctx), capacity)
     last = jnp.zeros((r, probe.hidden.shape[-1]), probe.hidden.dtype)
 
-    full, tails = chunk_steps(req.lengths, chunk)  # [R] each request's own schedule
+    lengths = req.lengths if own_schedules else jnp.full_like(req.lengths, jnp.max(req.lengths))
+    full, tails = chunk_steps(lengths, chunk)  # [R] each request's schedule
 
     def step(size: int, starts, active):
         """One chunk step of `size` tokens: request r's chunk `i` from position starts(i)[r], kept

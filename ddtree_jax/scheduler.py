@@ -279,7 +279,8 @@ class Generator:
             pending, call = (call, finished), call + 1
             occ.host_returns += 1
             yield from self._harvested(run, share, out, size, starts, now, compiled)
-            most = _next_most(most, now - starts[done_call])
+            if jax.process_count() == 1:  # (several processes must run the same calls: K stays fixed)
+                most = _next_most(most, now - starts[done_call])
             if out["occupied"].sum() == 0 and all(out["next"][d] >= len(share[d]) for d in range(dp)):
                 break  # (the call dispatched last found nothing to do)
             used = all(out["next"][d] >= min(base + block, len(share[d])) for d in range(dp))

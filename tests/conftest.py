@@ -254,3 +254,16 @@ def oracle_draft(reference: list[list[int]], corrupt: int | None = None):
         return logp, tok.astype(jnp.int32)
 
     return stage
+
+
+def forget_programs(monkeypatch) -> None:
+    """Compile every program anew from here on in this test: JAX's in-memory caches, the programs this
+    process compiled (programs._COMPILED) and the executables kept on disk (off for the test), for a
+    test that changes a traced function under the programs (monkeypatch)."""
+    import jax
+
+    from ddtree_jax import executables, programs
+
+    jax.clear_caches()
+    programs._COMPILED.clear()
+    monkeypatch.setattr(executables, "directory", lambda: None)

@@ -5,7 +5,7 @@ import json
 
 import jax
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, forget_programs
 
 from ddtree_jax import engine
 from ddtree_jax.compare.cli import main
@@ -71,7 +71,7 @@ def test_passes_then_flags_biased_position(tmp_path, prompts, monkeypatch, capsy
     assert [t["position"] for t in tests] == [0, 1] and all(t["dof"] >= 2 for t in tests)
     assert capsys.readouterr().out.startswith("distribution: agree: 1/1 prompts")
 
-    jax.clear_caches()
+    forget_programs(monkeypatch)
     monkeypatch.setattr(engine, "choose", biased_choose(engine.choose))
     assert main(argv(prompts, tmp_path / "bias")) == 0
     rep = json.loads((tmp_path / "bias" / "report.json").read_text())
@@ -80,7 +80,7 @@ def test_passes_then_flags_biased_position(tmp_path, prompts, monkeypatch, capsy
     assert rep["verdict"] == "differ" and (d["id"], d["position"]) == (PROMPT, BIASED_OUTPUT)
     first, second = c["tests"][PROMPT]["positions"]
     assert first["p_value"] > 1e-3 and second["p_value"] < 1e-6  # only the biased position fails
-    jax.clear_caches()
+    forget_programs(monkeypatch)
 
 
 def test_greedy_is_refused(tmp_path, prompts, capsys):

@@ -3,10 +3,9 @@ prompt and position (with the target's margin there); bad flags."""
 
 import json
 
-import jax
 import jax.numpy as jnp
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, forget_programs
 
 from ddtree_jax import engine
 from ddtree_jax.compare.cli import main
@@ -91,20 +90,20 @@ def test_seed_exact_sampling_agrees_then_finds_injected_bug(tmp_path, prompts, c
     assert "ddtree-compare lossless: [1/3] ar: 3 prompts ..." in captured.err
     assert "ddtree-compare lossless: [3/3] ddtree-7: done in " in captured.err
     check_agrees(tmp_path / "ok")
-    jax.clear_caches()  # the programs above were traced with the real choose
+    forget_programs(monkeypatch)  # the programs above were traced with the real choose
     monkeypatch.setattr(engine, "choose", buggy_choose(engine.choose))
     assert main(argv(prompts, tmp_path / "bug", *SAMPLED)) == 0  # it ran: exit 0 whatever the verdict
     check_finds_bug(tmp_path / "bug")  # margins of the Gumbel-max scores
-    jax.clear_caches()
+    forget_programs(monkeypatch)
 
 
 def test_greedy_finds_injected_bug(tmp_path, prompts, monkeypatch):
     """(Greedy agreement of every method with ar is tests/test_generate.py's and the external tests'.)"""
-    jax.clear_caches()
+    forget_programs(monkeypatch)
     monkeypatch.setattr(engine, "choose", buggy_choose(engine.choose))
     assert main(argv(prompts, tmp_path / "bug", "--dtype", "float32")) == 0
     check_finds_bug(tmp_path / "bug")  # margins of the float32 logits
-    jax.clear_caches()
+    forget_programs(monkeypatch)
 
 
 @pytest.mark.parametrize(
