@@ -22,32 +22,24 @@ cannot be written warns once and the run goes on without the cache.
 
 Serialisation crashes. jaxlib's `executable.serialize()`, which JAX calls to write an entry, crashed
 pytest-xdist workers of the suite a few times per thousand programs on CPU (SIGSEGV, SIGABRT:
-docs/job-cost.md); no Python `except` catches that. So on a CPU backend the entry is serialised and
-written in a forked child process (`contain_writes`, `in_child`): a crash there loses the entry, with
-one warning line, and the run goes on. (`executables.py` writes its own entries the same way.)
+docs/job-cost.md); no Python `except` catches that. Writing entries from forked children was tried
+(2026-12-07) and withdrawn: the workers then crashed inside XLA's compiler instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import hashlib
-import io
 import os
 import re
-import select
-import signal
 import sys
 import tempfile
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 from jax._src import compilation_cache as jax_cache  # the cache JAX reads and writes (no public hook)
-from jax._src import monitoring as jax_monitoring
 from jax._src.compilation_cache_interface import CacheInterface
 
 from ddtree_jax.errors import DDTreeError
@@ -61,7 +53,6 @@ ENV_MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 MIN_COMPILE_SECONDS = 0.1
 MAGIC = b"ddtree-xla-cache-1\n"  # then the SHA-256 of the rest, then JAX's (compressed) entry
 _DIGEST = hashlib.sha256().digest_size
-CHILD_SECONDS = 120.0  # a writing child that has not finished by then is killed (a fork that hung)
 
 
 # The --compile-cache flag, one definition for every command: (option strings, argparse keywords).
@@ -107,7 +98,6 @@ def enable(setting: str | None) -> Path | None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     jax.config.update("jax_enable_compilation_cache", True)
-    contain_writes()
     if ENV_MIN_SECONDS not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     if setting is None and os.environ.get(ENV_DIR):
@@ -125,30 +115,6 @@ def enable(setting: str | None) -> Path | None:
     return directory
 
 
-def contain_writes() -> None:
-    """From now on JAX serialises and writes its cache entries for a CPU backend in a forked child
-    process (`in_child`), so that a crash in jaxlib's serialisation ends the child, not the run. Other
-    backends write as JAX does. Idempotent; `enable` calls it, the test suite too."""
-    original = jax_cache.put_executable_and_time
-    if getattr(original, "contained", False):
-        return
-
-    @functools.wraps(original)
-    def put_executable_and_time(cache_key, module_name, executable, backend, compile_time):
-        if backend.platform != "cpu" or not hasattr(os, "fork") or jax_cache._get_cache(backend) is None:
-            return original(cache_key, module_name, executable, backend, compile_time)
-        try:
-            in_child(lambda: original(cache_key, module_name, executable, backend, compile_time))
-        except Exception as e:  # a crash or error in the child: the program runs, its entry is lost
-            _warn(f"compile cache: {module_name} is not kept ({e})")
-            return
-        # the event JAX records as it writes an entry (the child's is lost with the child)
-        jax_monitoring.record_event("/jax/compilation_cache/cache_misses")
-
-    put_executable_and_time.contained = True
-    jax_cache.put_executable_and_time = put_executable_and_time
-
-
 @contextlib.contextmanager
 def bypassed() -> Iterator[None]:
     """Inside, JAX's persistent cache is neither read nor written (executables.py compiles through it:
@@ -162,52 +128,6 @@ def bypassed() -> Iterator[None]:
     finally:
         with jax_cache._cache_initialized_mutex:
             jax_cache._cache_checked, jax_cache._cache_used = saved
-
-
-def in_child(write: Callable[[], None]) -> None:
-    """Run `write` in a forked child process and wait for it (at most CHILD_SECONDS, then it is
-    killed); raises RuntimeError when it crashed, failed or hung, with what it said. Only for writing
-    files: the child shares nothing back but its warnings (passed on here) and its exit, and exits
-    without Python's cleanup."""
-    read_end, write_end = os.pipe()
-    with warnings.catch_warnings():  # JAX warns at every fork (its threads); this child only writes
-        warnings.simplefilter("ignore")
-        pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        sys.stderr = said = io.StringIO()  # its warnings, for the parent to print (once each)
-        code = 0
-        try:
-            write()
-        except BaseException as e:  # noqa: BLE001 (told to the parent)
-            said, code = io.StringIO(f"{type(e).__name__}: {e}"), 1
-        os.write(write_end, said.getvalue().encode()[:8000])
-        os._exit(code)
-    os.close(write_end)
-    try:  # what it says arrives before it exits; the pipe closes when it ends, however it ends
-        chunks, deadline = [], time.monotonic() + CHILD_SECONDS
-        while select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            chunk = os.read(read_end, 8000)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise RuntimeError(f"writing it took over {CHILD_SECONDS:.0f} s; stopped")
-        said = b"".join(chunks).decode(errors="replace")
-    finally:
-        os.close(read_end)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        raise RuntimeError(f"serialising it crashed with signal {os.WTERMSIG(status)}, in a child process")
-    if os.WEXITSTATUS(status) != 0:
-        raise RuntimeError(said or f"the writing child exited with {os.WEXITSTATUS(status)}")
-    for line in said.splitlines():
-        if line.startswith(PREFIX):
-            _warn(line.removeprefix(PREFIX))
-        else:
-            print(line, file=sys.stderr, flush=True)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -20,10 +20,9 @@ more devices than the program has). A program that calls back to Python is not k
 temporary name and renamed (two jobs writing one key leave one whole entry); one that does not verify
 (damaged, truncated, another key's, refused by the runtime) is compiled anew and replaced, with one
 warning line. A program is compiled past JAX's persistent cache (compile_cache.bypassed): on CPU an
-executable JAX loaded from there serialises without its code. On a CPU backend the executable is
-serialised in a forked child process: jaxlib's `executable.serialize()` crashed pytest-xdist workers a
-few times per thousand programs (SIGSEGV and SIGABRT, docs/job-cost.md), and a crash there loses the
-entry, not the run (compile_cache.in_child).
+executable JAX loaded from there serialises without its code. DDTREE_EXECUTABLES=off keeps none (the
+test suite's setting: jaxlib's `executable.serialize()` crashed its workers a few times per thousand
+programs, docs/job-cost.md).
 """
 
 from __future__ import annotations
@@ -92,9 +91,15 @@ def load_or_compile(name: str, key: Any, lower: Callable[[], jax.stages.Lowered]
     return Loaded(compiled, False, time.perf_counter() - begin)
 
 
+ENV_OFF = "DDTREE_EXECUTABLES"  # "off": no executables kept or read (the test suite's default)
+
+
 def directory() -> Path | None:
     """Where executables go: `executables/` in JAX's compilation cache directory as --compile-cache
-    (compile_cache.enable) or JAX_COMPILATION_CACHE_DIR set it; None when the cache is off or remote."""
+    (compile_cache.enable) or JAX_COMPILATION_CACHE_DIR set it; None when the cache is off or remote,
+    or DDTREE_EXECUTABLES=off."""
+    if os.environ.get(ENV_OFF, "").strip().lower() == "off":
+        return None
     if not jax.config.jax_enable_compilation_cache:
         return None
     base = jax.config.jax_compilation_cache_dir
@@ -287,8 +292,8 @@ def _entry(text: str, compiled: jax.stages.Compiled) -> bytes:
 
 
 def _write(path: Path, text: str, compiled: jax.stages.Compiled) -> None:
-    """Write the entry of `compiled` to `path` (compile_cache.write_atomically; on a CPU backend from a
-    forked child, compile_cache.in_child); a failure warns once and drops the entry."""
+    """Write the entry of `compiled` to `path` (compile_cache.write_atomically); a failure warns once
+    and drops the entry."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -302,9 +307,6 @@ def _write(path: Path, text: str, compiled: jax.stages.Compiled) -> None:
 
     try:
         _unloaded(compiled)
-        if jax.devices()[0].platform == "cpu" and hasattr(os, "fork"):  # a crash ends the child only
-            compile_cache.in_child(write)
-        else:
-            write()
+        write()  # (in this process, as JAX writes its own entries: docs/job-cost.md)
     except Exception as e:  # a program that cannot be serialised still runs
         compile_cache._warn(f"executable cache: {path.name} is not kept ({type(e).__name__}: {e})")

@@ -274,6 +274,20 @@ JITTED = {
 _COMPILED: dict[tuple, Any] = {}
 
 
+def _all_processes_compiled(name: str, count: int) -> None:
+    """With several processes, wait until every one has this program (the `count`-th compiled here, the
+    same in each): one may read it from the cache while another compiles it for minutes, and the first
+    run's collectives give up after 30 s (Gloo's context on CPU). The coordination service's barrier
+    waits up to an hour."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # (the barrier has no public name in jax 0.11.2)
+
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(f"ddtree-jax-compiled-{count}-{name}", 3_600_000)
+
+
 def _layout(x) -> Any:
     """What of an argument leaf besides shape and dtype selects a compiled program: its sharding."""
     return x.sharding if isinstance(x, jax.Array) and x.committed else None
@@ -309,6 +323,7 @@ class Programs:
             )
             compiled = _COMPILED[key] = loaded.compiled
             self.cache_hits += loaded.hit
+            _all_processes_compiled(name, len(_COMPILED))
             self.count_compile(name, time.perf_counter() - begin)
         return compiled(*args)
 

@@ -13,10 +13,13 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {X
 # JAX's persistent compilation cache, one per pytest-xdist worker (shared with the CLI subprocesses its
 # tests start): many tests build the same programs afresh (new jitted closures over the same fixtures).
 # Workers crashed a few times per thousand test runs with SIGSEGV or SIGABRT inside jaxlib's
-# executable.serialize() writing this cache (docs/job-cost.md); on CPU every entry is now serialised in
-# a forked child (compile_cache.contain_writes, below), so such a crash loses the entry and not the
-# worker, and no worker reads a file another one is writing. (Jax's Mosaic GPU interpreter's tests run in
-# processes of their own: `own_process` below.) No rerun plugin: a test that fails fails.
+# executable.serialize() writing this cache (docs/job-cost.md); no worker reads a file another one is
+# writing. Serialising in forked children (compile_cache.contain_writes) was tried on 2026-12-07: the
+# workers then crashed three times in one run inside XLA's compiler itself, so it is off again and the
+# rerun plugin (pyproject) reruns a crashed worker's test once. The compiled programs kept by
+# executables.py are off here (DDTREE_EXECUTABLES; test_compile_cache turns them on): more
+# serialisations, more such crashes. (Jax's Mosaic GPU interpreter's tests run in processes of their
+# own: `own_process` below.)
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(
@@ -25,6 +28,7 @@ os.environ.setdefault(
     ),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("DDTREE_EXECUTABLES", "off")
 
 import functools  # noqa: E402
 import subprocess  # noqa: E402
@@ -38,9 +42,6 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from ddtree_jax import compile_cache  # noqa: E402
-
-compile_cache.contain_writes()  # the worker's cache entries written by forked children (above)
 
 # Tests marked `own_process` run in a fresh Python process of their own: jax 0.11.2's Mosaic GPU
 # interpreter (plgpu.InterpretGPUParams: Python threads and io_callbacks inside an XLA CPU program) left

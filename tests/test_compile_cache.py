@@ -29,6 +29,12 @@ def restore_jax_cache():
     jax_cache.reset_cache()
 
 
+@pytest.fixture(autouse=True)
+def executables_on(monkeypatch):
+    """The compiled programs kept on disk are on in these tests (conftest turns them off elsewhere)."""
+    monkeypatch.delenv("DDTREE_EXECUTABLES", raising=False)
+
+
 @pytest.fixture
 def events():
     """The names of JAX's monitoring events recorded during the test."""
@@ -442,27 +448,3 @@ def crash(*args, **kwargs):
 
     faulthandler.disable()  # (no traceback of this intended crash in the test's output)
     os.kill(os.getpid(), signal.SIGSEGV)
-
-
-def test_serialisation_crash_contained(tmp_path, monkeypatch, events, capsys):
-    """On CPU, JAX's entries and executables.py's are serialised and written in a forked child: a crash
-    there (SIGSEGV, as jaxlib's serialize() did in pytest-xdist workers) loses the entry, with one
-    warning line, and the program still runs; nothing partial is left."""
-    from ddtree_jax import executables
-
-    with pytest.raises(RuntimeError, match="signal 11"):
-        compile_cache.in_child(crash)
-    where = enable(tmp_path)
-    monkeypatch.setattr(compile_cache.CheckedCache, "put", crash)
-    compile_cache._warned.clear()
-    first = compile_fresh()
-    assert "is not kept (serialising it crashed with signal 11" in capsys.readouterr().err
-    assert not entries(where) and count(events, "cache_misses") == 0
-    monkeypatch.setattr(executables, "_entry", crash)
-    compile_cache._warned.clear()
-    loaded, _ = exe_load()
-    assert not loaded.hit and "crashed with signal 11" in capsys.readouterr().err
-    assert not exe_files(tmp_path) and not list(tmp_path.rglob(".tmp-*"))
-    monkeypatch.undo()
-    np.testing.assert_array_equal(compile_fresh(), first)  # written now, by a child that lives
-    assert len(entries(where)) == 1 and count(events, "cache_misses") >= 1

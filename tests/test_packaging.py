@@ -40,9 +40,9 @@ def test_every_dependency_is_imported():
         assert re.search(rf"^\s*(import|from) {re.escape(module)}\b", package, re.M), requirement
     tests = sources("tests")
     for requirement in PROJECT["optional-dependencies"]["test"]:
-        # the runner, its plugin (-n), the linter, the packaging
+        # the runner, its plugins (-n; the rerun of a crashed worker's test), the linter, the packaging
         # test's wheel builder
-        if name(requirement) in ("pytest", "pytest-xdist", "ruff", "setuptools"):
+        if name(requirement) in ("pytest", "pytest-xdist", "pytest-rerunfailures", "ruff", "setuptools"):
             continue
         module = name(requirement).replace("-", "_")
         assert re.search(rf"^\s*(import|from) {module}\b", tests + package, re.M), requirement
