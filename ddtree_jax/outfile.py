@@ -56,6 +56,8 @@ SCHEDULE_SETTINGS = (
     "tp",
     "dp",
     "prefill_chunk",
+    "prefill_slots",
+    "host_loop",
     "prefill_attention",
     "attention",
     "moe_sharding",

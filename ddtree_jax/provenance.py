@@ -31,6 +31,8 @@ PROGRAM_SETTINGS = (
     "tp",
     "dp",
     "prefill_chunk",
+    "prefill_slots",
+    "host_loop",
     "prefill_attention",
     "attention",
     "moe_sharding",
