@@ -276,7 +276,7 @@ _COMPILED: dict[tuple, Any] = {}
 
 def _all_processes_compiled(name: str, count: int) -> None:
     """With several processes, wait until every one has this program (the `count`-th compiled here, the
-    same in each): one may read it from the cache while another compiles it for minutes, and the first
+    same in each): one may read it from the cache or compile it minutes before another, and the first
     run's collectives give up after 30 s (Gloo's context on CPU). The coordination service's barrier
     waits up to an hour."""
     if jax.process_count() == 1:

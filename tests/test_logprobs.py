@@ -180,7 +180,7 @@ def test_cli_lines_and_per_prompt_k(tmp_path, greedy):
         (
             {"logprobs": 4},
             ("--logprobs", "3"),
-            "p.jsonl:1: prompt 0: logprobs 4 exceeds the run's --logprobs 3",
+            "p.jsonl:1: logprobs 4 exceeds the run's --logprobs 3",
         ),
         ({"logprobs": -1}, ("--logprobs", "3"), "'logprobs' must be an integer >= 0, got -1"),
         ({}, ("--logprobs", "-2"), "--logprobs must be >= 0, got -2"),

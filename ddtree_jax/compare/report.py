@@ -103,7 +103,9 @@ class Report:
         parts += [t.markdown() + "\n" for t in self.tables]
         parts += [f"![{stem}]({stem}.png)\n" for stem in self.figures]
         parts += ["## Run", "", f"- command: `{meta['command']}`"]
-        parts += [f"- {k}: {v}" for k, v in meta.items() if k not in ("command", "argv")]
+        shown = {k: "not recorded" if v is None else v for k, v in meta.items()}
+        shown = {k: v for k, v in shown.items() if k not in ("command", "argv")}
+        parts += [f"- {k}: {v}" for k, v in shown.items()]
         return "\n".join(parts) + "\n"
 
     def to_json(self, meta: dict[str, Any]) -> dict[str, Any]:
