@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FIXTURES, golden_prompts, timeless, xla_flags
+import pytest
+from conftest import FIXTURES, TWO_PROCESSES_TIME_OUT, golden_prompts, timeless, xla_flags
 
 from ddtree_jax.cli import main
 
@@ -33,6 +34,7 @@ def wait(proc: subprocess.Popen, procs: list[subprocess.Popen], timeout: float =
         raise AssertionError("the two processes did not finish:\n" + "\n".join(tails)) from None
 
 
+@pytest.mark.skip(reason=TWO_PROCESSES_TIME_OUT)
 def test_two_processes_match_one(tmp_path):
     prompts = tmp_path / "p.jsonl"
     short = [p for p in golden_prompts("qwen3_gqa4_tp") if len(p) <= 16]  # one length bucket: one compile
