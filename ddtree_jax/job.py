@@ -215,14 +215,16 @@ def _refill(params, draft_params, job: Job, req: Requests, n, call, *, plan, chu
     return Job(state, occupant, admitted, job.next + n, counters)
 
 
+def map_rows(fn, *states: DecodeState) -> DecodeState:
+    """`fn` over the leaves that have rows (axis 0) of `states`; the stop ids are the first's."""
+    fields = [f.name for f in dataclasses.fields(DecodeState) if f.name != "stop_ids"]
+    mapped = {name: jax.tree.map(fn, *(getattr(s, name) for s in states)) for name in fields}
+    return DecodeState(**mapped, stop_ids=states[0].stop_ids)
+
+
 def place_rows(state: DecodeState, new: DecodeState, rows: jax.Array) -> DecodeState:
     """The state with rows [R] replaced by the R rows of `new` (row index B or more: dropped)."""
-    fields = [f.name for f in dataclasses.fields(DecodeState) if f.name != "stop_ids"]
-    def put(old, x):
-        return old.at[rows].set(x, mode="drop")
-
-    placed = {name: jax.tree.map(put, getattr(state, name), getattr(new, name)) for name in fields}
-    return DecodeState(**placed, stop_ids=state.stop_ids)
+    return map_rows(lambda old, x: old.at[rows].set(x, mode="drop"), state, new)
 
 
 def run_job(

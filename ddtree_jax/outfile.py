@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddtree_jax import provenance
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.prompts import id_key, sample_key, scan_prompts
 
@@ -45,23 +46,7 @@ SETTINGS = (
     "dequantize",
     "output_format",
 )
-# The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
-# on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
-# refuses to change them unless both runs are float32.
-SCHEDULE_SETTINGS = (
-    "batch_size",
-    "static_batches",
-    "batch_invariant",
-    "host_stepped",
-    "tp",
-    "dp",
-    "prefill_chunk",
-    "prefill_slots",
-    "host_loop",
-    "prefill_attention",
-    "attention",
-    "moe_sharding",
-)
+SCHEDULE_SETTINGS = provenance.SCHEDULE_SETTINGS  # the shapes' settings: --resume holds them in bf16
 # Settings added since the first sidecars: a sidecar without one was made with this value.
 ADDED_SETTINGS = {
     "n": 1, "stop": [], "include_stop_str_in_output": False, "logprobs": 0, "logprobs_mode": "raw",
@@ -290,9 +275,9 @@ class Writer:
             return sys.stdout
         path = Path(self.out)
         file = open(path, "a" if self.append else "w")  # noqa: SIM115 (0666 less the umask; through links)
-        from ddtree_jax.provenance import provenance  # what made the lines: code, jax, device
 
-        record = self.settings | {PROMPT_DIGESTS: _digests.get(path.resolve()), "provenance": provenance()}
+        made_by = provenance.provenance()  # what made the lines: code, jax, device
+        record = self.settings | {PROMPT_DIGESTS: _digests.get(path.resolve()), "provenance": made_by}
         settings_path(path).write_text(json.dumps(record, indent=1) + "\n")
         return file
 

@@ -105,19 +105,12 @@ def _prefill_on_mesh(params, draft_params, req, stop_ids, plan, rows, capacity, 
     return fn(params, draft_params, req, stop_ids)
 
 
-def _map_rows(fn, *states: DecodeState) -> DecodeState:
-    """`fn` over the leaves that have rows (axis 0) of `states`; the stop ids are the first's."""
-    fields = [f.name for f in dataclasses.fields(DecodeState) if f.name != "stop_ids"]
-    mapped = {name: jax.tree.map(fn, *(getattr(s, name) for s in states)) for name in fields}
-    return DecodeState(**mapped, stop_ids=states[0].stop_ids)
-
-
-place_rows = job.place_rows
+place_rows, map_rows = job.place_rows, job.map_rows
 
 
 def empty_rows(new: DecodeState, rows: int) -> DecodeState:
     """A state of `rows` rows shaped like `new`, every row done (one cached token, as padding)."""
-    zeros = _map_rows(lambda x: jnp.zeros((rows, *x.shape[1:]), x.dtype), new)
+    zeros = map_rows(lambda x: jnp.zeros((rows, *x.shape[1:]), x.dtype), new)
     cache = KVCache(zeros.cache.layers, jnp.ones((rows,), jnp.int32))
     return dataclasses.replace(zeros, cache=cache, done=jnp.ones((rows,), bool))
 

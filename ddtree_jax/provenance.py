@@ -20,10 +20,10 @@ import ddtree_jax
 # Fields of a provenance record whose difference can change bfloat16 outputs: the code (its commit and
 # uncommitted edits), the compiler (jax, jaxlib) and the device (its kind decides kernels and tilings).
 NUMERICS = ("commit", "dirty", "jax", "jaxlib", "device_kind", "platform")
-# The settings (outfile.SETTINGS / SCHEDULE_SETTINGS names) that change the programs a run compiles, and
-# so bfloat16 outputs, beyond the ones that change what is generated at all.
-PROGRAM_SETTINGS = (
-    "dtype",
+# The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
+# on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
+# refuses to change them unless both runs are float32 (outfile).
+SCHEDULE_SETTINGS = (
     "batch_size",
     "static_batches",
     "batch_invariant",
@@ -36,6 +36,12 @@ PROGRAM_SETTINGS = (
     "prefill_attention",
     "attention",
     "moe_sharding",
+)
+# The settings (outfile.SETTINGS names) that change the programs a run compiles, and so bfloat16
+# outputs, beyond the ones that change what is generated at all.
+PROGRAM_SETTINGS = (
+    "dtype",
+    *SCHEDULE_SETTINGS,
     "budget",
     "branching",
     "block_size",
