@@ -307,9 +307,12 @@ def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status 
             smoothing=0,
         )  # fmt: skip
         with bar:
-            start, compiled = bar.start_t, llm.compile_seconds
+            # (a disabled bar, every process but the writer's, has no clock: process 1 died here, and
+            # process 0 then gave up waiting for it in Gloo's context after 30 s; issue 50)
+            start, compiled = getattr(bar, "start_t", None), llm.compile_seconds
             for result in finished:
-                bar.start_t = start + (llm.compile_seconds - compiled)  # the ETA from generation only
+                if start is not None:
+                    bar.start_t = start + (llm.compile_seconds - compiled)  # the ETA from generation only
                 if not results:
                     bar.set_description("prompts", refresh=False)
                 if not results and status is not None and status.enabled:

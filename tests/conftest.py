@@ -268,10 +268,3 @@ def forget_programs(monkeypatch) -> None:
     jax.clear_caches()
     programs._COMPILED.clear()
     monkeypatch.setattr(executables, "directory", lambda: None)
-
-
-# Why the two-process runs are skipped (tests/test_multiprocess.py, the recorded "processes" mode).
-TWO_PROCESSES_TIME_OUT = (
-    "two processes time out on the 2-core VM since 2026-12-07 (Gloo's context after 30 s, or one process "
-    "missing JAX's shutdown barrier): open, issue 50's closing note"
-)

@@ -162,9 +162,14 @@ def run_processes(args: list[str]) -> None:
         for i in range(2)
     ]
     results = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, results, strict=True):
-        if p.returncode != 0:
-            raise RuntimeError(f"a process exited {p.returncode}: {err[-3000:]}")
+    # every failed process's stderr: the first to die is the cause, the other's Gloo timeout its echo
+    failed = [
+        f"process {i} exited {p.returncode}: {err[-3000:]}"
+        for i, (p, (_, err)) in enumerate(zip(procs, results, strict=True))
+        if p.returncode
+    ]
+    if failed:
+        raise RuntimeError("\n".join(failed))
 
 
 def _commit() -> str:

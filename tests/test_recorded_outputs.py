@@ -6,7 +6,6 @@ sampling, prompts with their own limits, on a dense and a MoE fixture pair and o
 import json
 
 import pytest
-from conftest import TWO_PROCESSES_TIME_OUT
 from recorded_outputs import CASES, METHODS, MODES, PROCESSES, RECORD, run_mode
 
 RECORDED = json.loads(RECORD.read_text())["cases"]
@@ -31,6 +30,4 @@ def test_record_covers_every_case_and_method():
 
 @pytest.mark.parametrize("case,method,mode", RUNS)
 def test_mode_reproduces_the_record(tmp_path, case, method, mode):
-    if mode == "processes":
-        pytest.skip(TWO_PROCESSES_TIME_OUT)
     assert run_mode(case, method, mode, tmp_path) == RECORDED[case][method]
