@@ -267,6 +267,21 @@ JITTED = {
 _COMPILED: dict[tuple, Any] = {}
 
 
+def _all_processes_compiled(name: str, count: int) -> None:
+    """With several processes, wait until every one has this program (the `count`-th compiled here, the
+    same in each): one may read it from the cache or compile it minutes before another, and a first run
+    on CPU gives up when another process is 30 s late (Gloo's context, a fixed wait in jax 0.11.2; seen
+    with one process stopped for 45 s on 2026-12-07, issue 50). The coordination service's barrier
+    waits up to an hour."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # (the barrier has no public name in jax 0.11.2)
+
+    client = distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(f"ddtree-jax-compiled-{count}-{name}", 3_600_000)
+
+
 def _layout(x) -> Any:
     """What of an argument leaf besides shape and dtype selects a compiled program: its sharding."""
     return x.sharding if isinstance(x, jax.Array) and x.committed else None
@@ -294,8 +309,6 @@ class Programs:
         leaves, tree = jax.tree.flatten(args[2:])
         shapes = tuple((x.shape, x.dtype, _layout(x)) for x in leaves)
         key = (name, tree, shapes, *static.items(), self.params["embed"].dtype)
-        if jax.process_count() > 1:  # several processes: jit's own path, as before 2026-12-07 (issue 50)
-            return self._call_jitted(name, key, args, static)
         compiled = _COMPILED.get(key)
         if compiled is None:
             begin = time.perf_counter()
@@ -304,19 +317,9 @@ class Programs:
             )
             compiled = _COMPILED[key] = loaded.compiled
             self.cache_hits += loaded.hit
+            _all_processes_compiled(name, len(_COMPILED))
             self.count_compile(name, time.perf_counter() - begin)
         return compiled(*args)
-
-    def _call_jitted(self, name: str, key: tuple, args: tuple, static: dict):
-        """Program `name` through its jit (which compiles at its first call on these shapes and
-        layouts, counted as compilation): the path of several processes."""
-        jitted, begin = JITTED[name], time.perf_counter()
-        if key in _COMPILED:
-            return jitted(*args, **static)
-        out = jax.block_until_ready(jitted(*args, **static))
-        _COMPILED[key] = jitted
-        self.count_compile(name, time.perf_counter() - begin)
-        return out
 
     def count_compile(self, name: str, seconds: float) -> None:
         """Count `seconds` of compiling program `name`."""

@@ -243,8 +243,6 @@ class Generator:
             return "host (host-stepped)"
         if any(self._settings(p)[STOP] for p in prompts):
             return "host (stop strings)"
-        if jax.process_count() > 1:  # (the device job across processes did not finish in CI: issue 50)
-            return "host (several processes)"
         return "device" if sched.device_loop else "host (--host-loop)"
 
     # -- the continuous job on the device (job.py) ----------------------------------------------------

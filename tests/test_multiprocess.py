@@ -1,5 +1,6 @@
-"""Two processes of four CPU devices each, joined by jax.distributed, run the same host loop and generate
-what one process of eight devices generates (docs/devices.md's multi-host recipe, on one machine)."""
+"""Two processes of four CPU devices each, joined by jax.distributed, run the same continuous job on the
+device and generate what one process of eight devices generates (docs/devices.md's multi-host recipe, on
+one machine)."""
 
 import json
 import os
@@ -44,8 +45,10 @@ def test_two_processes_match_one(tmp_path):
     assert main([*base, "--out", str(tmp_path / "one.jsonl")]) == 0  # this process: 8 devices
 
     port = free_port()
-    # Gloo's collectives time out after 30 s by default: under a loaded CI machine one process can reach a
-    # collective much later than the other (it compiled slower), and the one left behind then waits forever.
+    # Each program's first run waits for both processes to have compiled it (programs._all_processes_compiled:
+    # Gloo's context gives up after 30 s, not configurable in jax 0.11.2); past that, a loaded CI machine can
+    # still hold one process back at a collective for longer than XLA's CPU defaults (40 s for the devices
+    # of one process to meet at a collective call).
     timeouts = ["--xla_cpu_collective_timeout_seconds=900"]
     timeouts += ["--xla_cpu_collective_call_terminate_timeout_seconds=900"]
     env = dict(os.environ, XLA_FLAGS=xla_flags(4, *timeouts))
@@ -71,6 +74,7 @@ def test_two_processes_match_one(tmp_path):
     ]
     assert not failed, "\n".join(failed)
     assert f"prompts: {len(short)}" in outputs[0][0] and "prompts:" not in outputs[1][0]  # process 0 reports
+    assert "loop: device" in outputs[0][0]  # the continuous job on the device, across the processes
     one = (tmp_path / "one.jsonl").read_text().splitlines()
     two = (tmp_path / "two.jsonl").read_text().splitlines()
     by_id = lambda lines: sorted(map(timeless, map(json.loads, lines)), key=lambda r: str(r["id"]))  # noqa: E731
