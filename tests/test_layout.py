@@ -145,3 +145,9 @@ def test_scripts_are_only_what_no_cli_does():
         assert "A script, not a" in doc, f"{path.name}: its docstring does not say why it is a script"
         stem = path.stem.removeprefix("bench_").removeprefix("plot_").replace("_", "-")
         assert stem not in SUBCOMMANDS, f"{path.name}: `ddtree-bench {stem}` does this"
+
+
+def test_scripts_stay_small():
+    """scripts/ holds under 1,000 lines (issue 44): what grows there belongs in a CLI."""
+    lines = sum(len(p.read_text().splitlines()) for p in SCRIPTS.glob("*.py"))
+    assert lines < 1000, f"scripts/ holds {lines} lines"

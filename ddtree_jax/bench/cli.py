@@ -25,6 +25,10 @@ SUBCOMMANDS = {
     "moe-fused": ("ddtree_jax.bench.moe_fused", "the fused expert kernel: checks, dispatches, MoE rounds"),
     "topk": ("ddtree_jax.bench.topk", "jax.lax.top_k against the tiled top-k"),
     "tree": ("ddtree_jax.bench.tree", "the tree build alone, per batch size, budget and variant"),
+    "torch-step": (
+        "ddtree_jax.bench.torch_step",
+        "a PyTorch decode step replayed from CUDA graphs (a baseline)",
+    ),
     "plot": ("ddtree_jax.bench.plot", "plots of rounds sweeps and the default budget per batch size"),
 }
 DEFAULT = "rounds"  # `ddtree-bench --shape ...` (flags first, no sub-command): the rounds benchmark
