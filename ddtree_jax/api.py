@@ -501,16 +501,18 @@ class LLM:
     # -- prompts --------------------------------------------------------------------------------------
 
     def prompts(
-        self, prompts: PromptInput | Sequence[PromptInput], sampling: SamplingParams | Sequence | None = None
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence | None = None,
     ) -> list[Prompt]:
         """The prompts tokenized (ids: their positions in the list), each with its sampling settings
         (one SamplingParams for all or one per prompt; None: the defaults). Errors name the prompt as
         `prompt N` (its position) and the keyword arguments the caller gave."""
-        items, sampling = self._pair_up(prompts, sampling)
-        pairs = enumerate(zip(items, sampling, strict=True))
+        items, sampling_params = self._pair_up(prompts, sampling_params)
+        pairs = enumerate(zip(items, sampling_params, strict=True))
         records = [Record(i, i, *_kind(p, i), sp.options()) for i, (p, sp) in pairs]
         most = self.settings.max_new_tokens
-        for r, sp in zip(records, sampling, strict=True):
+        for r, sp in zip(records, sampling_params, strict=True):
             if sp.logprobs is not None and r.options[LOGPROBS] > self.settings.logprobs:
                 raise DDTreeError(
                     f"prompt {r.id}: SamplingParams(logprobs={sp.logprobs}) needs an LLM made with "
@@ -530,7 +532,7 @@ class LLM:
             raise DDTreeError(api_words(str(e))) from None
         check_lengths(out, cfg.max_position_embeddings, most, None)
         if self.max_model_len is not None:
-            for p, sp in zip(out, sampling, strict=True):
+            for p, sp in zip(out, sampling_params, strict=True):
                 if len(p.input_ids) + p.options.get(LIMIT, most) > self.max_model_len:
                     raise DDTreeError(
                         f"prompt {p.line}: {len(p.input_ids)} tokens + {sp.limit_name} "
@@ -543,17 +545,17 @@ class LLM:
             raise DDTreeError(api_words(str(e))) from None
         return out
 
-    def _pair_up(self, prompts, sampling) -> tuple[list, list[SamplingParams]]:
+    def _pair_up(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         """(the prompts as a list, one SamplingParams each)."""
         items = [prompts] if _is_one_prompt(prompts) else list(prompts)
-        if sampling is None or isinstance(sampling, SamplingParams):
-            sampling = [sampling or SamplingParams()] * len(items)
-        sampling = list(sampling)
-        if len(sampling) != len(items):
-            raise DDTreeError(f"{len(sampling)} SamplingParams for {len(items)} prompts")
-        if bad := [x for x in sampling if not isinstance(x, SamplingParams)]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(items)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(items):
+            raise DDTreeError(f"{len(sampling_params)} SamplingParams for {len(items)} prompts")
+        if bad := [x for x in sampling_params if not isinstance(x, SamplingParams)]:
             raise DDTreeError(f"sampling_params: expected SamplingParams, got {bad[0]!r:.80}")
-        return items, sampling
+        return items, sampling_params
 
     # -- generation -----------------------------------------------------------------------------------
 
@@ -591,9 +593,9 @@ class LLM:
         Prompts: text (the chat template applied unless LLM(chat_template=False)), vLLM's
         {"prompt": text} or {"prompt_token_ids": ids}, token ids, or chat messages."""
         check_keywords("LLM.generate", other, ["prompts", "sampling_params", "use_tqdm"])
-        items, sampling = self._pair_up(prompts, sampling_params)
+        items, sampling_params = self._pair_up(prompts, sampling_params)
         items = [_vllm_prompt(p, i) for i, p in enumerate(items)]
-        return self._outputs(items, sampling, use_tqdm)
+        return self._outputs(items, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -616,17 +618,19 @@ class LLM:
         items = [[_message(m, i) for m in c] for i, c in enumerate(conversations)]
         if self.codec is None or self.codec.template is None:
             raise DDTreeError("LLM.chat needs the target's tokenizer.json and chat template")
-        _, sampling = self._pair_up(items, sampling_params)
-        return self._outputs(items, sampling, use_tqdm)
+        _, sampling_params = self._pair_up(items, sampling_params)
+        return self._outputs(items, sampling_params, use_tqdm)
 
-    def _outputs(self, items: list, sampling: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _outputs(
+        self, items: list, sampling_params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         """Run the prompts; one RequestOutput each."""
         from tqdm import tqdm
 
         if not items:
             return []
 
-        prompts = self.prompts(items, sampling)
+        prompts = self.prompts(items, sampling_params)
         by_prompt: dict[int, list] = {i: [] for i in range(len(prompts))}
         total = sum(p.options.get(SAMPLES, self.settings.n) for p in prompts)
         for result in tqdm(self.run(prompts), total=total, desc="samples", disable=not use_tqdm):
@@ -639,7 +643,7 @@ class LLM:
             request_output(
                 str(first + i), self._prompt_text(item), p.input_ids, by_prompt[i], sp.shaping(), decode
             )
-            for i, (item, p, sp) in enumerate(zip(items, prompts, sampling, strict=True))
+            for i, (item, p, sp) in enumerate(zip(items, prompts, sampling_params, strict=True))
         ]
 
     def _prompt_text(self, item) -> str | None:

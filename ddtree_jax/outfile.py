@@ -261,6 +261,42 @@ def _check_settings(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     return stored
 
 
+# The sidecar's list of the provenance records of earlier runs whose lines are in the file, when a
+# --resume was made by other code, jax or device (None: a sidecar that recorded none).
+EARLIER_PROVENANCE = "earlier_provenance"
+
+
+def resumed_provenance_warning(path: Path, before: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+    """--resume's warning when the lines already in `path` were made (`before`: its sidecar's provenance;
+    None: a sidecar older than the record) by other code, jax, jaxlib or device than this run (`now`),
+    naming the fields, and saying which change bfloat16 outputs (`provenance.numerics_differences`, as
+    `ddtree-compare external` warns); None when they are the same."""
+    if before is None:
+        return f"--resume: {settings_path(path)} records no provenance: what made the lines so far is unknown"
+    changed = provenance.changed_fields(before, now)
+    numerics = provenance.numerics_differences(before, now)  # 'FIELD A -> B ...' each
+    what = [f"{k} {before[k]!r} -> {now[k]!r}" for k in changed]
+    what += [d for d in numerics if d.split(" ", 1)[0] not in changed]  # uncommitted edits on both
+    if not what:
+        return None
+    message = (
+        f"--resume: the lines so far in {path} were made by {provenance.line(before)}, this run by "
+        f"{provenance.line(now)}: " + ", ".join(what)
+    )
+    if numerics:
+        fields = ", ".join(dict.fromkeys(d.split(" ", 1)[0] for d in numerics))
+        message += f"; {fields} change bfloat16 outputs, so its bfloat16 lines may differ from one run's"
+    return message
+
+
+def _has_lines(path: Path) -> bool:
+    """Whether `path` exists and is not empty."""
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
 class Writer:
     """Appends one JSON line per finished prompt, flushed at once; opens --out at the first line, so
     that a run failing before any result leaves no file."""
@@ -274,10 +310,19 @@ class Writer:
         if self.out == STDOUT:
             return sys.stdout
         path = Path(self.out)
+        # --resume of a file with lines: the sidecar records what made them (None: no sidecar)
+        before, stored = recorded_provenance(path) if self.append and _has_lines(path) else (None, None)
         file = open(path, "a" if self.append else "w")  # noqa: SIM115 (0666 less the umask; through links)
 
         made_by = provenance.provenance()  # what made the lines: code, jax, device
         record = self.settings | {PROMPT_DIGESTS: _digests.get(path.resolve()), "provenance": made_by}
+        if stored is not None:  # --resume: the lines so far may come from other code, jax or device
+            warning = resumed_provenance_warning(path, before, made_by)
+            if warning is not None:
+                print(f"ddtree-generate: warning: {warning}", file=sys.stderr)
+                record[EARLIER_PROVENANCE] = [*stored.get(EARLIER_PROVENANCE, []), before]
+            elif EARLIER_PROVENANCE in stored:
+                record[EARLIER_PROVENANCE] = stored[EARLIER_PROVENANCE]
         settings_path(path).write_text(json.dumps(record, indent=1) + "\n")
         return file
 

@@ -20,6 +20,9 @@ import ddtree_jax
 # Fields of a provenance record whose difference can change bfloat16 outputs: the code (its commit and
 # uncommitted edits), the compiler (jax, jaxlib) and the device (its kind decides kernels and tilings).
 NUMERICS = ("commit", "dirty", "jax", "jaxlib", "device_kind", "platform")
+# The fields of a provenance record --resume compares between the run that wrote a file's lines and the
+# one continuing it (outfile): what made the lines, whether or not it changes their numerics.
+MADE_BY = ("ddtree_jax", "commit", "dirty", "jax", "jaxlib", "platform", "device_kind", "device_count")
 # The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
 # on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
 # refuses to change them unless both runs are float32 (outfile).
@@ -127,6 +130,11 @@ def numerics_differences(
     sa, sb = settings_a or {}, settings_b or {}
     out += [f"{k} {sa[k]!r} -> {sb[k]!r}" for k in PROGRAM_SETTINGS if k in sa and k in sb and sa[k] != sb[k]]
     return out
+
+
+def changed_fields(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The MADE_BY fields two provenance records both hold with different values, in MADE_BY's order."""
+    return [k for k in MADE_BY if k in a and k in b and a[k] != b[k]]
 
 
 def line(p: dict[str, Any] | None) -> str:

@@ -2,6 +2,7 @@
 `ddtree-bench --shape ...` (no sub-command: rounds, as the recorded commands run it)."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -376,3 +377,24 @@ def test_plot_draws_the_recorded_sweeps(tmp_path):
     }
     recorded = json.loads((RESULTS / "h200" / "plots" / "default_budgets.json").read_text())
     assert json.loads((tmp_path / "default_budgets.json").read_text()) == recorded
+
+
+def test_torch_step_without_torch_is_one_line(tmp_path, capsys, monkeypatch):
+    """`ddtree-bench torch-step` needs torch (the compare extra): without it, one line saying so."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert main(["torch-step", "--shapes", "tiny", "--out", str(tmp_path / "t.json")]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == "ddtree-bench torch-step: error: needs torch: pip install 'ddtree-jax[compare]'"
+
+
+def test_torch_step_tiny_on_the_cpu(tmp_path):
+    """Without CUDA only the eager step runs (float32): one row per (batch size, T), the header's device
+    the CPU; the old --repeats still runs."""
+    pytest.importorskip("torch")
+    out = tmp_path / "torch.json"
+    argv = ["torch-step", "--shapes", "tiny", "--batch-sizes", "1,2", "--tokens", "1", "--context", "16"]
+    assert main([*argv, "--steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["batch_size"], r["tokens"]) for r in data["rows"]] == [(1, 1), (2, 1)]
+    assert all(set(r["ms"]) == {"eager"} and r["ms"]["eager"] > 0 for r in data["rows"])
+    assert data["meta"]["device_count"] == 1 and data["meta"]["dtype"] == "torch.float32"

@@ -31,9 +31,39 @@ TINY = {
     "quant": ["--quick", "--tokens", "1"],
     "topk": ["--vocab-size", "512", "--cases", "4:8,2:16"],
     "tree": ["--cases", "1:7,2:3", "--depth", "3", "--branching", "4", "--reps", "2"],
+    "moe": [
+        "--layers",
+        "1",
+        "--experts",
+        "4",
+        "--experts-per-token",
+        "2",
+        "--hidden",
+        "128",
+        "--width",
+        "128",
+    ]
+    + ["--tokens", "1", "--dispatches", "gather", "--reps", "1", "--ceiling-bytes", "1048576"],
+    "moe-fused": ["--tiny", "--phases", "check"],  # one JSON per phase in --out-dir (tests/test_bench_moe.py)
+    "torch-step": [
+        "--shapes",
+        "tiny",
+        "--batch-sizes",
+        "1",
+        "--context",
+        "16",
+        "--steps",
+        "2",
+        "--reps",
+        "1",
+    ],
     "plot": [],  # writes plots into a directory: no --deadline-s (below)
 }
-MEASURING = sorted(set(SUBCOMMANDS) - {"plot"})  # the sub-commands with --deadline-s and one JSON
+MEASURING = sorted(set(SUBCOMMANDS) - {"plot"})  # the sub-commands with --deadline-s
+OUT = {"moe-fused": "--out-dir"}  # where each writes (default --out)
+# one JSON of jax's devices, past its deadline: moe-fused writes its phases' (tests/test_bench_moe.py),
+# torch-step needs torch and describes torch's device (tests/test_bench.py)
+ONE_JSON = [name for name in MEASURING if name not in ("moe-fused", "torch-step")]
 
 
 def test_every_subcommand_is_exercised_here():
@@ -53,7 +83,8 @@ def test_each_subcommand_help_lists_deadline_and_out(capsys, name):
     assert main([name, "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert text.startswith(f"usage: ddtree-bench {name} ")
-    assert "--deadline-s DEADLINE_S" in text and "--out OUT" in text
+    out = OUT.get(name, "--out")
+    assert "--deadline-s DEADLINE_S" in text and f"{out} {out.lstrip('-').replace('-', '_').upper()}" in text
 
 
 def test_unknown_subcommand_is_one_line(capsys):
@@ -71,13 +102,13 @@ def test_unknown_subcommand_is_one_line(capsys):
 def test_deadline_must_be_positive(tmp_path, capsys, name, seconds):
     """A bad --deadline-s: one line naming it, exit 1, nothing written."""
     out = tmp_path / "b.json"
-    assert main([name, *TINY[name], "--deadline-s", seconds, "--out", str(out)]) == 1
+    assert main([name, *TINY[name], "--deadline-s", seconds, OUT.get(name, "--out"), str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"ddtree-bench {name}: error: --deadline-s {seconds}: must be > 0"]
     assert not out.exists()
 
 
-@pytest.mark.parametrize("name", MEASURING)
+@pytest.mark.parametrize("name", ONE_JSON)
 def test_past_deadline_skips_every_measurement_and_writes_the_header(tmp_path, capsys, name):
     """With a deadline that has passed by the first measurement, every sub-command exits 0 and writes
     one JSON: the run header (the command as run) and what it skipped, in order, measuring nothing."""
@@ -105,6 +136,7 @@ def test_past_deadline_skips_every_measurement_and_writes_the_header(tmp_path, c
         "quant": ["weights and read ceiling"],
         "topk": ["4:8", "2:16"],
         "tree": ["1:7 paths", "2:3 paths"],
+        "moe": ["weights and read ceiling", {"dispatch": "gather", "format": "plain", "tokens": 1}],
     }[name]
     assert data["skipped"] == skipped
     assert not data.get("rows") and not data.get("continuous") and not data.get("seconds")

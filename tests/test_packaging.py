@@ -110,6 +110,7 @@ def test_every_import_is_declared():
         part = path.relative_to(ROOT).parts
         kind = {"tests": "tests", "compare": "compare"}.get(part[0], part[1] if len(part) > 2 else "main")
         kind = "train" if path.stem == "train" else kind if kind in declared else "main"
-        kind = "compare" if part[-2:] == ("bench", "plot.py") else kind  # ddtree-bench plot: matplotlib
+        # ddtree-bench plot: matplotlib; torch-step: torch
+        kind = "compare" if part[-2:] in {("bench", "plot.py"), ("bench", "torch_step.py")} else kind
         for module in imported(path) - set(sys.stdlib_module_names) - own:
             assert name(inverse.get(module, module)) in declared[kind], (path, module)

@@ -119,6 +119,81 @@ def test_the_output_files_sidecar_records_it(tmp_path):
     assert outfile.recorded_provenance(tmp_path / "none.jsonl") == (None, None)
 
 
+MADE = {
+    "ddtree_jax": "0.1.0",
+    "commit": "a" * 40,
+    "dirty": False,
+    "jax": "0.11.2",
+    "jaxlib": "0.11.2",
+    "python": "3.12.3",
+    "platform": "gpu",
+    "device_kind": "NVIDIA H100 80GB HBM3",
+    "device_count": 1,
+    "cpu": "x, 16 CPUs",
+}
+
+
+def _resume(tmp_path, monkeypatch, capsys, sidecar: dict | None, now: dict, lines: str = "{}\n"):
+    """A --resume's writer appending one line to a file of `lines` whose sidecar is `sidecar` (None: no
+    sidecar file), this run's provenance `now`: (its stderr, the sidecar it leaves)."""
+    out = tmp_path / "o.jsonl"
+    out.write_text(lines)
+    if sidecar is not None:
+        outfile.settings_path(out).write_text(json.dumps(sidecar))
+    monkeypatch.setattr(provenance, "provenance", lambda: now)
+    writer = Writer(str(out), {"method": "ar", "dtype": "bfloat16"}, append=True)
+    try:
+        writer.write([{"id": "b", "output_ids": [2]}])
+    finally:
+        writer.close()
+        release_locks()
+    return capsys.readouterr().err, json.loads(outfile.settings_path(out).read_text())
+
+
+def test_resume_warns_when_other_code_jax_or_device_made_the_lines(tmp_path, monkeypatch, capsys):
+    """--resume's writer names what differs between the sidecar's provenance and this run's, and which of
+    it changes bfloat16 outputs (jax, device kind; not the package version or device count); the new
+    sidecar keeps the earlier record."""
+    now = MADE | {"ddtree_jax": "0.1.1", "jax": "0.11.3", "device_kind": "NVIDIA H200", "device_count": 2}
+    err, record = _resume(tmp_path, monkeypatch, capsys, {"method": "ar", "provenance": MADE}, now)
+    (line,) = err.strip().splitlines()
+    assert line.startswith("ddtree-generate: warning: --resume: the lines so far in ")
+    assert line.split(": ", 4)[-1] == (
+        "ddtree_jax '0.1.0' -> '0.1.1', jax '0.11.2' -> '0.11.3', device_kind 'NVIDIA H100 80GB HBM3' -> "
+        "'NVIDIA H200', device_count 1 -> 2; jax, device_kind change bfloat16 outputs, so its bfloat16 "
+        "lines may differ from one run's"
+    )
+    assert record["provenance"] == now and record["earlier_provenance"] == [MADE]
+    # a change that leaves numerics alone is named without the bfloat16 clause
+    err, _ = _resume(tmp_path, monkeypatch, capsys, {"provenance": MADE}, MADE | {"device_count": 8})
+    assert err.strip().endswith("device_count 1 -> 8")
+
+
+def test_resume_with_the_same_provenance_is_quiet(tmp_path, monkeypatch, capsys):
+    earlier = [MADE | {"jax": "0.11.1"}]
+    err, record = _resume(
+        tmp_path, monkeypatch, capsys, {"provenance": MADE, "earlier_provenance": earlier}, MADE
+    )
+    assert err == "" and record["provenance"] == MADE and record["earlier_provenance"] == earlier
+    # nothing to continue (an empty file, no sidecar): no warning either
+    err, record = _resume(tmp_path, monkeypatch, capsys, None, MADE, lines="")
+    assert err == "" and "earlier_provenance" not in record
+
+
+def test_resume_warns_on_uncommitted_edits_and_unrecorded_provenance(tmp_path, monkeypatch, capsys):
+    dirty = MADE | {"dirty": True}
+    err, _ = _resume(tmp_path, monkeypatch, capsys, {"provenance": dirty}, dirty)
+    assert err.strip().endswith(
+        f"dirty True -> True (uncommitted edits on {MADE['commit']}: may differ); dirty change bfloat16 "
+        "outputs, so its bfloat16 lines may differ from one run's"
+    )
+    err, record = _resume(
+        tmp_path, monkeypatch, capsys, {"method": "ar"}, MADE
+    )  # a sidecar before the record
+    assert err.strip().endswith("records no provenance: what made the lines so far is unknown")
+    assert record["earlier_provenance"] == [None]
+
+
 def test_the_benchmarks_run_header_carries_it():
     from ddtree_jax.bench.report import run_header
 

@@ -13,5 +13,9 @@ load       `ddtree-bench load`: load times, HF safetensors against the params ca
 attention, mla_attention, mosaic_attention, prefix_attention, quant, topk, tree
            `ddtree-bench attention`, `mla-attention`, ...: one kernel or op alone against its
            alternatives and its floor (prefix_attention also holds the unwired cuDNN-merged form)
+moe, moe_fused
+           `ddtree-bench moe`, `moe-fused`: the MoE expert dispatches against the floor of the experts
+           chosen; the fused expert kernel's checks, dispatches and rounds, phase by phase
+torch_step `ddtree-bench torch-step`: a plain-PyTorch decode step replayed from CUDA graphs (a baseline)
 plot       `ddtree-bench plot`: plots of rounds sweeps, the default budget per batch size
 """

@@ -21,8 +21,14 @@ SUBCOMMANDS = {
     "mosaic-attention": ("ddtree_jax.bench.mosaic_attention", "the Mosaic GPU kernels against Triton, cuDNN"),
     "prefix-attention": ("ddtree_jax.bench.prefix_attention", "one kernel against the cuDNN prefix merged"),
     "quant": ("ddtree_jax.bench.quant", "INT4 and FP8 matmuls against bf16, XLA and Pallas"),
+    "moe": ("ddtree_jax.bench.moe", "the MoE expert dispatches against the floor of the experts chosen"),
+    "moe-fused": ("ddtree_jax.bench.moe_fused", "the fused expert kernel: checks, dispatches, MoE rounds"),
     "topk": ("ddtree_jax.bench.topk", "jax.lax.top_k against the tiled top-k"),
     "tree": ("ddtree_jax.bench.tree", "the tree build alone, per batch size, budget and variant"),
+    "torch-step": (
+        "ddtree_jax.bench.torch_step",
+        "a PyTorch decode step replayed from CUDA graphs (a baseline)",
+    ),
     "plot": ("ddtree_jax.bench.plot", "plots of rounds sweeps and the default budget per batch size"),
 }
 DEFAULT = "rounds"  # `ddtree-bench --shape ...` (flags first, no sub-command): the rounds benchmark

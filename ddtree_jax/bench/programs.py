@@ -34,12 +34,13 @@ def synthetic_state(
     context: int,
     seed: int,
     dtype,
-    sampling: dict | None = None,
+    options: dict | None = None,
     active: int | None = None,
 ) -> DecodeState:
     """A batch of `shape` mid-generation: random K/V committed up to `context` in both caches, placed
     on the plan's mesh (K/V heads split over "model", rows over "data"). Rows from `active` on (default:
-    none) are padding, as `ddtree-generate` pads: done, with one cached token."""
+    none) are padding, as `ddtree-generate` pads: done, with one cached token. `options`: every row's
+    sampling settings (None: the greedy-only program)."""
     key = jax.random.key(seed)
     b, s = shape.rows, shape.capacity
     padding = jnp.arange(b) >= (b if active is None else active)
@@ -67,7 +68,7 @@ def synthetic_state(
         rounds=jnp.zeros((b,), jnp.int32),
         max_new_tokens=jnp.full((b,), plan.max_new_tokens, jnp.int32),
         stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
-        sampling=None if sampling is None else SamplingArrays.from_rows([sampling] * b),
+        sampling=None if options is None else SamplingArrays.from_rows([options] * b),
     )
     return place_state(state, plan)
 

@@ -58,19 +58,20 @@ def bench_one(
     rounds: int,
     ceiling_gbs: float,
     stages: bool,
-    sampling=None,
+    options: dict | None = None,
     batch: int | None = None,
     chosen_floor: bool = True,
 ) -> dict:
     """Device-loop round time of one configuration; with `stages`, its stages timed host-stepped
     (a sync per stage) and each alone in a device loop. `batch`: the rows requested, when the shape
     runs more (`programs.rows_to_run`); the floor counts only their K/V. `chosen_floor`: for a MoE
-    target also the floor of the experts chosen (`chosen_expert_floor`; compiles the round again)."""
+    target also the floor of the experts chosen (`chosen_expert_floor`; compiles the round again).
+    `options`: every row's sampling settings (None: greedy), the row's "sampling"."""
     batch = batch or shape.rows
     dparams = None if plan.method == "ar" else dparams
 
     def fresh(seed: int) -> DecodeState:  # callers drop their last state first: at 32k one fills half the GPU
-        return synthetic_state(plan, shape, context, seed, params["embed"].dtype, sampling, batch)
+        return synthetic_state(plan, shape, context, seed, params["embed"].dtype, options, batch)
 
     state = fresh(0)
     start = time.perf_counter()
@@ -124,7 +125,7 @@ def bench_one(
         "context": context,
         "attention": plan.attention,
         "tp": plan.tp,
-        "sampling": sampling,
+        "sampling": options,
         "round_ms": round_ms,
         "stages_ms": stage_ms,
         "host_stepped_round_ms": sum(stage_ms.values()),

@@ -97,10 +97,11 @@ def _next_logits(params: Params, tokens: jax.Array, last: jax.Array, cfg: Target
     return target.logits(params, jax.lax.dynamic_index_in_dim(hidden, last, axis=1, keepdims=False))
 
 
-def decision_scores(logits: np.ndarray, sampling: dict, position: int) -> np.ndarray:
+def decision_scores(logits: np.ndarray, options: dict, position: int) -> np.ndarray:
     """The scores the target's choice maximises at one position: logits (greedy) or, sampled, tempered
-    logits + the request's Gumbel noise at `position`, -inf outside the top-k / top-p support."""
-    settings = GREEDY | sampling
+    logits + the request's Gumbel noise at `position`, -inf outside the top-k / top-p support (`options`:
+    the prompt's sampling settings)."""
+    settings = GREEDY | options
     if settings["temperature"] == 0:
         return logits
     sp = SamplingArrays.from_rows([settings])
@@ -116,7 +117,7 @@ def divergence(
     prompt_ids: list[int],
     reference: list[int],
     other: list[int],
-    sampling: dict,
+    options: dict,
     dtype: str,
 ) -> Divergence | None:
     """The first divergence of `other` from `reference`, with the target's margin there (None if equal)."""
@@ -128,7 +129,7 @@ def divergence(
     if pos >= len(reference) or pos == 0 and not prompt_ids:
         return Divergence(id_, pos, None, extra)
     row = scorer.next_logits([prompt_ids + reference[:pos]])[0]
-    scores = decision_scores(row, sampling, len(prompt_ids) + pos)
+    scores = decision_scores(row, options, len(prompt_ids) + pos)
     top2 = np.sort(scores)[-2:]
     extra["reference_is_top1"] = bool(scores[reference[pos]] == top2[1])
     if extra["token"] is not None:

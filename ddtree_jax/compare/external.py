@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> Report:
     their_by_key = outputs.match_samples(theirs, inputs.prompts, args.prompts)
     ours_given, speed = our_records(args, inputs)
     our_by_key = outputs.match_samples(ours_given, inputs.prompts, args.prompts)
-    sampling = sampling_from_args(args)
+    defaults = sampling_from_args(args)  # the sampling settings a prompt's own override
     codec = inputs.pair.codec
     wanted = [(p, i) for p in inputs.prompts for i in range(p.options.get("n", args.n))]
     wanted_keys = {(p.id, i) for p, i in wanted}
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> Report:
         if ours == other and texts is None:
             continue
         scorer = scorer or Scorer.load(args.target)
-        options = sampling | {k: v for k, v in prompt.options.items() if k in sampling}
+        options = defaults | {k: v for k, v in prompt.options.items() if k in defaults}
         options["seed"] = sample_seed(options["seed"], i)
         d = divergence(scorer, prompt.id, prompt.input_ids, ours, other, options, args.dtype)
         d = d or Divergence(prompt.id, len(ours), None, {"text_differs": True})  # same tokens, other text

@@ -75,22 +75,22 @@ def run(args: argparse.Namespace) -> Report:
     budgets = check(args)
     progress("loading the target and the drafter")
     inputs = load_inputs(args, with_draft=True)
-    sampling = sampling_from_args(args)
+    defaults = sampling_from_args(args)  # the sampling settings a prompt's own override
     outputs, speeds = {}, {}
     runs = methods(budgets)
     for n, (label, method, budget) in enumerate(runs, start=1):
         progress(f"[{n}/{len(runs)}] {label}: {len(inputs.prompts)} prompts ...")
         start = time.perf_counter()
         plan = plan_from_args(inputs.pair, args, method=method, budget=budget)
-        gen = generator(inputs.pair, plan, sampling, args.host_stepped)
+        gen = generator(inputs.pair, plan, defaults, args.host_stepped)
         outputs[label], speeds[label] = generate_timed(gen, inputs.prompts, args.batch_size)
         progress(f"[{n}/{len(runs)}] {label}: done in {time.perf_counter() - start:.1f} s")
     progress("comparing with ar (a divergence loads the float32 scorer)")
-    return make_report(args, inputs, outputs, sampling, speeds)
+    return make_report(args, inputs, outputs, defaults, speeds)
 
 
 def make_report(
-    args: argparse.Namespace, inputs: Inputs, outputs: dict, sampling: dict, speeds: dict | None = None
+    args: argparse.Namespace, inputs: Inputs, outputs: dict, defaults: dict, speeds: dict | None = None
 ) -> Report:
     """Compare every method's outputs with ar's (`speeds`: each method's `Speed`, for the table)."""
     from ddtree_jax.compare.plots import acceptance_histograms  # matplotlib: not needed for --help
@@ -106,7 +106,7 @@ def make_report(
             if ref.output_ids == res.output_ids:
                 continue
             scorer = scorer or Scorer.load(args.target)
-            options = sampling | {k: v for k, v in prompt.options.items() if k in sampling}
+            options = defaults | {k: v for k, v in prompt.options.items() if k in defaults}
             found.append(
                 divergence(
                     scorer, prompt.id, prompt.input_ids, ref.output_ids, res.output_ids, options, args.dtype

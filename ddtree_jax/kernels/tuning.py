@@ -329,7 +329,7 @@ def resolve_few_tuning(
 # order: the first row whose bound holds wins, None = any count. What is measured so far (H200,
 # results/notes.md and models/moe.py): `gather` up to 4 tokens, the Pallas `grouped` kernel above, in
 # every format; `few` / `few_mgpu` (kernels/few_experts*.py) and `fused` enter only from a measured run:
-# results/h200/recipes/moe_few_token.sh writes the rows its figures choose (`scripts/bench_moe.py`'s
+# results/h200/recipes/moe_few_token.sh writes the rows its figures choose (`ddtree-bench moe`'s
 # "dispatch_table": the fastest dispatch at each measured token count) to paste here.
 MOE_GPU_DISPATCH: dict[str, tuple[tuple[int | None, str], ...]] = {
     "plain": ((4, "gather"), (None, "grouped")),

@@ -4,7 +4,7 @@
 # gather up to 4 tokens, the Pallas grouped kernel above): ar and ddtree 7 / 15 at batch 1 and 16 in
 # one command (batch 16 was never measured: it runs before anything optional); then the batch-1 ar
 # step with the one-token alternatives (grouped, grouped_split) that decide moe.GPU_GATHER_MAX_TOKENS;
-# then the dispatch micro-benchmark (scripts/bench_moe.py: Pallas grouped, grouped with more K
+# then the dispatch micro-benchmark (`ddtree-bench moe`: Pallas grouped, grouped with more K
 # splits, gather, ragged_dot at 1 / 8 / 16 / 64 / 512 tokens, 2048 x 768 experts).
 # With TP=2 on a two-GPU kind it adds the expert-parallel and tensor-parallel rows.
 # Run from the repository root:  OUT=$OUT bash results/h200/moe-dispatch/run.sh   (PY=echo: print only)
@@ -18,7 +18,7 @@ $B --methods ar --batch-sizes 1 --moe-dispatch grouped --deadline-s 45 --out "$O
   > "$OUT/ar_grouped.log" 2>&1
 $B --methods ar --batch-sizes 1 --moe-dispatch grouped_split --deadline-s 45 --out "$OUT/ar_split.json" \
   > "$OUT/ar_split.log" 2>&1
-$PY scripts/bench_moe.py --deadline-s 95 --out "$OUT/dispatch.json" > "$OUT/dispatch.log" 2>&1
+$PY -m ddtree_jax.bench moe --deadline-s 95 --out "$OUT/dispatch.json" > "$OUT/dispatch.log" 2>&1
 if [ "$TP" -gt 1 ]; then
   $B --methods ar,ddtree --budgets 15 --batch-sizes 1 --tp "$TP" --moe-sharding ep --deadline-s 90 \
     --out "$OUT/ep$TP.json" > "$OUT/ep$TP.log" 2>&1

@@ -8,7 +8,7 @@
 # Steps:
 #   1. mosaic  `ddtree-bench mosaic-attention`, phases checks, gqa, mla (Triton and Mosaic only: the
 #              cuDNN-merged and bundled-decode columns are left out), --deadline-s 180, --hang-s 45
-#   2. moe     scripts/bench_moe_fused.py, phases check, qwen3-dispatch, --deadline-s 120, --grace-s 15
+#   2. moe     `ddtree-bench moe-fused`, phases check, qwen3-dispatch, --deadline-s 120, --grace-s 15
 #   3. compare the new Mosaic rows against the recorded table (printed; $OUT/compare.txt)
 # Compare with (results/h200/2026-12-02/, jax 0.11.2; README.md there names the commands and commits):
 #   mosaic-checks/mosaic_checks.json (08:14): every form within max_abs 7.81e-03 (GQA) / 3.91e-03 (MLA)
@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gp
 python3 -m ddtree_jax.bench mosaic-attention --phases checks,gqa,mla --skip cudnn-merged,bundled-decode \
   --deadline-s 180 --hang-s 45 --out "$OUT/mosaic_attention.json" > "$OUT/mosaic.log" 2>&1
 echo "mosaic: rc $?" | tee -a "$OUT/steps.log"
-python3 scripts/bench_moe_fused.py --phases check,qwen3-dispatch --deadline-s 120 --grace-s 15 \
+python3 -m ddtree_jax.bench moe-fused --phases check,qwen3-dispatch --deadline-s 120 --grace-s 15 \
   --out-dir "$OUT/moe-fused" > "$OUT/moe.log" 2>&1
 echo "moe: rc $?" | tee -a "$OUT/steps.log"
 python3 - "$OUT/mosaic_attention.json" results/h200/2026-12-02/mosaic-table/mosaic_attention.json \

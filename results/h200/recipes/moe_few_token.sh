@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 case ${1:-layers} in
   layers)
-    $PY scripts/bench_moe.py --tokens 1,8,16,64 --formats plain,int4,fp8 \
+    $PY -m ddtree_jax.bench moe --tokens 1,8,16,64 --formats plain,int4,fp8 \
       --dispatches few,few_mgpu,gather,grouped,fused,grouped_split,sorted_mgpu --reps 10 --deadline-s 180 \
       --out "$OUT/moe_few_token.json" > "$OUT/layers.log" 2>&1 ;;
   rounds|rounds-few)

@@ -5,7 +5,7 @@
 #                  restores, GB/s (ddtree-bench load)
 #   torch_graph.json  item 3: a plain-PyTorch decode step of the `tiny` and `default-pair` shapes at 1k
 #                  context, batch 1 and 16, T = 1 and 8: eager, one-step CUDA graph replays, one 16-step
-#                  graph (scripts/torch_graph_step.py)
+#                  graph (ddtree-bench torch-step)
 #   rows_{tiny,default_pair}.json  item 3: ddtree-bench rows of the same shapes: ar and ddtree 7 at
 #                  batch 1 and 16
 #   profile_default_pair_b16.json  item 3: where a default-pair round's time goes (kernels, busy vs
@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu
 { nproc; free -g; } > "$OUT/host.txt" 2>&1
 $PY -m ddtree_jax.bench load --shape qwen3-8b --reps 1 --dir /tmp/ddtree_load --deadline-s 200 \
   --out "$OUT/load.json" > "$OUT/load.log" 2>&1
-$PY scripts/torch_graph_step.py --shapes tiny,default-pair --batch-sizes 1,16 --tokens 1,8 --context 1024 \
+$PY -m ddtree_jax.bench torch-step --shapes tiny,default-pair --batch-sizes 1,16 --tokens 1,8 --context 1024 \
   --deadline-s 90 --out "$OUT/torch_graph.json" > "$OUT/torch_graph.log" 2>&1
 B="$PY -m ddtree_jax.bench rounds --draft-layers 2 --block-size 16 --methods ar,ddtree --budgets 7 --batch-sizes 1,16"
 $B --shape tiny --contexts 1024 --attention pallas --rounds 64 --deadline-s 60 --out "$OUT/rows_tiny.json" \

@@ -1,5 +1,5 @@
-"""A PyTorch decode step of a small Qwen3-shaped target, replayed from CUDA graphs: what ddtree-bench's
-tiny rows are compared against (issue 32, item 3).
+"""A PyTorch decode step of a small Qwen3-shaped target, replayed from CUDA graphs: the baseline
+ddtree-bench's tiny rows are read against (issue 32, item 3). Needs torch (the `compare` extra).
 
 Written here in plain torch (no HF, no engine): embedding, per layer RMSNorm, q/k/v projections, Qwen3's
 per-head q/k norm, RoPE, the new K/V written into a static cache [B, Hkv, S, D] at the current position,
@@ -8,18 +8,16 @@ final norm, lm_head, greedy argmax fed back as the next step's token. Random wei
 with random K/V up to --context (as ddtree-bench fills its own). T new tokens per step (T = 1: decode;
 T > 1: a causal block of T, a chain verify's shape).
 
-Per (shape, batch, T) it times, with CUDA events after warm-up:
+Per (shape, batch size, T) it times, with CUDA events after warm-up:
   eager        the step called from Python (one kernel launch per op)
   graph_1      the step captured in a CUDA graph, replayed once per step
   graph_STEPS  STEPS steps captured in one graph (the closest to one XLA program with a loop inside)
 and writes one JSON (run header and rows; ms per step). On a machine without CUDA only `eager` runs
-(float32 on the CPU): a smoke test of the same code.
+(float32 on the CPU): a smoke test of the same code. It measures no code of this package.
 
-    python3 scripts/torch_graph_step.py --shapes tiny,default-pair --batch-sizes 1,16 \\
-        --out $OUT/torch_graph.json
+    ddtree-bench torch-step --shapes tiny,default-pair --batch-sizes 1,16 --out $OUT/torch_graph.json
 
-A script, not a `ddtree-bench` sub-command: it needs torch (not a dependency of the package) and
-measures no code of this package, only the PyTorch baseline the tiny rows are read against.
+(Formerly scripts/torch_graph_step.py, `--repeats` now `--reps`.)
 """
 
 from __future__ import annotations
@@ -29,17 +27,24 @@ import json
 import math
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from ddtree_jax.bench import report
+from ddtree_jax.bench.shapes import SHAPES
+from ddtree_jax.errors import DDTreeError
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+torch = F = None  # torch and torch.nn.functional, imported by `run` (the `compare` extra)
 
-from ddtree_jax.bench.report import Deadline, add_deadline, run_header, write_json  # noqa: E402
-from ddtree_jax.bench.shapes import SHAPES  # noqa: E402
+
+def import_torch() -> None:
+    """Import torch into this module's `torch` and `F`, or a one-line error saying how to install it."""
+    global torch, F
+    try:
+        import torch as torch_module
+        import torch.nn.functional as functional
+    except ImportError:
+        raise DDTreeError("needs torch: pip install 'ddtree-jax[compare]'") from None
+    torch, F = torch_module, functional
 
 
 class Step:
@@ -130,10 +135,10 @@ class Step:
         self.pos += t
 
 
-def time_ms(run, repeats: int, cuda: bool) -> float:
-    """Median ms of `run()` over `repeats` timings (CUDA events on the GPU)."""
+def time_ms(run, reps: int, cuda: bool) -> float:
+    """Median ms of `run()` over `reps` timings (CUDA events on the GPU)."""
     times = []
-    for _ in range(repeats):
+    for _ in range(reps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -148,7 +153,7 @@ def time_ms(run, repeats: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def bench(step: Step, steps: int, repeats: int, cuda: bool) -> dict[str, float]:
+def bench(step: Step, steps: int, reps: int, cuda: bool) -> dict[str, float]:
     """ms per step: eager, and on CUDA replayed from a one-step graph and from a `steps`-step graph."""
 
     def eager():
@@ -157,7 +162,7 @@ def bench(step: Step, steps: int, repeats: int, cuda: bool) -> dict[str, float]:
             step()
 
     eager()  # warm-up (and cuBLAS / SDPA kernel choice)
-    out = {"eager": time_ms(eager, repeats, cuda) / steps}
+    out = {"eager": time_ms(eager, reps, cuda) / steps}
     if not cuda:
         return out
     stream = torch.cuda.Stream()
@@ -192,29 +197,37 @@ def bench(step: Step, steps: int, repeats: int, cuda: bool) -> dict[str, float]:
     same = out.pop("_last_tokens")
     out["graph_matches_eager"] = same[0] == same[1]
     one_step_graphs()
-    out["graph_1"] = time_ms(one_step_graphs, repeats, cuda) / steps
+    out["graph_1"] = time_ms(one_step_graphs, reps, cuda) / steps
     one_graph()
-    out[f"graph_{steps}"] = time_ms(one_graph, repeats, cuda) / steps
+    out[f"graph_{steps}"] = time_ms(one_graph, reps, cuda) / steps
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Time every (shape, batch, T) and write the JSON after each row."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """`ddtree-bench torch-step`; the exit status."""
+    p = report.parser("torch-step", __doc__)
     p.add_argument("--shapes", default="tiny,default-pair", help=f"comma list of {', '.join(sorted(SHAPES))}")
-    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--batch-sizes", default="1,16", help="comma list of rows per step")
     p.add_argument("--tokens", default="1", help="comma list of new tokens per step (1: decode)")
     p.add_argument("--context", type=int, default=1024, help="cached tokens before the first step")
     p.add_argument("--steps", type=int, default=16, help="steps per timing (and in the multi-step graph)")
-    p.add_argument("--repeats", type=int, default=20)
-    add_deadline(p)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    deadline = Deadline(args.deadline_s, prog="torch_graph_step.py")
+    p.add_argument("--reps", type=int, default=20, help="timed repetitions")
+    report.add_deprecated(p, "--repeats", "--reps", type=int)
+    report.add_deadline(p)
+    p.add_argument("--out", required=True, help="JSON output path")
+    return report.run_subcommand("torch-step", p, argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """Time every (shape, batch size, T) while `deadline` allows; the JSON after each row."""
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        raise DDTreeError(f"--shapes: unknown {unknown} (one of {', '.join(sorted(SHAPES))})")
+    import_torch()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     kind = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    meta = run_header(sys.argv, device=(kind, torch.cuda.device_count() if cuda else 1))
+    meta = report.run_header(command, device=(kind, torch.cuda.device_count() if cuda else 1))
     meta |= {"torch": torch.__version__, "dtype": str(dtype), "context": args.context, "steps": args.steps}
     rows = []
     for name in args.shapes.split(","):
@@ -224,18 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                 if not deadline.allows(f"{name} batch {batch} tokens {tokens}"):
                     continue
                 step = Step(cfg, batch, tokens, args.context, args.steps, device, dtype)
-                ms = bench(step, args.steps, args.repeats, cuda)
+                ms = bench(step, args.steps, args.reps, cuda)
                 params = sum(math.prod(w.shape) for layer in step.layers for w in layer.values())
                 row = {"shape": name, "batch_size": batch, "tokens": tokens, "layer_params": params, "ms": ms}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+                report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
                 del step
                 if cuda:
                     torch.cuda.empty_cache()
-    write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
+    report.write_json(args.out, {"meta": meta, "rows": rows, "skipped": deadline.skipped})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

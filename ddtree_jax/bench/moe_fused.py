@@ -1,15 +1,16 @@
-"""Issue 33 on one GPU in one command: the fused expert kernel checked against its references, the MoE
-dispatches timed against the floor of the experts chosen, and MoE rounds with the new dispatch.
+"""The fused expert kernel on one GPU in one command (issue 33): checked against its references, the
+MoE dispatches timed against the floor of the experts chosen, and MoE rounds with the new dispatch.
 
-    python3 scripts/bench_moe_fused.py --out-dir $OUT --deadline-s 420
+    ddtree-bench moe-fused --out-dir $OUT --deadline-s 420
+    ddtree-bench moe-fused --print results/h200/2026-12-02/moe-fused      # a recorded run's tables
 
 Each phase runs in a process of its own under its share of --deadline-s (a kernel that hangs or a case
 that does not fit costs that phase only; device memory is freed between phases) and writes its JSON
-($OUT/<phase>.json) after every case; a phase starts no case past its share, and is killed --grace-s
-after it. When `check` finds the fused kernel wrong on bf16 or fails to run it, the later phases run
-without it (--no-fused: the rule's dispatch without `fused`, forced; dispatch `fused` left out).
-$OUT/summary.json lists the phases.
-A second call with --skip-done <the first call's out dir> measures only what the first one left.
+($OUT/<phase>.json: the run header under "meta", "rows", "skipped") after every case; a phase starts
+no case past its share, and is killed --grace-s after it. When `check` finds the fused kernel wrong on
+bf16 or fails to run it, the later phases run without it (--no-fused: the rule's dispatch without
+`fused`, forced; dispatch `fused` left out). $OUT/summary.json lists the phases. A second call with
+--skip-done <the first call's out dir> measures only what the first one left.
 
 Phases, in order (--phases picks some; share of the deadline in brackets):
   check           [0.12] kernels.fused_experts against fused_experts_reference (bf16, as the model runs
@@ -28,6 +29,8 @@ Phases, in order (--phases picks some; share of the deadline in brackets):
   kimi4-rounds    [0.18] the same at 4 layers (108 GB of bf16 target weights)
 
 --tiny runs every phase on the CPU at toy sizes (kernels interpreted): a check that the command runs.
+(Formerly scripts/bench_moe_fused.py: its files, "cases" for "rows" and "batch" for "batch_size",
+print the same.)
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a source tree
+from ddtree_jax.bench import report
+from ddtree_jax.errors import DDTreeError
 
 PHASES = {  # name -> share of the deadline (about what its first cases need on the H200, estimated)
     "check": 0.12,
@@ -105,14 +110,15 @@ TINY_ROUNDS = {
 # ---- the parent: phases in processes of their own ----------------------------------------------------
 
 
-def orchestrate(args) -> int:
-    """Run the phases one after another, each under its share of the deadline; write summary.json."""
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+def orchestrate(args: argparse.Namespace, command: list[str]) -> int:
+    """Run the phases one after another, each under its share of the deadline (none: no limit); write
+    summary.json."""
     start, share, summary, no_fused = time.monotonic(), 0.0, [], args.no_fused
+    total = math.inf if args.deadline_s is None else args.deadline_s
     for name in args.phases:
         share += PHASES[name] / sum(PHASES[p] for p in args.phases)
-        left = start + share * args.deadline_s - time.monotonic()
-        entry = {"phase": name, "limit_s": round(left, 1)}
+        left = start + share * total - time.monotonic()
+        entry = {"phase": name, "limit_s": round(left, 1) if math.isfinite(left) else None}
         if left < args.min_phase_s:
             entry["status"] = f"skipped: {left:.0f} s left of its share"
         else:
@@ -121,39 +127,31 @@ def orchestrate(args) -> int:
             no_fused = entry["fused_wrong"] = fused_is_wrong(args.out_dir / "check.json", args.skip_done)
         summary.append(entry)
         print(json.dumps(entry), flush=True)
-        (args.out_dir / "summary.json").write_text(
-            json.dumps({"argv": sys.argv, "phases": summary}, indent=1) + "\n"
-        )
+        report.write_json(args.out_dir / "summary.json", {"argv": command, "phases": summary})
     print_tables(args.out_dir, args.phases)
     return 0
 
 
-def run_phase(args, name: str, left: float, no_fused: bool) -> dict:
-    """One phase in a child process, stopped from starting cases after `left` seconds and killed
-    --grace-s later; its output in $OUT/<phase>.log."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--phase",
-        name,
-        "--out-dir",
-        str(args.out_dir),
-        "--deadline-s",
-        f"{left:.0f}",
-    ]
+def run_phase(args: argparse.Namespace, name: str, left: float, no_fused: bool) -> dict:
+    """One phase in a child process (`ddtree-bench moe-fused --phase NAME`), stopped from starting cases
+    after `left` seconds (inf: no limit) and killed --grace-s later; its output in $OUT/<phase>.log."""
+    cmd = [sys.executable, "-m", "ddtree_jax.bench", "moe-fused", "--phase", name]
+    cmd += ["--out-dir", str(args.out_dir)]
+    cmd += ["--deadline-s", f"{max(left, 1):.0f}"] if math.isfinite(left) else []
     cmd += ["--tiny"] * args.tiny + ["--no-fused"] * no_fused
     cmd += ["--skip-done", str(args.skip_done)] if args.skip_done else []
+    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this same package
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # Kimi-K2 at 4 layers needs 115 GB
+    timeout = left + args.grace_s if math.isfinite(left) else None
     t0 = time.monotonic()
     with open(args.out_dir / f"{name}.log", "w") as log:
         try:
-            done = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=left + args.grace_s
-            )
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
             status = "done" if done.returncode == 0 else f"exit {done.returncode}"
         except subprocess.TimeoutExpired:
-            status = f"killed after {left + args.grace_s:.0f} s"
+            status = f"killed after {timeout:.0f} s"
     return {"status": status, "seconds": round(time.monotonic() - t0, 1)}
 
 
@@ -162,7 +160,7 @@ def fused_is_wrong(path: Path, earlier: Path | None = None) -> bool:
     or ran none (the rounds and dispatches are bf16)."""
     if not path.exists():
         return True
-    cases = json.loads(path.read_text())["cases"] + done_cases(earlier / "check.json" if earlier else None)
+    cases = read_rows(path) + done_cases(earlier / "check.json" if earlier else None)
     ran = [c for c in cases if c.get("format") == "bf16" and "skipped" not in c]
     return not ran or not all(c.get("ok") for c in ran)
 
@@ -170,41 +168,56 @@ def fused_is_wrong(path: Path, earlier: Path | None = None) -> bool:
 # ---- the children: one phase each ----------------------------------------------------------------
 
 
-class Phase:
-    """A phase's JSON (meta + cases), rewritten after every case, and its deadline."""
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a phase's JSON; files of scripts/bench_moe_fused.py ("cases", skipped cases among
+    them, "batch") read as this command's ("rows", "batch_size")."""
+    data = json.loads(path.read_text())
+    rows = data["rows"] if "rows" in data else data["cases"]
+    return [{("batch_size" if k == "batch" else k): v for k, v in r.items()} for r in rows]
 
-    def __init__(self, args, name: str) -> None:
-        from ddtree_jax.bench.report import run_header
+
+class Phase:
+    """A phase's JSON (meta, rows, skipped), rewritten after every case, and its deadline."""
+
+    def __init__(self, args: argparse.Namespace, name: str) -> None:
         from ddtree_jax.models import moe
 
         self.path = args.out_dir / f"{name}.json"
-        self.deadline = time.monotonic() + args.deadline_s
+        self.deadline = report.Deadline(args.deadline_s, prog="ddtree-bench moe-fused")
         self.done = done_cases(args.skip_done / f"{name}.json" if args.skip_done else None)
-        self.cases: list[dict] = []
-        self.meta = run_header(sys.argv) | {"phase": name, "tiny": args.tiny, "no_fused": args.no_fused}
-        self.meta |= {"hopper": moe.hopper(), "fused_max_tokens": moe.FUSED_MAX_TOKENS}
+        self.rows: list[dict] = []
+        self.meta = report.run_header(args.command) | {"phase": name, "tiny": args.tiny}
+        self.meta |= {
+            "no_fused": args.no_fused,
+            "hopper": moe.hopper(),
+            "fused_max_tokens": moe.FUSED_MAX_TOKENS,
+        }
         self.write()
 
     def time_left(self) -> float:
-        return self.deadline - time.monotonic()
+        """Seconds until the phase's deadline (inf without one)."""
+        return self.deadline.left()
 
     def add(self, case: dict) -> None:
-        self.cases.append(case)
+        """A case's row (measured, or its error), or a skipped case (its label and why), written."""
+        (self.deadline.skipped if "skipped" in case else self.rows).append(case)
         print(json.dumps(case), flush=True)
         self.write()
 
     def write(self) -> None:
-        self.path.write_text(json.dumps({"meta": self.meta, "cases": self.cases}, indent=1) + "\n")
+        """The phase's JSON as it stands."""
+        data = {"meta": self.meta, "rows": self.rows, "skipped": self.deadline.skipped}
+        report.write_json(self.path, data)
 
 
 def done_cases(path: Path | None) -> list[dict]:
-    """The labels of the cases an earlier run of a phase measured (its JSON at `path`), if any."""
+    """The rows an earlier run of a phase measured (its JSON at `path`), if any."""
     if path is None or not path.exists():
         return []
-    return [c for c in json.loads(path.read_text())["cases"] if "skipped" not in c and "error" not in c]
+    return [c for c in read_rows(path) if "skipped" not in c and "error" not in c]
 
 
-def run_cases(phase: Phase, cases: list[tuple[dict, callable]]) -> None:
+def run_cases(phase: Phase, cases: list[tuple[dict, Callable[[], dict]]]) -> None:
     """Each (label, run) in order: run() -> fields, or the error; none starts past the deadline, nor
     one that the --skip-done run measured."""
     done = phase.done
@@ -217,7 +230,7 @@ def run_cases(phase: Phase, cases: list[tuple[dict, callable]]) -> None:
             continue
         try:
             phase.add(label | run())
-        except Exception as e:  # keep the other cases (a kernel that does not compile, memory)
+        except Exception as e:  # noqa: BLE001 - keep the other cases (a kernel that does not compile, memory)
             phase.add(label | {"error": f"{type(e).__name__}: {e}"[:600]})
 
 
@@ -282,17 +295,15 @@ def check_phase(args) -> None:
 
 def dispatch_phase(args, name: str) -> None:
     """(b): ms a layer of each dispatch at each token count against the floor of the experts chosen
-    (bench_moe.stack: each layer its own weights, feeding the next)."""
+    (bench.moe.stack: each layer its own weights, feeding the next)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from ddtree_jax.bench.moe import stack  # each layer its own weights, feeding the next
     from ddtree_jax.bench.timing import median_seconds, read_ceiling_gbs
     from ddtree_jax.models import moe
     from ddtree_jax.quant import arrays
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_moe import stack  # each layer its own weights, feeding the next
 
     phase = Phase(args, name)
     ceiling = read_ceiling_gbs(1 << 20 if args.tiny else 4 << 30)
@@ -376,7 +387,7 @@ def rounds_phase(args, name: str) -> None:
         shape, num_layers = TINY_ROUNDS[name]
         draft_layers, block_size, context, rounds, attention = 1, 4, 32, 2, "reference"
         rows = [r for r in rows if r[1] in (0, 3, 15)][:3]
-    labels = [{"method": m, "budget": b, "batch": n, "forced_dispatch": d} for m, b, n, d in rows]
+    labels = [{"method": m, "budget": b, "batch_size": n, "forced_dispatch": d} for m, b, n, d in rows]
     if all(any(all(c.get(k) == v for k, v in label.items()) for c in phase.done) for label in labels):
         run_cases(phase, [(label, dict) for label in labels])  # all measured before: no weights to make
         return
@@ -418,7 +429,7 @@ def rounds_phase(args, name: str) -> None:
     run_cases(phase, [(label, run(*row)) for label, row in zip(labels, rows, strict=True)])
 
 
-# ---- the tables at the end ----------------------------------------------------------------------
+# ---- the tables ---------------------------------------------------------------------------------
 
 
 def print_tables(out_dir: Path, phases: list[str]) -> None:
@@ -428,7 +439,8 @@ def print_tables(out_dir: Path, phases: list[str]) -> None:
         if not path.exists():
             continue
         print(f"== {name}")
-        for c in json.loads(path.read_text())["cases"]:
+        data = json.loads(path.read_text())
+        for c in read_rows(path) + [dict(s) for s in data.get("skipped", [])]:
             if "error" in c or "skipped" in c:
                 print("  ", {k: v for k, v in c.items() if not isinstance(v, dict)})
             elif name == "check":
@@ -438,17 +450,19 @@ def print_tables(out_dir: Path, phases: list[str]) -> None:
                 head = f"{c['layer']:6}{c['format']:>5}{c['tokens']:5}{c['dispatch']:>9}"
                 print(f"   {head}{c['layer_ms']:9.3f} ms {c['over_floor']:6.2f}x floor")
             else:
-                head = f"{c['method']:7}{c['budget']:4}{c['batch']:4} {c['dispatch']:>8}"
+                head = f"{c['method']:7}{c['budget']:4}{c['batch_size']:4} {c['dispatch']:>8}"
                 floor = c.get("chosen_floor_ms", c["target_floor_ms"])
                 print(f"   {head}{c['round_ms']:9.2f} ms {floor:7.2f} ms floor {c['round_over_floor']:5.2f}x")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out-dir", type=Path, required=True, help="where the JSON of each phase goes")
+def main(argv: list[str] | None = None) -> int:
+    """`ddtree-bench moe-fused`; the exit status."""
+    ap = report.parser("moe-fused", __doc__)
     ap.add_argument(
-        "--deadline-s", type=float, default=420.0, help="seconds for all phases (for --phase: its own)"
+        "--out-dir", type=Path, help="where the JSON of each phase goes (required unless --print)"
     )
+    ap.add_argument("--print", dest="print_dir", type=Path, help="only print the tables of a run's out dir")
+    report.add_deadline(ap)  # for all phases together (a child's --phase: its own share)
     ap.add_argument("--grace-s", type=float, default=60.0, help="a phase is killed this long after its share")
     ap.add_argument("--min-phase-s", type=float, default=15.0, help="a phase with less time left is skipped")
     ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
@@ -464,15 +478,31 @@ def main() -> int:
         type=Path,
         help="the --out-dir of an earlier run: its measured cases are skipped (a second call completes it)",
     )
-    args = ap.parse_args()
+    ap.set_defaults(out=None)  # run_subcommand's --out check: the phases write under --out-dir
+    return report.run_subcommand("moe-fused", ap, argv, run)
+
+
+def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline) -> int:
+    """--print's tables; else every phase in a child process (the parent), or one phase (a child)."""
     args.phases = args.phases.split(",")
     unknown = [p for p in args.phases if p not in PHASES]
     if unknown:
-        ap.error(f"--phases: unknown {unknown}; choose from {list(PHASES)}")
-    if args.deadline_s <= 0:
-        ap.error("--deadline-s must be positive")
+        raise DDTreeError(f"--phases: unknown {unknown}; choose from {list(PHASES)}")
+    if args.print_dir is not None:
+        if not args.print_dir.is_dir():
+            raise DDTreeError(f"--print {args.print_dir}: not a directory")
+        print_tables(args.print_dir, list(PHASES))
+        return 0
+    if args.out_dir is None:
+        raise DDTreeError("--out-dir is required (or --print DIR)")
+    try:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DDTreeError(f"--out-dir {args.out_dir}: {e.strerror}") from e
+    report.check_out_path(str(args.out_dir / "summary.json"))
+    args.command = command
     if args.phase is None:
-        return orchestrate(args)
+        return orchestrate(args, command)
     if args.phase == "check":
         check_phase(args)
     elif args.phase.endswith("dispatch"):
@@ -480,7 +510,3 @@ def main() -> int:
     else:
         rounds_phase(args, args.phase)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
