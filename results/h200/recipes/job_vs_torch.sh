@@ -2,8 +2,10 @@
 # The main job beside a gpt-fast-style PyTorch job, one device call (issue 50): the anchor at batch 16
 # (96 prompts x 128) and 64 (192 x 128), then the README's main job on the held-out prompts (ar and ddtree
 # at batch 16, ar at 64 on the prompts twice over; each run twice on one warm compile cache, the second
-# counted) and the host loop beside the device job; prints ours / PyTorch.
-#   ANCHOR=path/to/torch_job_anchor.py bash results/h200/recipes/job_vs_torch.sh   (writes under $OUT)
+# counted) and the host loop beside the device job; prints ours / PyTorch. With EIGHT_B=1 also the Qwen3-8B
+# shape (random bf16 weights, 64 prompts of 128 tokens x 64, batch 16): the anchor and `ddtree-bench
+# scheduling` (continuous and static).
+#   ANCHOR=path/to/torch_job_anchor.py [EIGHT_B=1] bash results/h200/recipes/job_vs_torch.sh   (under $OUT)
 set -u
 OUT=${OUT:-/tmp/job-vs-torch}; mkdir -p "$OUT"
 ANCHOR=${ANCHOR:-../shared/anchors/torch_job_anchor.py}
@@ -36,6 +38,13 @@ job ddtree-b16 --prompts "$P96" --batch-size 16 --method ddtree
 job ar-b64 --prompts "$P192" --batch-size 64 --method ar
 job ddtree-b64 --prompts "$P192" --batch-size 64 --method ddtree
 job ar-b16-hostloop --prompts "$P96" --batch-size 16 --method ar --host-loop
+if [ -n "${EIGHT_B:-}" ]; then  # the Qwen3-8B shape: 64 prompts of 128 tokens x 64, batch 16, both sides
+  OUT="$OUT" SHAPE=qwen3-8b BATCH=16 PROMPTS=64 NEW=64 PLEN=128 timeout 200 python3 "$ANCHOR" \
+    > "$OUT/anchor-8b-b16.txt" 2>&1
+  timeout 240 python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas \
+    --prompts 64 --min-len 128 --max-len 128 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 \
+    --method ar --repeats 2 --deadline-s 200 --out "$OUT/8b-ar-b16.json" > "$OUT/8b-ar-b16.txt" 2>&1
+fi
 python3 - "$OUT" <<'PY'
 import json, re, sys
 from pathlib import Path
