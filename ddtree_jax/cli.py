@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,8 +209,9 @@ def start_processes(s: Settings) -> None:
         raise DDTreeError(f"--coordinator {p.coordinator}: cannot join the processes ({first})") from None
 
 
-def summarize(results, gen, wall: float, batch_size: int) -> str:
-    """The end-of-run summary (`batch_size`: the prompts per batch asked for)."""
+def summarize(results, gen, wall: float, batch_size: int, busy: dict | None = None) -> str:
+    """The end-of-run summary (`batch_size`: the prompts per batch asked for; `busy`: `traced`'s
+    measurement of the generation, with --trace-device)."""
     tokens = sum(len(r.output_ids) for r in results)
     accepted = [a for r in results for a in r.acceptance_lengths]
     plan, rows = gen.plan, gen.rows_run
@@ -243,9 +247,37 @@ def summarize(results, gen, wall: float, batch_size: int) -> str:
             f"rows busy: {occ.busy / max(occ.row_rounds, 1):.1%} of {occ.row_rounds} row-rounds, "
             f"{occ.waiting_fraction():.1%} while prompts waited"
         )
+    if busy and "busy_s" in busy:
+        generation = max(gen.generate_seconds, 1e-9)
+        lines.append(
+            f"device busy: {busy['busy_s']:.3f} s, {busy['busy_s'] / generation:.0%} of the generation "
+            f"({busy['kernels']} kernels on {busy['plane']}; traced, compilation included)"
+        )
     if gen.stage_seconds:
         lines.append("stage seconds: " + " ".join(f"{k}={v:.3f}" for k, v in gen.stage_seconds.items()))
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def traced(enabled: bool) -> Iterator[dict]:
+    """With `enabled`, the body runs under JAX's profiler and the dict it yields then holds the device's
+    busy seconds (`busy_s`: the union of its kernels' intervals), the kernel count and the traced plane;
+    else it stays empty."""
+    out: dict = {}
+    if not enabled:
+        yield out
+        return
+    import jax
+
+    from ddtree_jax.bench.profile import busy_ns, device_events, read_trace
+
+    with tempfile.TemporaryDirectory() as logdir:
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0  # kernels and runtime calls only: Python frames cost host time
+        with jax.profiler.trace(logdir, profiler_options=options):
+            yield out
+        plane, events = device_events(read_trace(logdir))
+        out.update(busy_s=busy_ns(events) / 1e9, kernels=len(events), plane=plane)
 
 
 def compiled_programs(log: list[tuple[str, float]]) -> str:
@@ -363,8 +395,10 @@ def run(s: Settings) -> None:
         f"loaded in {time.perf_counter() - loading:.1f} s; compiling the programs (the first result "
         "waits for them)"
     )
+    busy: dict = {}
     try:
-        results = generate_all(prepared, llm, writer, status)
+        with traced(s.trace_device and s.is_writer) as busy:
+            results = generate_all(prepared, llm, writer, status)
     except Interrupted as e:
         if s.is_writer and e.results:
             print(
@@ -373,7 +407,8 @@ def run(s: Settings) -> None:
             )
         raise
     if s.is_writer:
-        print(summarize(results, llm.generator, time.perf_counter() - start, s.batch_size), file=report)
+        wall = time.perf_counter() - start
+        print(summarize(results, llm.generator, wall, s.batch_size, busy), file=report)
         if prepared.done:
             print(
                 f"resumed: {len(prepared.done)} samples were already in {s.out}; {len(results)} generated "

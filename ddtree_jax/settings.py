@@ -89,6 +89,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "prompt's tokens are the same whichever prompts share its pass")),
     "host_loop": (("--host-loop",), dict(action="store_true", help="continuous batching driven from the "
         "host (a refill program per admission, rounds between): the baseline of the job on the device")),
+    "trace_device": (("--trace-device",), dict(action="store_true", help="trace the generation with JAX's "
+        "profiler and say in the summary how long the device was busy (kernels running) beside it; "
+        "tracing slows the host a little, and GEMM autotuning in a first run's compilation counts as busy")),
     "prefill_attention": (("--prefill-attention",), dict(choices=("same", "cudnn"), default="same",
         help="the prefill chunks' attention: the decode attention (same) or, on CUDA in bf16, cuDNN flash "
         "attention (faster for one long prompt, slower for continuous refills: results/notes.md)")),
@@ -141,7 +144,7 @@ COMPILE = ("compile_cache",)
 GENERATE_ONLY = (
     "n", "stop", "include_stop_str_in_output", "logprobs", "logprobs_mode", "out", "resume", "overwrite",
     "params_cache", "max_line_bytes", "prefill_chunk", "prefill_slots", "prefill_attention",
-    "batch_invariant", "static_batches", "host_loop",
+    "batch_invariant", "static_batches", "host_loop", "trace_device",
     "coordinator", "num_processes", "process_id",
     "output_format",
 )  # fmt: skip
@@ -303,6 +306,7 @@ class Settings:
     prefill_chunk: int = 256
     prefill_slots: int | None = None
     host_loop: bool = False
+    trace_device: bool = False  # the summary's device-busy seconds, from a profile of the generation
     prefill_attention: str = "same"
     tp: int = 1
     dp: int = 1

@@ -1,6 +1,7 @@
 """`ddtree-generate` end to end, and its errors on bad input (message, exit status, no output file)."""
 
 import json
+import re
 import shutil
 import struct
 
@@ -42,6 +43,8 @@ def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
         ]
         if method == "ddtree":
             argv += ["--draft", str(FIXTURES / "dflash_qwen3_gqa4_tp"), "--budget", "15"]
+        else:
+            argv += ["--trace-device"]  # the same tokens, and the device's busy time in the summary
         assert main(argv) == 0
         lines = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
         assert [r["id"] for r in lines] == [f"p{i}" for i in range(5)]  # written as they finish
@@ -52,6 +55,8 @@ def test_generate_ar_and_ddtree_on_fixture(tmp_path, capsys):
     summary = capsys.readouterr().out
     assert "prompts: 5" in summary and "mean acceptance length" in summary
     assert "batch size: 1 (run as 2 rows)" in summary and "batch size: 2   attention" in summary
+    busy = re.findall(r"device busy: ([\d.]+) s, \d+% of the generation \((\d+) kernels on ", summary)
+    assert len(busy) == 1 and float(busy[0][0]) > 0 and int(busy[0][1]) > 0  # the ar run's only
 
 
 def test_text_prompts_use_tokenizer_and_chat_template(tmp_path):

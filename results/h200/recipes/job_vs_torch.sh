@@ -38,6 +38,7 @@ job ddtree-b16 --prompts "$P96" --batch-size 16 --method ddtree
 job ar-b64 --prompts "$P192" --batch-size 64 --method ar
 job ddtree-b64 --prompts "$P192" --batch-size 64 --method ddtree
 job ar-b16-hostloop --prompts "$P96" --batch-size 16 --method ar --host-loop
+DDTREE_EXECUTABLES=off job ar-b16-noexec --prompts "$P96" --batch-size 16 --method ar  # compiled, not read
 if [ -n "${EIGHT_B:-}" ]; then  # the Qwen3-8B shape: 64 prompts of 128 tokens x 64, batch 16, both sides
   OUT="$OUT" SHAPE=qwen3-8b BATCH=16 PROMPTS=64 NEW=64 PLEN=128 timeout 200 python3 "$ANCHOR" \
     > "$OUT/anchor-8b-b16.txt" 2>&1
@@ -65,6 +66,7 @@ for b in (16, 64):
         rows[f"{method}-b{b}"] = {"tok_s": ours, "first_run_tok_s": tok_s(f"{method}-b{b}-1.txt"),
                                  "vs_torch": round(ours / tps, 3) if ours and tps else None}
 rows["ar-b16-hostloop"] = {"tok_s": tok_s("ar-b16-hostloop-2.txt")}
+rows["ar-b16-noexec"] = {"tok_s": tok_s("ar-b16-noexec-2.txt")}
 (out / "summary.json").write_text(json.dumps(rows, indent=1))
 print(json.dumps(rows, indent=1))
 PY
