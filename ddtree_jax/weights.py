@@ -94,8 +94,11 @@ def stack_layers(specs: Iterable[WeightSpec]) -> list[WeightSpec]:
         layers = groups[rest]
         if [s.path[1] for s in layers] != list(range(len(layers))):
             raise ValueError(f"{spec.hf_name}: layers {[s.path[1] for s in layers]} are not 0..L-1 in order")
-        if any((s.shape, s.axes, s.transpose, s.heads, s.float32) != (spec.shape, spec.axes, spec.transpose,
-                spec.heads, spec.float32) for s in layers):
+        if any(
+            (s.shape, s.axes, s.transpose, s.heads, s.float32)
+            != (spec.shape, spec.axes, spec.transpose, spec.heads, spec.float32)
+            for s in layers
+        ):
             raise ValueError(f"{spec.hf_name}: layers differ in shape or layout, cannot be stacked")
         merged.append(
             dataclasses.replace(

@@ -81,7 +81,9 @@ def with_scan_layers(cfg: TargetConfig, scan: bool = True) -> TargetConfig:
         return dataclasses.replace(cfg, scan_layers=False)
     fam = family(cfg)
     if fam is not dense.FAMILY or type(cfg) is not dense.DenseConfig:
-        raise DDTreeError(f"--scan-layers: the {fam.name} family ({cfg.architecture}) runs its layers unrolled only")
+        raise DDTreeError(
+            f"--scan-layers: the {fam.name} family ({cfg.architecture}) runs its layers unrolled only"
+        )
     if cfg.quantization is not None:
         raise DDTreeError(
             f"--scan-layers: quantized weights ({type(cfg.quantization).__name__}) load unrolled only"
@@ -112,8 +114,9 @@ def load_target_config(directory: str | Path, **options: Any) -> TargetConfig:
     """Parse `config.json` (and `generation_config.json` for stop ids) of an HF target directory.
 
     The family of its `architectures` entry parses the rest (`options`: family settings such as
-    `moe_sharding`; families without them ignore them; `scan_layers`: `with_scan_layers`). A quantized checkpoint loads only for a family
-    that reads its scheme (`Family.QUANTIZED_FORMATS`); unsupported methods are refused by name.
+    `moe_sharding`; families without them ignore them; `scan_layers`: `with_scan_layers`). A quantized
+    checkpoint loads only for a family that reads its scheme (`Family.QUANTIZED_FORMATS`); unsupported
+    methods are refused by name.
     """
     directory = Path(directory)
     path = directory / "config.json"
