@@ -161,3 +161,34 @@ def test_scan_refused_where_it_does_not_apply():
         models.with_scan_layers(dataclasses.replace(cfg, quantization=QUANTIZE["fp8"]))
     assert models.cache_entry(cfg) == (gqa.KVEntry, cfg.num_layers)
     assert models.cache_entry(models.with_scan_layers(cfg)) == (gqa.StackedKVEntry, 1)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_scanned_round_lowers_for_cuda(impl):
+    """A ddtree round of the scanned Qwen3-8B-width stack (2 layers) with the GPU attention kernels
+    lowers for CUDA on an abstract H200 (DESIGN.md): the kernels take one layer's cache slice."""
+    from ddtree_jax import drafter, engine
+    from ddtree_jax.bench.programs import synthetic_state
+    from ddtree_jax.bench.shapes import SHAPES, draft_shape
+    from ddtree_jax.engine import Plan
+    from ddtree_jax.programs import Shape
+    from ddtree_jax.weights import assemble
+
+    cfg = models.with_scan_layers(dataclasses.replace(SHAPES["qwen3-8b"], num_layers=2))
+    dcfg = draft_shape(cfg, 1, 8)
+    plan = Plan(cfg, dcfg, "ddtree", 64, 15, 15, impl)
+
+    def abstract(specs):
+        return assemble(specs, lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))
+
+    state = jax.eval_shape(lambda: synthetic_state(plan, Shape.of(plan, 1, 1024), 1024, 0, jnp.bfloat16))
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=h200
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        fn = jax.jit(lambda p, d, s: engine.decode_round(p, d, s, plan))
+        args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(dcfg)), state)
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tree_attention" in text and "stablehlo.while" in text
