@@ -192,3 +192,30 @@ def test_scanned_round_lowers_for_cuda(impl):
         args = (abstract(target.weight_specs(cfg)), abstract(drafter.weight_specs(dcfg)), state)
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "tree_attention" in text and "stablehlo.while" in text
+
+
+def test_params_cache_keeps_stacked_weights_apart(tmp_path, capsys):
+    """`--params-cache` converts the stacked layout into an entry of its own (beside the unrolled
+    one) and restores it equal to the safetensors load, shardings included (tp 2 x dp 2)."""
+    from ddtree_jax.checkpoint import params_cache
+    from ddtree_jax.sharding import make_mesh, param_sharding
+
+    placement = param_sharding(make_mesh(2, 2))
+
+    def load(scan):
+        with params_cache(tmp_path):
+            options = {"scan_layers": True} if scan else {}
+            return target.load(FIXTURES / TP, jnp.float32, placement, **options)[1]
+
+    load(False)
+    converted = load(True)
+    assert capsys.readouterr().err.count("params cache: converted") == 2
+    restored = load(True)
+    assert "params cache: restored" in capsys.readouterr().err
+    assert len(list(tmp_path.iterdir())) == 2
+    fresh = load_target(TP, tp=2, dp=2, scan_layers=True)[1]
+    for got in (converted, restored):
+        assert jax.tree.structure(got) == jax.tree.structure(fresh)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fresh), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
