@@ -92,11 +92,12 @@ def outcome(results):
 PROMPTS = golden_prompts(TP)[:4]
 
 
-def generate(method, tp, dp, scan_layers, draft_stage=None):
+def generate(method, tp, dp, scan_layers, draft_stage=None, host_stepped=False):
     draft = None if method == "ar" else DRAFT
     results = run(
         TP, PROMPTS, method=method, draft_name=draft, budget=6 if draft else 0, batch_size=4,
         max_new_tokens=10, tp=tp, dp=dp, scan_layers=scan_layers, draft_stage=draft_stage,
+        host_stepped=host_stepped,
     )  # fmt: skip
     return outcome(results)
 
@@ -121,6 +122,13 @@ def test_generation_equals_unrolled(unrolled, method, tp, dp):
     assert got == outcomes[method]
     if method == "ddtree":
         assert max(max(acc) for _, acc, _ in got) > 2  # the tree verify really accepted long paths
+
+
+def test_host_stepped_equals_unrolled(unrolled):
+    """The host-stepped stages (their own programs and shard_map specs of the cache and in-flight
+    entries, programs.stage_programs) give the unrolled stack's ddtree outcome too."""
+    outcomes, stage = unrolled
+    assert generate("ddtree", 1, 1, True, stage, host_stepped=True) == outcomes["ddtree"]
 
 
 def test_layer_reads_one_slice_of_the_cache():
