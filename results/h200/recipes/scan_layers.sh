@@ -11,16 +11,18 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/scan-layers} PY=${PY:-python3}
+# (SHAPE, ATTN, BATCHES: a CPU smoke run of this script, e.g. SHAPE=default-pair ATTN=reference)
+SHAPE=${SHAPE:-qwen3-8b} ATTN=${ATTN:-pallas} BATCHES=${BATCHES:-1,16}
 mkdir -p "$OUT"
-R="$PY -m ddtree_jax.bench rounds --shape qwen3-8b --methods ar,ddtree --budgets 15 --attention pallas"
+R="$PY -m ddtree_jax.bench rounds --shape $SHAPE --methods ar,ddtree --budgets 15 --attention $ATTN --compile-cache off"
 for way in unrolled scan; do
   flag=$([ $way = scan ] && echo --scan-layers)
-  $R $flag --batch-sizes 1,16 --contexts 1024 --rounds 16 --deadline-s 75 \
+  $R $flag --num-layers 36 --batch-sizes $BATCHES --contexts 1024 --rounds 16 --deadline-s 60 \
     --out "$OUT/${way}36.json" > "$OUT/${way}36.log" 2>&1
 done
 for way in unrolled scan; do
   flag=$([ $way = scan ] && echo --scan-layers)
-  $R $flag --num-layers 9 --batch-sizes 1 --contexts 1024 --rounds 2 --deadline-s 25 \
+  $R $flag --num-layers 9 --batch-sizes 1 --contexts 1024 --rounds 2 --deadline-s 35 \
     --out "$OUT/${way}9.json" > "$OUT/${way}9.log" 2>&1
 done
 $PY - "$OUT" <<'PY' > "$OUT/summary.txt" 2>&1
