@@ -29,7 +29,8 @@ Layer = Callable[[int, dict, jax.Array], tuple[jax.Array, Any]]
 
 class ForwardOutput(NamedTuple):
     """hidden [B, T, H] after the final norm; per layer the new tokens' cache entry (the family's
-    entry type, in-flight layout [B, T, ...]); features [B, T, F] (None without feature layers)."""
+    entry type, in-flight layout [B, T, ...]; under `scan_layers` one stacked entry of every layer,
+    [B, T, L, ...]); features [B, T, F] (None without feature layers)."""
 
     hidden: jax.Array
     kv: list[Any]
