@@ -227,3 +227,22 @@ def test_params_cache_keeps_stacked_weights_apart(tmp_path, capsys):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(fresh), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_bench_rounds_scan_layers(tmp_path):
+    """`ddtree-bench rounds --scan-layers` times the scanned stack (its JSON says so, rows without
+    errors, compile_s recorded) and refuses a family that does not scan before any work."""
+    import json
+
+    from ddtree_jax.bench.cli import main
+
+    out = tmp_path / "rounds.json"
+    argv = ["rounds", "--shape", "tiny", "--num-layers", "2", "--draft-layers", "1", "--block-size", "4"]
+    argv += ["--contexts", "32", "--rounds", "1", "--ceiling-bytes", "1048576", "--methods", "ar,ddtree"]
+    assert main([*argv, "--budgets", "3", "--scan-layers", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["scan_layers"] is True and data["meta"]["num_layers"] == 2
+    assert [r["method"] for r in data["rows"]] == ["ar", "ddtree"]
+    assert all("error" not in r and r["compile_s"] > 0 for r in data["rows"])
+    moe = ["rounds", "--shape", "tiny-moe", "--scan-layers", "--out", str(tmp_path / "moe.json")]
+    assert main(moe) == 1 and not (tmp_path / "moe.json").exists()
