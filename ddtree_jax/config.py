@@ -123,6 +123,9 @@ class TargetConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     quantization: Scheme | None = None  # how the checkpoint stores its weights (None: plain)
+    # The decoder stack as one lax.scan over stacked per-layer weights and a stacked cache (compile time
+    # independent of depth); dense family only (models.with_scan_layers). False: every layer unrolled.
+    scan_layers: bool = False
 
     @property
     def hidden_size(self) -> int:

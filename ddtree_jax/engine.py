@@ -341,9 +341,9 @@ def state_specs(plan: Plan) -> DecodeState:
     draft_cache = None
     if plan.method != "ar":
         draft_cache = [drafter.Entry.cache_spec()] * plan.draft.num_layers
-    entry = models.family(plan.target).Entry.cache_spec()
+    entry, count = models.cache_entry(plan.target)
     return DecodeState(
-        cache=KVCache(layers=[entry] * plan.target.num_layers, lengths=ROW),
+        cache=KVCache(layers=[entry.cache_spec()] * count, lengths=ROW),
         draft_cache=draft_cache,
         bonus=ROW,
         output=ROW,

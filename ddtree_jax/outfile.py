@@ -50,7 +50,7 @@ SCHEDULE_SETTINGS = provenance.SCHEDULE_SETTINGS  # the shapes' settings: --resu
 # Settings added since the first sidecars: a sidecar without one was made with this value.
 ADDED_SETTINGS = {
     "n": 1, "stop": [], "include_stop_str_in_output": False, "logprobs": 0, "logprobs_mode": "raw",
-    "output_format": "ours",
+    "output_format": "ours", "scan_layers": False,
 }  # fmt: skip
 STDOUT = "-"
 

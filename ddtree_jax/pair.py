@@ -54,12 +54,14 @@ def load_pair(
     moe_sharding: str = "ep",
     draft_yarn_scaling: str | None = None,
     dequantize: bool = False,
+    scan_layers: bool = False,
     configs: tuple[TargetConfig, DraftConfig | None] | None = None,
     codec: TextCodec | None = None,
 ) -> Pair:
     """Load the target (and the drafter when `draft_dir` is given) onto a tp x dp mesh
     (`moe_sharding`: how a MoE target's experts split; `draft_yarn_scaling`: a yarn drafter's factor;
-    `dequantize`: a quantized target's weights expanded to `dtype` at load instead of kept quantized).
+    `dequantize`: a quantized target's weights expanded to `dtype` at load instead of kept quantized;
+    `scan_layers`: the target's layers stacked for one scan, `models.with_scan_layers`).
     `configs` and `codec`: the configs and tokenizer already read (default: read here)."""
     from ddtree_jax import drafter, models, target
     from ddtree_jax.config import load_draft_config
@@ -73,6 +75,8 @@ def load_pair(
         dcfg = None if draft_dir is None else load_draft_config(draft_dir, cfg, draft_yarn_scaling)
     else:
         cfg, dcfg = configs
+    if scan_layers:
+        cfg = models.with_scan_layers(cfg)
     # Check that both models split tp ways before placing any weight.
     models.family(cfg).check_divisible(cfg, tp)
     if draft_dir is not None:
@@ -192,6 +196,7 @@ def load_generator(s, target_cfg: TargetConfig | None = None, draft_cfg=None, co
         moe_sharding=s.moe_sharding,
         draft_yarn_scaling=s.draft_yarn_scaling,
         dequantize=s.dequantize,
+        scan_layers=s.scan_layers,
         configs=configs,
         codec=codec,
     )

@@ -231,7 +231,8 @@ def stage_programs(plan: Plan) -> dict[str, Any]:
     tree), walk(tree, choice), commit(draft_params, state, walk, kv, features) (the state donated)."""
     tspec, dspec = param_specs(plan)
     sspec, wspec = state_specs(plan), engine.walk_specs()
-    kv = [models.family(plan.target).Entry.new_spec()] * plan.target.num_layers
+    entry, count = models.cache_entry(plan.target)
+    kv = [entry.new_spec()] * count
 
     def program(fn, in_specs, out_specs, donate=()):
         return jax.jit(on_mesh(fn, plan, in_specs, out_specs), donate_argnums=donate)

@@ -39,6 +39,7 @@ SCHEDULE_SETTINGS = (
     "prefill_attention",
     "attention",
     "moe_sharding",
+    "scan_layers",
 )
 # The settings (outfile.SETTINGS names) that change the programs a run compiles, and so bfloat16
 # outputs, beyond the ones that change what is generated at all.

@@ -130,6 +130,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         "writes --out")),
     "moe_sharding": (("--moe-sharding",), dict(choices=["ep", "tp"], default="ep", help="MoE targets "
         "under --tp: whole experts per device (ep) or columns of every expert (tp)")),
+    "scan_layers": (("--scan-layers",), dict(action="store_true", help="run the target's decoder layers "
+        "as one lax.scan over stacked weights: compile time independent of depth (dense targets, plain "
+        "weights; default: every layer unrolled)")),
     "dequantize": (("--dequantize",), dict(action="store_true", help="a quantized target (FP8 "
         "block-scaled, INT4 experts): expand its weights to --dtype at load, for comparison (default: "
         "kept quantized in device memory)")),
@@ -146,7 +149,7 @@ GENERATE_ONLY = (
     "params_cache", "max_line_bytes", "prefill_chunk", "prefill_slots", "prefill_attention",
     "batch_invariant", "static_batches", "host_loop", "trace_device",
     "coordinator", "num_processes", "process_id",
-    "output_format",
+    "output_format", "scan_layers",
 )  # fmt: skip
 GENERATE = (*PAIR, *PROMPTS, *DECODING, *SAMPLING, *RUN, *COMPILE, *GENERATE_ONLY)
 
@@ -312,6 +315,7 @@ class Settings:
     dp: int = 1
     moe_sharding: str = "ep"
     dequantize: bool = False
+    scan_layers: bool = False  # the target's layers as one scan (TargetConfig.scan_layers)
     out: str | None = None
     output_format: str = "ours"  # --out's lines: "ours" or "openai" (openai_batch.py)
     resume: bool = False

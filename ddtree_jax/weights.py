@@ -68,6 +68,50 @@ def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:
     return WeightSpec(path, hf_name, (size,), (None,), is_norm=True)
 
 
+def stack_layers(specs: Iterable[WeightSpec]) -> list[WeightSpec]:
+    """The specs with the per-layer ones (path ("layers", i, *rest)) merged into one spec per `rest`:
+    path ("layers", *rest), shape [L, ...], a leading None axis (never split), `stack` naming the L HF
+    tensors in layer order: the layout a scan over the layers reads (models/common.scan_stack)."""
+    out: list[WeightSpec] = []
+    groups: dict[tuple, list[WeightSpec]] = {}
+    for spec in specs:
+        if len(spec.path) < 3 or spec.path[0] != "layers" or not isinstance(spec.path[1], int):
+            out.append(spec)
+            continue
+        if spec.stack:
+            raise ValueError(f"{spec.hf_name}: an already stacked weight does not stack over layers")
+        rest = spec.path[2:]
+        if rest not in groups:
+            groups[rest] = []
+            out.append(spec)  # where the merged spec goes (replaced below)
+        groups[rest].append(spec)
+    merged = []
+    for spec in out:
+        rest = spec.path[2:] if spec.path[0] == "layers" and len(spec.path) >= 3 else None
+        if rest is None or rest not in groups:
+            merged.append(spec)
+            continue
+        layers = groups[rest]
+        if [s.path[1] for s in layers] != list(range(len(layers))):
+            raise ValueError(f"{spec.hf_name}: layers {[s.path[1] for s in layers]} are not 0..L-1 in order")
+        if any(
+            (s.shape, s.axes, s.transpose, s.heads, s.float32)
+            != (spec.shape, spec.axes, spec.transpose, spec.heads, spec.float32)
+            for s in layers
+        ):
+            raise ValueError(f"{spec.hf_name}: layers differ in shape or layout, cannot be stacked")
+        merged.append(
+            dataclasses.replace(
+                spec,
+                path=("layers", *rest),
+                shape=(len(layers), *spec.shape),
+                axes=(None, *spec.axes),
+                stack=tuple(s.hf_name for s in layers),
+            )
+        )
+    return merged
+
+
 def set_path(tree: Params, path: Path_, value: Any) -> None:
     """Insert `value` at `path` in nested dicts/lists, creating containers as needed."""
     node: Any = tree

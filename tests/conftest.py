@@ -135,14 +135,23 @@ def golden(name: str) -> dict[str, np.ndarray]:
 
 
 @functools.cache
-def load_target(name: str, dtype: str = "float32", tp: int = 1, dp: int = 1, moe_sharding: str = "ep"):
+def load_target(
+    name: str,
+    dtype: str = "float32",
+    tp: int = 1,
+    dp: int = 1,
+    moe_sharding: str = "ep",
+    scan_layers: bool = False,
+):
     """(config, params) of a fixture target placed on a tp x dp mesh (default: one device);
-    `moe_sharding`: how a Qwen3-MoE target's experts split (ignored by dense targets)."""
+    `moe_sharding`: how a Qwen3-MoE target's experts split (ignored by dense targets); `scan_layers`:
+    its layers stacked for a scan (dense targets)."""
     from ddtree_jax import target
     from ddtree_jax.sharding import make_mesh, param_sharding
 
     placement = param_sharding(make_mesh(tp, dp))
-    return target.load(FIXTURES / name, jnp.dtype(dtype), placement, moe_sharding=moe_sharding)
+    options = {"scan_layers": True} if scan_layers else {}
+    return target.load(FIXTURES / name, jnp.dtype(dtype), placement, moe_sharding=moe_sharding, **options)
 
 
 @functools.cache
@@ -183,6 +192,7 @@ def run(
     logprobs=0,
     logprobs_mode="raw",
     draft_stage=None,
+    scan_layers=False,
 ):
     """Generate with the engine in float32, static batches of `batch_size` (default: every prompt in
     one) as `ddtree-generate --static-batches` runs them; returns the Result list in prompt order.
@@ -190,6 +200,7 @@ def run(
     sampling: default settings {temperature, top_k, top_p, seed} (unset: greedy); options: one dict
     per prompt overriding them, like the JSONL fields. tp, dp: the mesh (batch_size a multiple of dp).
     draft_stage: the round's draft stage in place of the drafter (Plan.draft_stage, e.g. oracle_draft).
+    scan_layers: the target's layers as a scan (TargetConfig.scan_layers; dense targets).
     """
     import dataclasses
 
@@ -197,7 +208,7 @@ def run(
     from ddtree_jax.prompts import Prompt
     from ddtree_jax.scheduler import Generator, Schedule
 
-    cfg, params = load_target(target_name, tp=tp, dp=dp, moe_sharding=moe_sharding)
+    cfg, params = load_target(target_name, tp=tp, dp=dp, moe_sharding=moe_sharding, scan_layers=scan_layers)
     dcfg = dparams = None
     if draft_name is not None:
         dcfg, dparams = load_drafter(draft_name, tp=tp, dp=dp)

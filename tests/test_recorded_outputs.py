@@ -6,7 +6,7 @@ sampling, prompts with their own limits, on a dense and a MoE fixture pair and o
 import json
 
 import pytest
-from recorded_outputs import CASES, METHODS, MODES, PROCESSES, RECORD, run_mode
+from recorded_outputs import CASES, METHODS, MODES, PROCESSES, RECORD, argv, outputs, run_mode, write_prompts
 
 RECORDED = json.loads(RECORD.read_text())["cases"]
 # Each run compiles its programs (15-25 CPU-s on two cores), so not every combination runs here
@@ -31,3 +31,15 @@ def test_record_covers_every_case_and_method():
 @pytest.mark.parametrize("case,method,mode", RUNS)
 def test_mode_reproduces_the_record(tmp_path, case, method, mode):
     assert run_mode(case, method, mode, tmp_path) == RECORDED[case][method]
+
+
+@pytest.mark.parametrize("mode", ["continuous", "mesh"])
+def test_scan_layers_reproduces_the_record(tmp_path, mode):
+    """`--scan-layers` (the dense target's layers as one scan, issue 42) gives the recorded ddtree
+    outputs of the dense pair, on one device and on a 2x2 mesh."""
+    from ddtree_jax.cli import main
+
+    out = tmp_path / "scan.jsonl"
+    prompts = write_prompts("dense", tmp_path / "dense.jsonl")
+    assert main([*argv("dense", "ddtree", prompts, out), "--scan-layers", *MODES[mode]]) == 0
+    assert outputs(out) == RECORDED["dense"]["ddtree"]

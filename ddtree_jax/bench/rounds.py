@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         "real-width ones take many GB)",
     )
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
+    p.add_argument(
+        "--scan-layers",
+        action="store_true",
+        help="run the target's decoder stack as one lax.scan over stacked layers (dense shapes only; "
+        "default: every layer unrolled)",
+    )
     p.add_argument("--draft-layers", type=int, default=5, help="the drafter's depth")
     p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
     p.add_argument(
@@ -313,6 +319,10 @@ def check_args(args: argparse.Namespace) -> Grid:
         raise DDTreeError(f"--tp {args.tp}: between 1 and the {jax.device_count()} devices here")
     if args.drop_layer_all_reduce and args.tp == 1:
         raise DDTreeError("--drop-layer-all-reduce needs --tp > 1 (one device has no all-reduce)")
+    if args.scan_layers:
+        models.with_scan_layers(cfg)  # refuses a family that does not scan
+        if args.quantize != "none":
+            raise DDTreeError("--scan-layers: quantized weights run unrolled only (--quantize none)")
     scheme = type(QUANTIZE.get(args.quantize))
     if args.quantize != "none" and scheme not in models.family(cfg).QUANTIZED_FORMATS:
         fit = sorted(n for n, c in SHAPES.items() if scheme in models.family(c).QUANTIZED_FORMATS)
@@ -337,6 +347,8 @@ def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: repo
     cfg = SHAPES[args.shape]
     if args.num_layers:
         cfg = dataclasses.replace(cfg, num_layers=args.num_layers)
+    if args.scan_layers:
+        cfg = models.with_scan_layers(cfg)
     family = models.family(cfg)
     if family.ROUTED_EXPERTS:
         cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding, moe_dispatch=args.moe_dispatch)
@@ -381,6 +393,8 @@ def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dpara
         "moe_dispatch": getattr(cfg, "moe_dispatch", None),
         "devices": [str(d) for d in jax.devices()[: args.tp]],
         "layer_all_reduce": not args.drop_layer_all_reduce,
+        "num_layers": cfg.num_layers,
+        "scan_layers": cfg.scan_layers,
         "read_ceiling_gbs": ceiling,
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),

@@ -23,7 +23,7 @@ from typing import Any
 
 from ddtree_jax.config import TargetConfig, read_json, token_ids
 from ddtree_jax.errors import DDTreeError
-from ddtree_jax.models import deepseek_v3, dense, qwen3_moe
+from ddtree_jax.models import deepseek_v3, dense, gqa, qwen3_moe
 from ddtree_jax.models.family import Family
 from ddtree_jax.quant import formats
 
@@ -73,6 +73,32 @@ def family(cfg: TargetConfig) -> Family:
     return family_of(cfg.architecture)
 
 
+def with_scan_layers(cfg: TargetConfig, scan: bool = True) -> TargetConfig:
+    """`cfg` with its decoder stack as a scan over stacked layers (`TargetConfig.scan_layers`), or
+    unrolled (`scan` False). Only the dense family (Qwen3, Llama) scans, and only plain weights: any
+    other is refused with a DDTreeError."""
+    if not scan:
+        return dataclasses.replace(cfg, scan_layers=False)
+    fam = family(cfg)
+    if fam is not dense.FAMILY or type(cfg) is not dense.DenseConfig:
+        raise DDTreeError(
+            f"--scan-layers: the {fam.name} family ({cfg.architecture}) runs its layers unrolled only"
+        )
+    if cfg.quantization is not None:
+        raise DDTreeError(
+            f"--scan-layers: quantized weights ({type(cfg.quantization).__name__}) load unrolled only"
+        )
+    return dataclasses.replace(cfg, scan_layers=True)
+
+
+def cache_entry(cfg: TargetConfig) -> tuple[type, int]:
+    """The target cache's entry type and how many entries it holds: the family's `Entry` per layer, or
+    one `gqa.StackedKVEntry` of every layer when `cfg.scan_layers`."""
+    if cfg.scan_layers:
+        return gqa.StackedKVEntry, 1
+    return family(cfg).Entry, cfg.num_layers
+
+
 def bench_shapes() -> dict[str, TargetConfig]:
     """Every family's benchmark shapes by name (`ddtree-bench --shape`)."""
     shapes: dict[str, TargetConfig] = {}
@@ -88,8 +114,9 @@ def load_target_config(directory: str | Path, **options: Any) -> TargetConfig:
     """Parse `config.json` (and `generation_config.json` for stop ids) of an HF target directory.
 
     The family of its `architectures` entry parses the rest (`options`: family settings such as
-    `moe_sharding`; families without them ignore them). A quantized checkpoint loads only for a family
-    that reads its scheme (`Family.QUANTIZED_FORMATS`); unsupported methods are refused by name.
+    `moe_sharding`; families without them ignore them; `scan_layers`: `with_scan_layers`). A quantized
+    checkpoint loads only for a family that reads its scheme (`Family.QUANTIZED_FORMATS`); unsupported
+    methods are refused by name.
     """
     directory = Path(directory)
     path = directory / "config.json"
@@ -114,5 +141,7 @@ def load_target_config(directory: str | Path, **options: Any) -> TargetConfig:
             f"{path}: {type(scheme).__name__} quantized checkpoints load for {', '.join(readers)} "
             f"targets only, not {hf}"
         )
+    scan = bool(options.pop("scan_layers", False))
     cfg = fam.config_from_hf(raw, path, fam.architectures[hf], eos, **options)
-    return cfg if scheme is None else dataclasses.replace(cfg, quantization=scheme)
+    cfg = cfg if scheme is None else dataclasses.replace(cfg, quantization=scheme)
+    return with_scan_layers(cfg) if scan else cfg

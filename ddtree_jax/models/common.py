@@ -29,7 +29,8 @@ Layer = Callable[[int, dict, jax.Array], tuple[jax.Array, Any]]
 
 class ForwardOutput(NamedTuple):
     """hidden [B, T, H] after the final norm; per layer the new tokens' cache entry (the family's
-    entry type, in-flight layout [B, T, ...]); features [B, T, F] (None without feature layers)."""
+    entry type, in-flight layout [B, T, ...]; under `scan_layers` one stacked entry of every layer,
+    [B, T, L, ...]); features [B, T, F] (None without feature layers)."""
 
     hidden: jax.Array
     kv: list[Any]
@@ -204,3 +205,48 @@ def decoder_stack(
     feats[len(params["layers"]) - 1] = hidden  # HF's hidden_states[L] is the final norm's output
     features = jnp.concatenate([feats[i] for i in feature_layers], -1) if feature_layers else None
     return ForwardOutput(hidden, entries, features)
+
+
+def scan_stack(
+    params: Params,
+    tokens: jax.Array,
+    layer: Layer,
+    eps: float,
+    feature_layers: tuple[int, ...],
+    model_axis: Axis,
+) -> ForwardOutput:
+    """`decoder_stack` as one `lax.scan` over stacked layers (params["layers"]: a dict of [L, ...]
+    weights, `weights.stack_layers`): one layer traced and compiled whatever the depth.
+
+    `layer(i, p, x)` gets a traced layer index i and layer i's weights. `kv` holds ONE entry: the
+    layers' entries stacked on axis 2 (in flight [B, T, L, ...]); the family wraps it in its stacked
+    entry type. The drafter features are written into a carried [B, T, F + 1, H] buffer at each
+    feature layer's slot (other layers write the spare slot F), so no per-layer output is kept.
+    """
+    x = embed(params, tokens, model_axis)
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    spare = len(feature_layers)
+    slots = np.full((num_layers,), spare, np.int32)
+    for j, i in enumerate(feature_layers):
+        slots[i] = j
+    slots = jnp.asarray(slots)
+    feats = jnp.zeros((*x.shape[:2], spare + 1, x.shape[-1]), x.dtype) if feature_layers else None
+
+    def body(carry, xs):
+        x, feats = carry
+        i, p = xs
+        x, entry = layer(i, p, x)
+        if feats is not None:
+            feats = jax.lax.dynamic_update_index_in_dim(feats, x, slots[i], 2)
+        return (x, feats), entry
+
+    (x, feats), entries = jax.lax.scan(body, (x, feats), (jnp.arange(num_layers, dtype=jnp.int32), stacked))
+    hidden = rms_norm(x, params["norm"], eps)
+    entries = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 2), entries)  # [L, B, T, ...] -> [B, T, L, ...]
+    features = None
+    if feature_layers:
+        # HF's hidden_states[L] is the final norm's output
+        parts = [hidden if i == num_layers - 1 else feats[:, :, j] for j, i in enumerate(feature_layers)]
+        features = jnp.concatenate(parts, -1)
+    return ForwardOutput(hidden, [entries], features)

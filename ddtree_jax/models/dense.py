@@ -21,7 +21,7 @@ from ddtree_jax.models import common, gqa
 from ddtree_jax.models.common import ForwardOutput, all_reduce, rms_norm, rope_tables, swiglu
 from ddtree_jax.models.family import Family
 from ddtree_jax.sharding import check_divisible as check_dims
-from ddtree_jax.weights import Params, WeightSpec, linear, norm
+from ddtree_jax.weights import Params, WeightSpec, linear, norm, stack_layers
 
 # ffn(p, h) -> [B, T, H], all-reduced: the feed-forward branch of one layer on its normed input.
 FFN = Callable[[dict, jax.Array], jax.Array]
@@ -118,7 +118,7 @@ def weight_specs(cfg: DenseConfig) -> list[WeightSpec]:
     specs = common.head_specs(cfg.vocab_size, cfg.dims.hidden_size, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
         specs += layer_specs(f"model.layers.{i}.", ("layers", i), cfg.dims)
-    return specs
+    return stack_layers(specs) if cfg.scan_layers else specs
 
 
 def forward(
@@ -146,14 +146,27 @@ def forward(
         attend = gqa.layer_attend(attention, cache, i, mask)
         return decoder_layer(p, x, cfg.dims, rope, attend, model_axis, dropout, ffn(i))
 
+    if cfg.scan_layers:  # one traced layer: params["layers"] stacked [L, ...], the cache one StackedKVEntry
+        if dropout is not None or ffn(0) is not None:
+            raise ValueError("scan_layers: dense SwiGLU layers without dropout only (training unrolls)")
+
+        def scanned(i: jax.Array, p: dict, x: jax.Array):
+            attend = gqa.layer_attend(attention, cache, i, mask)
+            return decoder_layer(p, x, cfg.dims, rope, attend, model_axis)
+
+        out = common.scan_stack(params, tokens, scanned, cfg.dims.rms_norm_eps, feature_layers, model_axis)
+        return out._replace(kv=[gqa.StackedKVEntry(*out.kv[0])])
+
     return common.decoder_stack(
         params, tokens, layer, cfg.dims.rms_norm_eps, feature_layers, model_axis, dropout
     )
 
 
-def cache_shapes(cfg: DenseConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list[gqa.KVEntry]:
-    """Global shapes of the target's cache on a mesh of `tp` model devices."""
-    return gqa.cache_shapes(cfg.num_layers, cfg.dims, batch, capacity, tp, dtype)
+def cache_shapes(cfg: DenseConfig, batch: int, capacity: int, tp: int, dtype: jnp.dtype) -> list:
+    """Global shapes of the target's cache on a mesh of `tp` model devices (one stacked entry when
+    `cfg.scan_layers`)."""
+    shapes = gqa.stacked_cache_shapes if cfg.scan_layers else gqa.cache_shapes
+    return shapes(cfg.num_layers, cfg.dims, batch, capacity, tp, dtype)
 
 
 def unread_weight_bytes(

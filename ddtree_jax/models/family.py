@@ -6,7 +6,9 @@ the drafter reach a family only through `models.family(cfg)`, so a new family is
 one registry line.
 
 Shapes in the signatures: tokens [B, T] int32, positions [B, T], mask [B, T, T] bool; a forward's
-`kv` holds per layer the new tokens' cache entry (the family's `Entry`, in flight [B, T, ...]).
+`kv` holds per layer the new tokens' cache entry (the family's `Entry`, in flight [B, T, ...]); a
+config with `scan_layers` (dense family only) holds one `gqa.StackedKVEntry` instead
+(`models.cache_entry` says which).
 """
 
 from __future__ import annotations

@@ -45,12 +45,48 @@ class KVEntry(NamedTuple):
         return cls(P(DATA, None, MODEL), P(DATA, None, MODEL))
 
 
+class StackedKVEntry(NamedTuple):
+    """Every layer's keys and values in one entry (a scan over the layers, `TargetConfig.scan_layers`):
+    cached [B, L, Hkv, S, D] (time axis 3), in flight [B, T, L, Hkv, D]. Rows stay on axis 0, so the
+    cache's row-wise and time-wise code (kv_cache.py, refills) treats it as any other entry; layer i's
+    cache is a dynamic slice on axis 1 (`layer_entry`)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    time_axis = 3
+
+    @classmethod
+    def cache_spec(cls) -> StackedKVEntry:
+        """PartitionSpecs of the cached leaves: rows over "data", K/V heads over "model"."""
+        return cls(P(DATA, None, MODEL), P(DATA, None, MODEL))
+
+    @classmethod
+    def new_spec(cls) -> StackedKVEntry:
+        """PartitionSpecs of the in-flight leaves [B, T, L, Hkv, D]."""
+        return cls(P(DATA, None, None, MODEL), P(DATA, None, None, MODEL))
+
+
+def layer_entry(stacked: StackedKVEntry, layer: jax.Array | int) -> KVEntry:
+    """Layer `layer`'s cached K/V [B, Hkv, S, D] of a stacked cache (a dynamic slice, traced index)."""
+    return KVEntry(*(jax.lax.dynamic_index_in_dim(x, layer, 1, keepdims=False) for x in stacked))
+
+
 def cache_shapes(
     num_layers: int, dims: LayerDims, batch: int, capacity: int, tp: int, dtype: jnp.dtype
 ) -> list[KVEntry]:
     """Global shapes of a cache on a mesh of `tp` model devices (one K/V head per device when fewer)."""
     shape = jax.ShapeDtypeStruct((batch, max(dims.num_kv_heads, tp), capacity, dims.head_dim), dtype)
     return [KVEntry(shape, shape) for _ in range(num_layers)]
+
+
+def stacked_cache_shapes(
+    num_layers: int, dims: LayerDims, batch: int, capacity: int, tp: int, dtype: jnp.dtype
+) -> list[StackedKVEntry]:
+    """`cache_shapes` as one stacked entry [B, L, Hkv, S, D] (a scan over the layers)."""
+    shape = (batch, num_layers, max(dims.num_kv_heads, tp), capacity, dims.head_dim)
+    leaf = jax.ShapeDtypeStruct(shape, dtype)
+    return [StackedKVEntry(leaf, leaf)]
 
 
 def empty_cache(
@@ -141,8 +177,13 @@ def self_attend(mask: jax.Array) -> Attend:
     return attend
 
 
-def layer_attend(impl: str, cache, layer: int, mask: jax.Array, window: int | None = None) -> Attend:
-    """The attend of decoder layer `layer`: over its cache entry, or the new tokens alone (cache None)."""
+def layer_attend(
+    impl: str, cache, layer: int | jax.Array, mask: jax.Array, window: int | None = None
+) -> Attend:
+    """The attend of decoder layer `layer`: over its cache entry, or the new tokens alone (cache None).
+    A stacked cache (one `StackedKVEntry`) is read at `layer`, which may be traced (inside a scan)."""
     if cache is None:
         return self_attend(mask)
-    return cache_attend(impl, cache.layers[layer], cache.lengths, mask, window)
+    first = cache.layers[0]
+    entry = layer_entry(first, layer) if isinstance(first, StackedKVEntry) else cache.layers[layer]
+    return cache_attend(impl, entry, cache.lengths, mask, window)
