@@ -5,6 +5,7 @@
 # counted) and the host loop beside the device job; prints ours / PyTorch. With EIGHT_B=1 also the Qwen3-8B
 # shape (random bf16 weights, 64 prompts of 128 tokens x 64, batch 16): the anchor and `ddtree-bench
 # scheduling` (continuous and static).
+# HOST_LOOP=0 leaves the host-loop run out.
 #   ANCHOR=path/to/torch_job_anchor.py [EIGHT_B=1] bash results/h200/recipes/job_vs_torch.sh   (under $OUT)
 set -u
 OUT=${OUT:-/tmp/job-vs-torch}; mkdir -p "$OUT"
@@ -37,7 +38,7 @@ job ar-b16 --prompts "$P96" --batch-size 16 --method ar
 job ddtree-b16 --prompts "$P96" --batch-size 16 --method ddtree
 job ar-b64 --prompts "$P192" --batch-size 64 --method ar
 job ddtree-b64 --prompts "$P192" --batch-size 64 --method ddtree
-job ar-b16-hostloop --prompts "$P96" --batch-size 16 --method ar --host-loop
+[ "${HOST_LOOP:-1}" = 1 ] && job ar-b16-hostloop --prompts "$P96" --batch-size 16 --method ar --host-loop
 DDTREE_EXECUTABLES=off job ar-b16-noexec --prompts "$P96" --batch-size 16 --method ar  # compiled, not read
 if [ -n "${EIGHT_B:-}" ]; then  # the Qwen3-8B shape: 64 prompts of 128 tokens x 64, batch 16, both sides
   OUT="$OUT" SHAPE=qwen3-8b BATCH=16 PROMPTS=64 NEW=64 PLEN=128 timeout 200 python3 "$ANCHOR" \
