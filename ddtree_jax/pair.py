@@ -172,15 +172,15 @@ def sampling_from_args(args) -> dict:
 
 
 def generator(
-    pair: Pair, plan: Plan, sampling: dict | None = None, host_stepped: bool = False, schedule=None
+    pair: Pair, plan: Plan, defaults: dict | None = None, host_stepped: bool = False, schedule=None
 ):
-    """A Generator for `plan` over the pair's models (greedy unless `sampling` says otherwise;
+    """A Generator for `plan` over the pair's models (greedy unless the `defaults` say otherwise;
     `schedule`: a `scheduler.Schedule`, None for its defaults, host-stepped as asked)."""
     from ddtree_jax.scheduler import Generator, Schedule
 
     draft_params = None if plan.method == "ar" else pair.draft_params
     schedule = schedule or Schedule(host_stepped=host_stepped)
-    return Generator(pair.params, draft_params, plan, pair.stop_ids, pair.codec, sampling, schedule)
+    return Generator(pair.params, draft_params, plan, pair.stop_ids, pair.codec, defaults, schedule)
 
 
 def load_generator(s, target_cfg: TargetConfig | None = None, draft_cfg=None, codec=None):
@@ -216,4 +216,4 @@ def load_generator(s, target_cfg: TargetConfig | None = None, draft_cfg=None, co
         logprobs=s.logprobs,
         logprobs_mode=s.logprobs_mode,
     )
-    return generator(pair, plan, s.sampling, schedule=s.schedule())
+    return generator(pair, plan, s.defaults, schedule=s.schedule())

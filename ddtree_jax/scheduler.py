@@ -109,13 +109,13 @@ class Generator:
         plan: Plan,
         stop_ids: tuple[int, ...],
         codec: TextCodec | None = None,
-        sampling: dict | None = None,
+        defaults: dict | None = None,
         schedule: Schedule | None = None,
     ):
         self.plan, self.stop_ids, self.codec = plan, tuple(stop_ids), codec
-        # defaults (sampling settings and n samples); a prompt's own settings override them
-        defaults = {SAMPLES: 1, STOP: (), INCLUDE_STOP: False, IGNORE_EOS: False}
-        self.sampling = GREEDY | defaults | (sampling or {})
+        # the run's defaults (sampling settings and n samples); a prompt's own options override them
+        base = {SAMPLES: 1, STOP: (), INCLUDE_STOP: False, IGNORE_EOS: False}
+        self.defaults = GREEDY | base | (defaults or {})
         self.schedule = schedule or Schedule()
         impl = attention.invariant(plan.attention) if self.schedule.batch_invariant else plan.attention
         self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
@@ -144,7 +144,7 @@ class Generator:
         """This generator under another schedule (the same models and compiled programs)."""
         return Generator(
             self.programs.params, self.programs.draft_params, self.plan, self.stop_ids, self.codec,
-            self.sampling, dataclasses.replace(self.schedule, **changes),
+            self.defaults, dataclasses.replace(self.schedule, **changes),
         )  # fmt: skip
 
     def run_batch(self, prompts: list[Prompt]) -> list[Result]:
@@ -427,7 +427,7 @@ class Generator:
 
     def _settings(self, prompt: Prompt) -> dict:
         """The prompt's sampling settings and samples: its own over the defaults."""
-        return self.sampling | {k: prompt.options[k] for k in OPTIONS if k in prompt.options}
+        return self.defaults | {k: prompt.options[k] for k in OPTIONS if k in prompt.options}
 
     def _stop(self, run: _Run, prompt: Prompt, out: dict, r: int) -> Stop | None:
         """Where row `r`'s sample stops at a stop string, checked when it has new tokens (None: it

@@ -367,7 +367,7 @@ class Settings:
         )
 
     @property
-    def sampling(self) -> dict[str, Any]:
+    def defaults(self) -> dict[str, Any]:
         """The default sampling settings {temperature, top_k, top_p, seed, n, stop,
         include_stop_str_in_output} (a prompt's own override)."""
         return {k: getattr(self, k) for k in (*SAMPLING, "n", "stop", "include_stop_str_in_output")}

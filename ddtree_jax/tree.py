@@ -93,15 +93,15 @@ def _pick(onehot: jax.Array, x: jax.Array) -> jax.Array:
 def _top(values: jax.Array, n: int, select: str) -> tuple[jax.Array, jax.Array]:
     """The `n` largest of values [M] and their indices [n], exactly as `jax.lax.top_k` orders them
     (descending, equal values in index order). select "rank": `_rank_onehot` and `_pick` (no sort
-    kernel, reductions that XLA fuses), up to RANK_MAX values; "top_k": the sort."""
+    kernel, reductions that XLA fuses), up to RANK_MAX values; "sort": jax.lax.top_k's sort."""
     m = values.shape[0]
-    if select == "top_k" or m > RANK_MAX:
+    if select == "sort" or m > RANK_MAX:
         return jax.lax.top_k(values, n)
     onehot = _rank_onehot(values, n)
     return _pick(onehot, values), _pick(onehot, jnp.arange(m, dtype=jnp.int32))
 
 
-def _beams(logp: jax.Array, budget: int, *, prune: bool = True, unroll: bool = False, select: str = "top_k"):
+def _beams(logp: jax.Array, budget: int, *, prune: bool = True, unroll: bool = False, select: str = "sort"):
     """Per-depth top-`budget` lattice nodes of one sequence, each in its depth's order.
 
     logp [D, k], each depth sorted descending -> score [D, N], parent beam slot [D, N], child
@@ -194,7 +194,7 @@ def _build_one(bonus: jax.Array, logp: jax.Array, tok: jax.Array, budget: int, v
     """One sequence: bonus [], logp/tok [D, k] -> tokens, parent, depth, valid [T], mask [T, T]."""
     d_max = logp.shape[0]
     logp = _clean_logp(logp)
-    select = "rank" if variant == "ranked" else "top_k"
+    select = "rank" if variant == "ranked" else "sort"
     if variant != "climb":
         # Sort each depth (descending; equal values keep their rank order, as the flattened
         # tie rule needs) so that the staircase holds; the engine's input is sorted already.

@@ -232,7 +232,7 @@ def run(
     plan = dataclasses.replace(plan, draft_stage=draft_stage)
     dparams = dparams if method != "ar" else None
     schedule = Schedule(batch_size, policy="static", host_stepped=host_stepped)
-    gen = Generator(params, dparams, plan, tuple(stop_ids), sampling=sampling, schedule=schedule)
+    gen = Generator(params, dparams, plan, tuple(stop_ids), defaults=sampling, schedule=schedule)
     options = options or [{}] * len(prompts)
     items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(prompts, options, strict=True))]
     return list(gen.run(items))

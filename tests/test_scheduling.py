@@ -32,7 +32,7 @@ def generator(method="ddtree", budget=7, batch_size=3, max_new_tokens=24, stop_i
         branching=min(budget, 32) if method == "ddtree" else 1,
     )
     schedule = Schedule(batch_size, **kw)
-    return Generator(params, dparams, plan, tuple(stop_ids), sampling=sampling, schedule=schedule)
+    return Generator(params, dparams, plan, tuple(stop_ids), defaults=sampling, schedule=schedule)
 
 
 def stream(prompts, **kw):

@@ -124,7 +124,7 @@ def generate(dirs, method, tp, options):
         tp=tp,
     )
     dparams = None if method == "ar" else dparams
-    gen = Generator(tparams, dparams, plan, (), sampling=dict(GREEDY), schedule=Schedule(8, "static"))
+    gen = Generator(tparams, dparams, plan, (), defaults=dict(GREEDY), schedule=Schedule(8, "static"))
     items = [Prompt(i, i + 1, p, dict(o)) for i, (p, o) in enumerate(zip(PROMPTS, options, strict=True))]
     return [(r.output_ids, r.acceptance_lengths) for r in gen.run(items)]
 
