@@ -223,7 +223,9 @@ def summarize(results, gen, wall: float, batch_size: int, busy: dict | None = No
         + f"   attention: {plan.attention}",
         f"prompts: {len(results)}   output tokens: {tokens}   "
         f"generation: {gen.generate_seconds:.2f} s ({tokens / max(gen.generate_seconds, 1e-9):.1f} tok/s)   "
-        f"compile: {gen.compile_seconds:.2f} s   wall: {wall:.2f} s",
+        f"compile: {gen.compile_seconds:.2f} s"
+        + (f" (then a warm-up call: {gen.warmup_seconds:.2f} s)" if gen.warmup_seconds else "")
+        + f"   wall: {wall:.2f} s",
     ]
     if gen.compile_log:
         hits = gen.programs.cache_hits
