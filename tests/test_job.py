@@ -95,7 +95,7 @@ def test_job_compiles_once_whatever_the_prompts(method, monkeypatch):
         occ = gen.occupancy
         flushes = -(-n // (4 * gen.rows_run - gen.rows_run))  # the finished buffer: 4 B, a harvest <= B
         assert occ.host_returns <= -(-occ.rounds // scheduler.FIRST_MOST) + flushes + 1
-        assert gen.warmup_seconds > 0  # the warm-up call ran, on the job's own program (no compile of its own)
+        assert gen.warmup_seconds > 0  # the warm-up call ran, on the job's own program (no compile)
     # the first run (4 prompts) compiles the job's programs; 12 and 14 prompts compile nothing new (the
     # same prompt slots: the longest prompt is in every list; the same queue block: 16 prompts)
     assert seen[1][0]["compiles"] == 0 and seen[2][0]["compiles"] == 0, seen
