@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main job through ddtree-generate, one run a process (what a user runs), beside the PyTorch
 # anchor at batch 16 (issue 50): each variant twice, the second counted: with the serialized executables
-# (exec), JAX's cache alone (noexec), compiled in the process (nocache), and the 'graphs' XLA preset.
+# (exec), JAX's cache alone (noexec), compiled in the process (nocache), the 'graphs' XLA preset, and
+# traced (--trace-device: how long the device was busy during that single run).
 #   ANCHOR=path/to/torch_job_anchor.py bash results/h200/recipes/cli_first_run.sh   (writes under $OUT)
 set -u
 OUT=${OUT:-/tmp/cli-first-run}; mkdir -p "$OUT"
@@ -22,3 +23,4 @@ E= j exec
 E=DDTREE_EXECUTABLES=off j noexec
 E= j nocache --compile-cache off
 E=DDTREE_XLA_PRESET=graphs j graphs --compile-cache off
+E= j traced --trace-device  # the summary's device-busy line for a process's single run (with its warm-up)
