@@ -345,13 +345,17 @@ class Generator:
                 yield row_result(prompt, out, f, latency, None, decode, self._logprobs(prompt))
 
     def _job_counters(self, out: dict, rows: int) -> None:
-        """The occupancy of the whole job, from its device counters after the last call."""
+        """The job's device counters after its last call, added to the occupancy (which sums over the
+        generator's runs, as the host loop's does)."""
         occ, c = self.occupancy, out["counters"]
-        occ.rounds = int(c["rounds"][0])  # (every device runs the same rounds)
-        occ.row_rounds = occ.rounds * rows
-        occ.busy, occ.waiting_busy = int(c["busy"].sum()), int(c["waiting_busy"].sum())
-        occ.waiting_row_rounds = int(c["waiting_rounds"][0]) * rows
-        occ.refills, occ.prefilled = int(c["passes"].max()), int(c["admitted"].sum())
+        rounds = int(c["rounds"][0])  # (every device runs the same rounds)
+        occ.rounds += rounds
+        occ.row_rounds += rounds * rows
+        occ.busy += int(c["busy"].sum())
+        occ.waiting_busy += int(c["waiting_busy"].sum())
+        occ.waiting_row_rounds += int(c["waiting_rounds"][0]) * rows
+        occ.refills += int(c["passes"].max())
+        occ.prefilled += int(c["admitted"].sum())
 
     def _order(self, prompts: list[Prompt], kept: list[bool]) -> list[int]:
         """The order prompts enter rows: static, input order in batches cut from the whole list (a
