@@ -377,13 +377,18 @@ import test_compile_cache as t
 where = compile_cache.enable(sys.argv[2])
 role = sys.argv[1]
 if role == "writer":  # write the same key's entry 12 times, each through a fresh serialisation
-    loaded, _ = t.exe_load()
+    loaded, _ = t.exe_load()  # the entry made (or read: the other writer may have made it)
     x = t.exe_input()
+    # what load_or_compile writes: a program compiled in this process, never one read back (a CPU
+    # executable read from an entry and serialised again can lack its kernels: "Function
+    # wrapped_transpose not found" when a third process ran it, 1 run in 3, 2026-12-07)
+    with compile_cache.bypassed():
+        compiled = t.SCALED.lower(x, scale=2.0).compile()
     path = next(where.rglob("scaled-*.exe"))
     text = executables.describe((executables.FORMAT, "scaled", ({"scale": 2.0}, executables.signature(x)),
                                  executables.environment()))
     for _ in range(12):
-        executables._write(path, text, loaded.compiled)
+        executables._write(path, text, compiled)
 elif role == "reader":  # every read of the entry while they write must verify
     bad = reads = 0
     done, end = sys.argv[3], time.time() + 240
