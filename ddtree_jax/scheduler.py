@@ -261,11 +261,12 @@ class Generator:
         block = min(prompt_slots(max(len(x) for x in share)), QUEUE_BLOCK)
         begin, compiled, warmed = time.perf_counter(), self.compile_seconds, self.warmup_seconds
         probe = self._requests(run, [], [], dp, run.shape)
-        state = self.programs.job_start(probe, self._stop_array(), run.shape)
+        start = functools.partial(self.programs.job_start, probe, self._stop_array(), run.shape)
         starts: dict[int, float] = {}  # each call's dispatch time
         most, call, base = FIRST_MOST, 0, 0
         queue = self._queue(run, share, base, block)
-        state = self._warm_up(state, queue, slots, stride, size)
+        self._warm_up(start(), queue, slots, stride, size)
+        state = start()
         pending = None
         while True:
             starts[call] = time.perf_counter()
@@ -293,18 +294,20 @@ class Generator:
         self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
         self.generate_seconds -= self.warmup_seconds - warmed
 
-    def _warm_up(self, state: job.Job, queue: job.Queue, slots: int, stride: int, size: int) -> job.Job:
-        """The job program run once with no iteration (`most` 0: the state comes back as it went in), its
-        compilation counted as such and the rest as warm-up, outside the generation's seconds: a process's
-        first execution of a program costs more than its later ones (on an H100 the main job's single run
-        took 0.42 s where later runs of the same program took 0.16 s: results/h100/2026-12-07, cli-vs-api)."""
-        start, compiled = time.perf_counter(), self.compile_seconds
-        state, _ = self.programs.job(
-            state, queue, 0, self.schedule.refill_at, 0, slots=slots, stride=stride, finished_size=size
-        )
-        jax.block_until_ready(state)
-        self.warmup_seconds += time.perf_counter() - start - (self.compile_seconds - compiled)
-        return state
+    def _warm_up(self, state: job.Job, queue: job.Queue, slots: int, stride: int, size: int) -> None:
+        """One iteration of the job program (harvest, a prefill pass, `stride` rounds) on a state thrown
+        away after, its compilation counted as such and the rest as warm-up, outside the generation's
+        seconds: a process's first execution of a program costs more than its later ones (on an H100 the
+        main job's single run took 0.42 s where later runs of the same program took 0.16 s:
+        results/h100/2026-12-07, cli-vs-api), and a call that runs no iteration leaves the loop's body
+        (its kernels and CUDA graphs) unexecuted."""
+        begin, compiled = time.perf_counter(), self.compile_seconds
+        state, finished = self.programs.job(
+            state, queue, stride, self.schedule.refill_at, 0, slots=slots, stride=stride,
+            finished_size=size,
+        )  # fmt: skip
+        jax.block_until_ready((state, finished))
+        self.warmup_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
 
     def _queue(self, run: _Run, share: list[list[int]], base: int, block: int) -> job.Queue:
         """Block [base, base + block) of every device's share of prompts, as the device's queue."""
