@@ -307,6 +307,14 @@ def _write_tokens(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 def decode_round(params: Params, draft_params: Params | None, state: DecodeState, plan: Plan) -> DecodeState:
     """One round: draft, build, verify, walk and commit, each under its named scope."""
+    return walked_round(params, draft_params, state, plan)[0]
+
+
+def walked_round(
+    params: Params, draft_params: Params | None, state: DecodeState, plan: Plan
+) -> tuple[DecodeState, jax.Array | None, tree.Walk]:
+    """`decode_round`, and what its rows drafted (tok [B, D, k]; None for ar) and walked: what a job
+    that chooses its budget counts (tree.target_ranks)."""
     logp = tok = None
     if plan.method != "ar":
         with jax.named_scope("draft"):
@@ -318,7 +326,7 @@ def decode_round(params: Params, draft_params: Params | None, state: DecodeState
     with jax.named_scope("walk"):
         w = walk(t, choice, plan)
     with jax.named_scope("commit"):
-        return commit(draft_params, state, w, kv, features, plan, scores)
+        return commit(draft_params, state, w, kv, features, plan, scores), tok, w
 
 
 # -- on a mesh: shard_map specs of every argument and result -----------------------------------------

@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ddtree_jax import engine, prefill
+from ddtree_jax import engine, prefill, tree
 from ddtree_jax.engine import ROW, DecodeState, Plan
 from ddtree_jax.logprobs import Logprobs
 from ddtree_jax.requests import Requests
@@ -68,6 +68,21 @@ class Finished:
     next: jax.Array  # [1] int32: the job's next prompt to admit, after the call
     occupied: jax.Array  # [1] int32: rows holding a prompt, after the call
     counters: Counters | None = None  # the job's, after the call
+    ranks: RankCounts | None = None  # the job's, after the call (a job that chooses its budget)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RankCounts:
+    """The acceptance a job observed since its start (tree.rank_counts summed over its rounds, for
+    plan_choice.AcceptanceCounts): how often the target's token at depth d + 1 was the drafter's rank c
+    (`hits`) and how often rank c could be seen there (`exposure`), [D, RANK_WIDTH] int32 per device."""
+
+    hits: jax.Array
+    exposure: jax.Array
+
+
+RANK_WIDTH = 32  # the ranks counted (plan_choice.MAX_BRANCHING: the widest default branching)
 
 
 @jax.tree_util.register_dataclass
@@ -93,11 +108,13 @@ class Job:
     admitted: jax.Array  # [B] int32: the call that admitted it
     next: jax.Array  # [1] int32: the next queue index to admit
     counters: Counters
+    ranks: RankCounts | None = None  # the acceptance observed (None: not counted, a fixed plan)
 
 
-def job_specs(plan: Plan) -> Job:
-    """PartitionSpecs of a Job: by rows (its [1] counters: one per "data" device)."""
-    return Job(engine.state_specs(plan), ROW, ROW, ROW, Counters(*[ROW] * 6))
+def job_specs(plan: Plan, observe: bool = False) -> Job:
+    """PartitionSpecs of a Job: by rows (its [1] counters and its rank counts: one per "data" device)."""
+    ranks = RankCounts(ROW, ROW) if observe else None
+    return Job(engine.state_specs(plan), ROW, ROW, ROW, Counters(*[ROW] * 6), ranks)
 
 
 def queue_specs() -> Queue:
@@ -105,10 +122,11 @@ def queue_specs() -> Queue:
     return Queue(ROW, ROW, ROW, ROW, ROW, ROW, ROW, ROW)
 
 
-def finished_specs(plan: Plan) -> Finished:
+def finished_specs(plan: Plan, observe: bool = False) -> Finished:
     """PartitionSpecs of a Finished buffer: by entries (each device's own)."""
     lp = Logprobs(ROW, ROW, ROW) if plan.logprobs else None
-    return Finished(ROW, ROW, ROW, ROW, ROW, ROW, ROW, lp, ROW, ROW, ROW, Counters(*[ROW] * 6))
+    ranks = RankCounts(ROW, ROW) if observe else None
+    return Finished(ROW, ROW, ROW, ROW, ROW, ROW, ROW, lp, ROW, ROW, ROW, Counters(*[ROW] * 6), ranks)
 
 
 def _count(x: jax.Array, plan: Plan) -> jax.Array:
@@ -120,6 +138,12 @@ def new_counters() -> Counters:
     """Zero counters ([1] each)."""
     zero = jnp.zeros((1,), jnp.int32)
     return Counters(zero, zero, zero, zero, zero, zero)
+
+
+def new_rank_counts(depth: int, devices: int = 1) -> RankCounts:
+    """No acceptance observed yet: [devices * depth, RANK_WIDTH] zeros each ([depth, ...] per device)."""
+    zero = jnp.zeros((devices * depth, RANK_WIDTH), jnp.int32)
+    return RankCounts(zero, zero)
 
 
 def empty_finished(state: DecodeState, size: int) -> Finished:
@@ -212,7 +236,9 @@ def _refill(params, draft_params, job: Job, req: Requests, n, call, *, plan, chu
     admitted = job.admitted.at[req.rows].set(call, mode="drop")
     c = job.counters
     counters = dataclasses.replace(c, passes=c.passes + (n > 0), admitted=c.admitted + n)
-    return Job(state, occupant, admitted, job.next + n, counters)
+    return dataclasses.replace(
+        job, state=state, occupant=occupant, admitted=admitted, next=job.next + n, counters=counters
+    )
 
 
 def map_rows(fn, *states: DecodeState) -> DecodeState:
@@ -288,9 +314,13 @@ def run_job(
         still_waiting = (queue.end[0] - job.next[0] > 0).astype(jnp.int32)
 
         def one_round(_, carry):  # (a row done mid-way waits for the next harvest: < `stride` rounds)
-            state, c = carry
-            live = jnp.sum((job.occupant >= 0) & ~state.done).astype(jnp.int32)
-            state = engine.decode_round(params, draft_params, state, plan)
+            state, c, ranks = carry
+            active = (job.occupant >= 0) & ~state.done
+            live = jnp.sum(active).astype(jnp.int32)
+            if ranks is None:
+                state = engine.decode_round(params, draft_params, state, plan)
+            else:
+                state, ranks = observed_round(params, draft_params, state, plan, ranks, active)
             counters = dataclasses.replace(
                 c,
                 rounds=c.rounds + 1,
@@ -298,13 +328,30 @@ def run_job(
                 waiting_busy=c.waiting_busy + live * still_waiting,
                 waiting_rounds=c.waiting_rounds + still_waiting,
             )
-            return state, counters
+            return state, counters, ranks
 
         # `stride` rounds at a time, a loop of static length (XLA launches it as one graph, where a
         # loop whose test is on the device returns to its host thread every iteration)
-        state, counters = jax.lax.fori_loop(0, stride, one_round, (job.state, job.counters))
-        return dataclasses.replace(job, state=state, counters=counters), finished, i + stride
+        carry = (job.state, job.counters, job.ranks)
+        state, counters, ranks = jax.lax.fori_loop(0, stride, one_round, carry)
+        job = dataclasses.replace(job, state=state, counters=counters, ranks=ranks)
+        return job, finished, i + stride
 
     job, finished, _ = jax.lax.while_loop(going, body, (job, finished, jnp.int32(0)))
     occupied = jnp.sum(job.occupant >= 0).astype(jnp.int32)[None]
-    return job, dataclasses.replace(finished, next=job.next, occupied=occupied, counters=job.counters)
+    finished = dataclasses.replace(
+        finished, next=job.next, occupied=occupied, counters=job.counters, ranks=job.ranks
+    )
+    return job, finished
+
+
+def observed_round(
+    params: Params, draft_params: Params, state: DecodeState, plan: Plan, ranks: RankCounts, active
+) -> tuple[DecodeState, RankCounts]:
+    """One round (engine.walked_round: the tokens are decode_round's), and the ranks of the target's
+    tokens among the drafter's candidates at the depths the walk saw, counted over the `active` rows
+    ([B] bool: holding a live prompt) into `ranks`."""
+    new, tok, walk = engine.walked_round(params, draft_params, state, plan)
+    seen_ranks, seen = tree.target_ranks(tok, walk.emitted, walk.length)
+    hits, exposure = tree.rank_counts(seen_ranks, seen, active, plan.branching, RANK_WIDTH)
+    return new, RankCounts(ranks.hits + hits, ranks.exposure + exposure)

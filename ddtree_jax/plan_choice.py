@@ -159,9 +159,9 @@ def fit_geometric(curve: dict[int, float], chain: float | None = None, depth: in
     return tuple(round(float(x), 6) for x in best)
 
 
-def curve_marginals(name: str) -> np.ndarray:
-    """accept [DEPTH, 32] of a shipped acceptance curve (plan_costs.json "acceptance": its geometric fit)."""
-    return geometric_marginals(*_cost_file()["acceptance"][name]["fit"])
+def curve_marginals(name: str, depth: int = DEPTH) -> np.ndarray:
+    """accept [depth, 32] of a shipped acceptance curve (plan_costs.json "acceptance": its geometric fit)."""
+    return geometric_marginals(*_cost_file()["acceptance"][name]["fit"], depth=depth)
 
 
 # ---------------------------------------------------------------- costs
@@ -213,6 +213,28 @@ def load_costs(device_kind: str | None = None, target_params: float | None = Non
         shape = min(shapes, key=lambda s: abs(math.log(shapes[s]["target_params"] / target_params)))
     table = {p: {int(r): float(m) for r, m in v.items()} for p, v in shapes[shape]["ms_per_round"].items()}
     return CostTable(device, shape, table)
+
+
+def with_stand_ins(costs: CostTable, plans: tuple[str, ...], anchor: str = "ddtree-7") -> CostTable:
+    """`costs` with each plan of `plans` it lacks stood in for by the reference shape's (the H200's
+    Qwen3-8B table) times this table's ratio to it on `anchor`, a plan both measured: at each row count
+    of the reference's plan where both have the anchor, ms = ref[plan] * costs[anchor] / ref[anchor]. The
+    bundled pair's table measures ar and ddtree 7 only; a tree's cost relative to another's is taken as
+    the larger model's."""
+    missing = [p for p in plans if p not in costs.ms_per_round]
+    if not missing or anchor not in costs.ms_per_round:
+        return costs
+    ref = load_costs(REFERENCE_DEVICE)
+    table = dict(costs.ms_per_round)
+    for plan in missing:
+        points = {}
+        for rows in ref.ms_per_round.get(plan, {}):
+            own, theirs = costs.ms(anchor, rows), ref.ms(anchor, rows)
+            if own is not None and theirs:
+                points[rows] = ref.ms_per_round[plan][rows] * own / theirs
+        if points:
+            table[plan] = points
+    return CostTable(costs.device, costs.shape, table)
 
 
 # ---------------------------------------------------------------- the choice
@@ -337,10 +359,11 @@ class PlanChooser:
         if self.current is not None and branching(self.current) > 0:
             self.counts.observe(ranks, lengths, branching(self.current))
 
-    def observe_counts(self, hits: np.ndarray, exposure: np.ndarray) -> None:
-        """Rounds run by `current` since the last call, summed on the device (tree.rank_counts over those
-        rounds: hits and exposure [D, K]); ar rounds observe nothing."""
-        if self.current is not None and branching(self.current) > 0:
+    def observe_counts(self, hits: np.ndarray, exposure: np.ndarray, plan: str | None = None) -> None:
+        """Rounds run by `plan` (default: `current`) since the last call, summed on the device
+        (tree.rank_counts over those rounds: hits and exposure [D, K]); ar rounds observe nothing."""
+        plan = self.current if plan is None else plan
+        if plan is not None and branching(plan) > 0:
             self.counts.hits += np.asarray(hits, np.int64)
             self.counts.seen += np.asarray(exposure, np.int64)
 

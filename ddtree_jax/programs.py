@@ -156,9 +156,11 @@ def _laid_out(tree, specs, plan: Plan):
 
 
 def job_start(
-    params, draft_params, req: Requests, stop_ids, *, plan: Plan, shape: Shape, chunk: int, attention: str
-) -> job.Job:
-    """A continuous job's first state: `empty`'s rows, every one free (req: for its shapes only)."""
+    params, draft_params, req: Requests, stop_ids, *, plan: Plan, shape: Shape, chunk: int, attention: str,
+    observe: bool = False,
+) -> job.Job:  # fmt: skip
+    """A continuous job's first state: `empty`'s rows, every one free (req: for its shapes only);
+    `observe`: with rank counts (job.RankCounts), for a job that chooses its budget."""
     state = empty(
         params, draft_params, req, stop_ids, plan=plan, shape=shape, chunk=chunk, attention=attention
     )
@@ -169,8 +171,9 @@ def job_start(
         admitted=jnp.zeros((shape.rows,), jnp.int32),
         next=jnp.zeros((dp,), jnp.int32),
         counters=jax.tree.map(lambda x: jnp.zeros((dp,), jnp.int32), job.new_counters()),
+        ranks=job.new_rank_counts(plan.depth, dp) if observe else None,
     )
-    return _laid_out(new, job.job_specs(plan), plan)
+    return _laid_out(new, job.job_specs(plan, observe), plan)
 
 
 def run_job(
@@ -179,7 +182,8 @@ def run_job(
 ):  # fmt: skip
     """A stretch of a continuous job (job.run_job on every device): the job and what finished."""
     tspec, dspec = param_specs(plan)
-    jspec = job.job_specs(plan)
+    observe = state.ranks is not None
+    jspec = job.job_specs(plan, observe)
     fn = on_mesh(
         lambda *a, plan: job.run_job(
             *a, plan=plan, slots=slots, stride=stride, finished_size=finished_size, chunk=chunk,
@@ -187,7 +191,7 @@ def run_job(
         ),
         plan,
         (tspec, dspec, jspec, job.queue_specs(), ALL, ALL, ALL),
-        (jspec, job.finished_specs(plan)),
+        (jspec, job.finished_specs(plan, observe)),
     )
     return fn(params, draft_params, state, queue, most, refill_at, call)
 
@@ -252,7 +256,7 @@ JITTED = {
     "refill": jax.jit(refill, static_argnames=("plan", "chunk", "attention"), donate_argnums=(2,)),
     "rounds": jax.jit(rounds, static_argnames=("plan",), donate_argnums=(2,)),
     "generate": jax.jit(generate, static_argnames=("plan", "shape", "chunk", "attention")),
-    "job_start": jax.jit(job_start, static_argnames=("plan", "shape", "chunk", "attention")),
+    "job_start": jax.jit(job_start, static_argnames=("plan", "shape", "chunk", "attention", "observe")),
     "job": jax.jit(
         run_job,
         static_argnames=("plan", "slots", "stride", "finished_size", "chunk", "attention"),
@@ -350,9 +354,13 @@ class Programs:
         """The requests' whole generation in one program."""
         return self._call("generate", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
 
-    def job_start(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> job.Job:
-        """A continuous job's first state of `shape`, every row free (req: for its shapes only)."""
-        return self._call("job_start", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention)
+    def job_start(self, req: Requests, stop_ids: jax.Array, shape: Shape, observe: bool = False) -> job.Job:
+        """A continuous job's first state of `shape`, every row free (req: for its shapes only;
+        `observe`: counting the acceptance, job.RankCounts)."""
+        return self._call(
+            "job_start", req, stop_ids, shape=shape, chunk=self.chunk, attention=self.attention,
+            **({"observe": True} if observe else {}),  # (a fixed plan's program keys stay as they were)
+        )  # fmt: skip
 
     def job(
         self, state: job.Job, queue: job.Queue, most: int, refill_at: int, call: int, *, slots: int,

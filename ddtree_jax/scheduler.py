@@ -21,13 +21,14 @@ import collections
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax import attention, job, models
+from ddtree_jax import attention, job, models, plan_choice
+from ddtree_jax.budgets import default_branching
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
 from ddtree_jax.host_stepped import HostStepper
 from ddtree_jax.programs import EVERY_ROUND, Programs, Shape, rows_to_run
@@ -45,6 +46,7 @@ FIRST_MOST = 32  # the device job's rounds per call at first; then sized to ~MOS
 MOST_SECONDS = 0.25  # a call's wall time aimed at: the progress bar moves at least twice a second
 OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP, IGNORE_EOS)  # a prompt's own settings over the generator's
 STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
+CHOICE_ROUNDS = 64  # the device job's rounds per call while it chooses its budget (Schedule.choice_rounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,14 @@ class Schedule:
     # "same": the plan's attention; "cudnn": cuDNN flash attention where it applies (CUDA, bf16/f16,
     # GQA, not batch-invariant), else the plan's; or an implementation name (attention.kernel).
     prefill_attention: str = "same"
+    # The ddtree budgets the continuous job on the device chooses among, call by call (--budget auto:
+    # plan_choice.PlanChooser over the job's own acceptance counts and the shipped cost table); (): the
+    # plan's budget throughout. Every budget gives the same tokens (float32; sampling is seeded by
+    # position), so a choice changes the speed only.
+    budgets: tuple[int, ...] = ()
+    # The rounds of each job call while it chooses (a fixed count, not sized from the time a call took:
+    # the calls' boundaries, and with them the budgets chosen, repeat on a rerun)
+    choice_rounds: int = CHOICE_ROUNDS
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -73,6 +83,8 @@ class Schedule:
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
         if min(self.batch_size, self.refill_at, self.prefill_slots or 1, self.stride or 1) < 1:
             raise ValueError("batch_size, refill_at, prefill_slots and stride must be >= 1")
+        if self.choice_rounds < 1 or any(n < 1 for n in self.budgets):
+            raise ValueError("choice_rounds and the budgets chosen among must be >= 1")
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -126,6 +138,11 @@ class Generator:
         self.stepper = HostStepper(self.programs, timed=self.schedule.host_stepped)
         self.rows_run = 0  # B of the last run
         self.loop = "device"  # where the last run's loop ran (`_loop`)
+        # A job that chooses its budget (Schedule.budgets): the chooser of each run (a test may put
+        # another in), the programs of each budget, and the rounds each plan ran in the last run.
+        self.make_chooser: Callable[[], plan_choice.PlanChooser] = self._chooser
+        self.budget_programs: dict[int, Programs] = {}
+        self.plan_rounds: dict[str, int] = {}
 
     @property
     def compile_seconds(self) -> float:
@@ -261,16 +278,28 @@ class Generator:
         block = min(prompt_slots(max(len(x) for x in share)), QUEUE_BLOCK)
         begin, compiled, warmed = time.perf_counter(), self.compile_seconds, self.warmup_seconds
         probe = self._requests(run, [], [], dp, run.shape)
-        start = functools.partial(self.programs.job_start, probe, self._stop_array(), run.shape)
+        chooser = self.make_chooser() if self._chooses() else None
+        start = functools.partial(
+            self.programs.job_start, probe, self._stop_array(), run.shape, observe=chooser is not None
+        )
         starts: dict[int, float] = {}  # each call's dispatch time
         most, call, base = FIRST_MOST, 0, 0
         queue = self._queue(run, share, base, block)
-        self._warm_up(start(), queue, slots, stride, size)
+        plan_of: dict[int, str] = {}  # each call's plan (a job that chooses)
+        if chooser is None:
+            self._warm_up(start(), queue, slots, stride, size)
+        else:
+            most, self.plan_rounds, seen = self.schedule.choice_rounds, {}, _Seen()
+            for n in self.schedule.budgets:  # (every budget's program before the clock)
+                self._warm_up(start(), queue, slots, stride, size, self._budget_programs(n))
         state = start()
         pending = None
         while True:
-            starts[call] = time.perf_counter()
-            state, finished = self.programs.job(
+            starts[call], programs = time.perf_counter(), self.programs
+            if chooser is not None:  # (from the counts of the calls read so far: all but the last one)
+                plan_of[call] = chooser.next_plan(rows, most)
+                programs = self._budget_programs(plan_choice.parse_plan(plan_of[call])[1])
+            state, finished = programs.job(
                 state, queue, most, self.schedule.refill_at, call, slots=slots,
                 stride=stride, finished_size=size,
             )  # fmt: skip
@@ -282,7 +311,9 @@ class Generator:
             pending, call = (call, finished), call + 1
             occ.host_returns += 1
             yield from self._harvested(run, share, out, size, starts, now, compiled)
-            if jax.process_count() == 1:  # (several processes must run the same calls: K stays fixed)
+            if chooser is not None:
+                self._observed(chooser, seen, out, plan_of[done_call])
+            elif jax.process_count() == 1:  # (several processes must run the same calls: K stays fixed)
                 most = _next_most(most, now - starts[done_call])
             if out["occupied"].sum() == 0 and all(out["next"][d] >= len(share[d]) for d in range(dp)):
                 break  # (the call dispatched last found nothing to do)
@@ -294,7 +325,43 @@ class Generator:
         self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
         self.generate_seconds -= self.warmup_seconds - warmed
 
-    def _warm_up(self, state: job.Job, queue: job.Queue, slots: int, stride: int, size: int) -> None:
+    def _chooses(self) -> bool:
+        """Whether the device job chooses its budget: ddtree, budgets to choose among."""
+        return self.plan.method == "ddtree" and bool(self.schedule.budgets)
+
+    def _chooser(self) -> plan_choice.PlanChooser:
+        """The chooser of a job's budget: PlanChooser over this device kind's shipped cost table (the
+        nearest model size), starting from the bundled pair's acceptance curve."""
+        sizes = sum(x.size for x in jax.tree.leaves(self.programs.params))
+        costs = plan_choice.load_costs(jax.devices()[0].device_kind, float(sizes))
+        plans = tuple(plan_choice.plan_name("ddtree", n) for n in self.schedule.budgets)
+        prior = plan_choice.curve_marginals("bundled-pair", self.plan.depth)
+        return plan_choice.PlanChooser(plan_choice.with_stand_ins(costs, plans), plans, prior)
+
+    def _budget_programs(self, budget: int) -> Programs:
+        """The programs of this plan at another ddtree budget (its default branching): the same state
+        shapes, so a job's calls may switch between them."""
+        if budget not in self.budget_programs:
+            branching = min(default_branching("ddtree", budget), self.plan.target.vocab_size)
+            plan = dataclasses.replace(self.plan, budget=budget, branching=branching)
+            p = self.programs
+            self.budget_programs[budget] = Programs(p.params, p.draft_params, plan, p.chunk, p.attention)
+        return self.budget_programs[budget]
+
+    def _observed(self, chooser: plan_choice.PlanChooser, seen: _Seen, out: dict, plan: str) -> None:
+        """A job call's acceptance counts and rounds (the job's since its start, less those read
+        before) given to the chooser, as the call's plan's."""
+        depth = self.plan.depth
+        hits = out["ranks"]["hits"].reshape(-1, depth, job.RANK_WIDTH).sum(axis=0)
+        exposure = out["ranks"]["exposure"].reshape(-1, depth, job.RANK_WIDTH).sum(axis=0)
+        rounds = int(out["counters"]["rounds"][0])
+        chooser.observe_counts(hits - seen.hits, exposure - seen.exposure, plan)
+        self.plan_rounds[plan] = self.plan_rounds.get(plan, 0) + rounds - seen.rounds
+        seen.hits, seen.exposure, seen.rounds = hits, exposure, rounds
+
+    def _warm_up(
+        self, state: job.Job, queue: job.Queue, slots: int, stride: int, size: int, programs=None
+    ) -> None:
         """One iteration of the job program (harvest, a prefill pass, `stride` rounds) on a state thrown
         away after, its compilation counted as such and the rest as warm-up, outside the generation's
         seconds: a process's first execution of a program costs more than its later ones (on an H100 the
@@ -302,7 +369,7 @@ class Generator:
         results/h100/2026-12-07, cli-vs-api), and a call that runs no iteration leaves the loop's body
         (its kernels and CUDA graphs) unexecuted."""
         begin, compiled = time.perf_counter(), self.compile_seconds
-        state, finished = self.programs.job(
+        state, finished = (programs or self.programs).job(
             state, queue, stride, self.schedule.refill_at, 0, slots=slots, stride=stride,
             finished_size=size,
         )  # fmt: skip
@@ -504,6 +571,15 @@ class Generator:
 
 
 @dataclasses.dataclass
+class _Seen:
+    """A choosing job's counts as last read (job.RankCounts summed over devices, and its rounds)."""
+
+    hits: np.ndarray | int = 0
+    exposure: np.ndarray | int = 0
+    rounds: int = 0
+
+
+@dataclasses.dataclass
 class _Run:
     """The host's view of one run: its prompts, the rows' occupants and the device state."""
 
@@ -550,6 +626,8 @@ def _finished_outputs(f: job.Finished) -> dict:
         "acceptance": f.acceptance, "prompt": f.prompt, "admitted": f.admitted, "count": f.count,
         "next": f.next, "occupied": f.occupied, "counters": dataclasses.asdict(f.counters),
     }  # fmt: skip
+    if f.ranks is not None:
+        out["ranks"] = dataclasses.asdict(f.ranks)
     if f.logprobs is not None:
         lp = f.logprobs
         out |= {"logprobs": lp.chosen, "top_logprobs": lp.top, "top_ids": lp.top_ids}
