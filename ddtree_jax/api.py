@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree_jax import compile_cache
+from ddtree_jax.budgets import default_branching
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.prompts import (
     IGNORE_EOS,
@@ -233,8 +234,13 @@ def check_budget(s: Settings, dcfg) -> None:
     """--budget (as resolved) at most the nodes of the drafter's top-k lattice."""
     if s.method != "ddtree":
         return
+    if s.auto_budgets:  # --budget auto: each budget it chooses among, at its default branching
+        for n in s.auto_budgets:
+            check_budget(dataclasses.replace(s, budget=n, branching=None, auto_budgets=()), dcfg)
+        return
     depth = (s.block_size or dcfg.block_size) - 1
-    lattice = sum(s.branching**d for d in range(1, depth + 1))
+    branching = s.branching or default_branching("ddtree", s.budget)
+    lattice = sum(branching**d for d in range(1, depth + 1))
     if s.budget > lattice:
         raise DDTreeError(
             f"--budget {s.budget} exceeds the {lattice} nodes of the drafter's lattice "
@@ -266,7 +272,7 @@ def check_memory(s: Settings, cfg, dcfg) -> None:
     context = 16 + s.max_new_tokens + depth + 1  # the smallest cache a prompt gets
     per_pair = rows * heads * 4  # float32 attention scores per (tree token, key) pair
     memory = device_memory()
-    tree = s.budget + 1
+    tree = max((s.budget, *s.auto_budgets)) + 1  # (--budget auto: its largest)
     need = per_pair * tree * (tree + context)
     if need > memory // 2:
         fits = int((-context + math.sqrt(context**2 + 4 * (memory // 2) / per_pair)) / 2) - 1

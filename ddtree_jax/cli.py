@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddtree_jax import openai_batch
+from ddtree_jax import openai_batch, plan_choice
 from ddtree_jax.api import (
     LLM,
     check_budget,
@@ -209,6 +209,20 @@ def start_processes(s: Settings) -> None:
         raise DDTreeError(f"--coordinator {p.coordinator}: cannot join the processes ({first})") from None
 
 
+def budget_words(gen) -> str:
+    """The summary's budget: the plan's and its branching, or with --budget auto the budgets the job
+    chose and the share of its rounds each ran."""
+    plan, ran = gen.plan, gen.plan_rounds
+    fixed = f"budget: {plan.budget}   branching: {plan.branching}"
+    if not gen.schedule.auto_budgets:
+        return fixed
+    if not ran:
+        return f"{fixed} (--budget auto: only the job on the device chooses; this loop: {gen.loop})"
+    total = max(sum(ran.values()), 1)
+    order = sorted(ran, key=lambda p: plan_choice.parse_plan(p)[1])
+    return "budget: auto (" + ", ".join(f"{p} {ran[p] / total:.0%}" for p in order) + f" of {total} rounds)"
+
+
 def summarize(results, gen, wall: float, batch_size: int, busy: dict | None = None) -> str:
     """The end-of-run summary (`batch_size`: the prompts per batch asked for; `busy`: `traced`'s
     measurement of the generation, with --trace-device)."""
@@ -217,7 +231,7 @@ def summarize(results, gen, wall: float, batch_size: int, busy: dict | None = No
     plan, rows = gen.plan, gen.rows_run
     lines = [
         f"method: {plan.method}"
-        + (f"   budget: {plan.budget}   branching: {plan.branching}" if plan.method == "ddtree" else "")
+        + (f"   {budget_words(gen)}" if plan.method == "ddtree" else "")
         + f"   batch size: {batch_size}"
         + (f" (run as {rows} rows)" if rows != batch_size else "")
         + f"   attention: {plan.attention}",
@@ -228,7 +242,7 @@ def summarize(results, gen, wall: float, batch_size: int, busy: dict | None = No
         + f"   wall: {wall:.2f} s",
     ]
     if gen.compile_log:
-        hits = gen.programs.cache_hits
+        hits = gen.cache_hits
         loaded = f", {hits} read from the compile cache" if hits else ""
         lines.append(compiled_programs(gen.compile_log) + loaded)
     if accepted:
@@ -315,7 +329,7 @@ class Status:
 
 def cache_note(gen) -> str:
     """How many of the programs compiled so far the compile cache gave (executables.py)."""
-    hits = getattr(gen.programs, "cache_hits", 0)
+    hits = getattr(gen, "cache_hits", 0)
     return f"{hits} of {len(gen.compile_log)} programs read from the compile cache"
 
 

@@ -71,7 +71,7 @@ class Schedule:
     # plan_choice.PlanChooser over the job's own acceptance counts and the shipped cost table); (): the
     # plan's budget throughout. Every budget gives the same tokens (float32; sampling is seeded by
     # position), so a choice changes the speed only.
-    budgets: tuple[int, ...] = ()
+    auto_budgets: tuple[int, ...] = ()
     # The rounds of each job call while it chooses (a fixed count, not sized from the time a call took:
     # the calls' boundaries, and with them the budgets chosen, repeat on a rerun)
     choice_rounds: int = CHOICE_ROUNDS
@@ -83,7 +83,7 @@ class Schedule:
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
         if min(self.batch_size, self.refill_at, self.prefill_slots or 1, self.stride or 1) < 1:
             raise ValueError("batch_size, refill_at, prefill_slots and stride must be >= 1")
-        if self.choice_rounds < 1 or any(n < 1 for n in self.budgets):
+        if self.choice_rounds < 1 or any(n < 1 for n in self.auto_budgets):
             raise ValueError("choice_rounds and the budgets chosen among must be >= 1")
 
 
@@ -138,7 +138,7 @@ class Generator:
         self.stepper = HostStepper(self.programs, timed=self.schedule.host_stepped)
         self.rows_run = 0  # B of the last run
         self.loop = "device"  # where the last run's loop ran (`_loop`)
-        # A job that chooses its budget (Schedule.budgets): the chooser of each run (a test may put
+        # A job that chooses its budget (Schedule.auto_budgets): the chooser of each run (a test may put
         # another in), the programs of each budget, and the rounds each plan ran in the last run.
         self.make_chooser: Callable[[], plan_choice.PlanChooser] = self._chooser
         self.budget_programs: dict[int, Programs] = {}
@@ -146,8 +146,9 @@ class Generator:
 
     @property
     def compile_seconds(self) -> float:
-        """Seconds spent compiling programs (kept apart from generation; each in `compile_log`)."""
-        return self.programs.compile_seconds
+        """Seconds spent compiling programs (kept apart from generation; each in `compile_log`), the
+        other budgets' of a job that chooses included."""
+        return sum(p.compile_seconds for p in self._all_programs())
 
     @property
     def stage_seconds(self) -> dict[str, float]:
@@ -156,7 +157,16 @@ class Generator:
 
     @property
     def compile_log(self) -> list[tuple[str, float]]:
-        return self.programs.compile_log
+        return [entry for p in self._all_programs() for entry in p.compile_log]
+
+    @property
+    def cache_hits(self) -> int:
+        """Programs of `compile_log` read from the compile cache (executables.py)."""
+        return sum(p.cache_hits for p in self._all_programs())
+
+    def _all_programs(self) -> list[Programs]:
+        """The plan's programs and those of the other budgets a choosing job ran."""
+        return [self.programs, *(p for p in self.budget_programs.values() if p is not self.programs)]
 
     def scheduled(self, **changes) -> Generator:
         """This generator under another schedule (the same models and compiled programs)."""
@@ -286,11 +296,12 @@ class Generator:
         most, call, base = FIRST_MOST, 0, 0
         queue = self._queue(run, share, base, block)
         plan_of: dict[int, str] = {}  # each call's plan (a job that chooses)
+        self.plan_rounds = {}
         if chooser is None:
             self._warm_up(start(), queue, slots, stride, size)
         else:
-            most, self.plan_rounds, seen = self.schedule.choice_rounds, {}, _Seen()
-            for n in self.schedule.budgets:  # (every budget's program before the clock)
+            most, seen = self.schedule.choice_rounds, _Seen()
+            for n in self.schedule.auto_budgets:  # (every budget's program before the clock)
                 self._warm_up(start(), queue, slots, stride, size, self._budget_programs(n))
         state = start()
         pending = None
@@ -327,14 +338,14 @@ class Generator:
 
     def _chooses(self) -> bool:
         """Whether the device job chooses its budget: ddtree, budgets to choose among."""
-        return self.plan.method == "ddtree" and bool(self.schedule.budgets)
+        return self.plan.method == "ddtree" and bool(self.schedule.auto_budgets)
 
     def _chooser(self) -> plan_choice.PlanChooser:
         """The chooser of a job's budget: PlanChooser over this device kind's shipped cost table (the
         nearest model size), starting from the bundled pair's acceptance curve."""
         sizes = sum(x.size for x in jax.tree.leaves(self.programs.params))
         costs = plan_choice.load_costs(jax.devices()[0].device_kind, float(sizes))
-        plans = tuple(plan_choice.plan_name("ddtree", n) for n in self.schedule.budgets)
+        plans = tuple(plan_choice.plan_name("ddtree", n) for n in self.schedule.auto_budgets)
         prior = plan_choice.curve_marginals("bundled-pair", self.plan.depth)
         return plan_choice.PlanChooser(plan_choice.with_stand_ins(costs, plans), plans, prior)
 

@@ -30,6 +30,19 @@ from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES, check_stop
 
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 SAMPLING = ("temperature", "top_k", "top_p", "seed")  # the sampling settings: flags, prompt keys, API fields
+AUTO = "auto"  # --budget auto: the job chooses its budget (scheduler.Schedule.auto_budgets)
+AUTO_BUDGETS = (3, 7, 15)  # the budgets --budget auto chooses among (plan_choice's cost table has each)
+
+
+def _budget(text: str) -> int | str:
+    """--budget's value: a number of tree nodes, or 'auto'."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (nodes, or auto)") from None
+
 
 # Every flag once: dest -> (option strings, argparse keywords).
 FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -64,9 +77,12 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "seed": (("--seed",), dict(type=int, default=0, help="sampling seed of prompts that set none")),
     "no_chat_template": (("--no-chat-template",), dict(action="store_true", help="encode 'prompt' text "
         "as is")),
-    "budget": (("--budget",), dict(type=int, help="ddtree: tree nodes besides the root (default by rows "
-        "per --dp device and the prompts' mean length plus their new tokens: "
-        f"{describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: {describe(MOE_DEFAULT_BUDGETS)})")),
+    "budget": (("--budget",), dict(type=_budget, metavar="N|auto", help="ddtree: tree nodes besides the "
+        "root (default by rows per --dp device and the prompts' mean length plus their new tokens: "
+        f"{describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: {describe(MOE_DEFAULT_BUDGETS)}); "
+        f"auto: the continuous job chooses among {', '.join(map(str, AUTO_BUDGETS))} every "
+        "few rounds from the acceptance it counts and the shipped cost table (the same tokens as any "
+        "fixed budget in float32; the summary says the share of rounds each ran)")),
     "block_size": (("--block-size",), dict(type=int, help="draft block size (<= the drafter's, the "
         "default; depth = block - 1)")),
     "branching": (("--branching",), dict(type=int, help="ddtree: drafter candidates per depth (default "
@@ -291,6 +307,9 @@ class Settings:
     batch_size: int = 8
     budget: int | None = None  # ddtree: nodes besides the root (None until `with_budget`); else 0
     branching: int | None = None  # ddtree: candidates per depth (None until `with_budget`); else None
+    # --budget auto: the budgets the continuous job chooses among (each at its default branching), the
+    # resolved `budget` then only the host loops' and the first state's; (): `budget` throughout
+    auto_budgets: tuple[int, ...] = ()
     block_size: int | None = None  # None: the drafter's
     draft_window: int | None = None
     draft_yarn_scaling: str | None = None
@@ -349,6 +368,9 @@ class Settings:
             raise DDTreeError(f"--method {method} needs --draft DIR")
         if method != "ddtree" and (flags["budget"] or flags["branching"]):
             raise DDTreeError("--budget and --branching apply to --method ddtree only")
+        auto = flags["budget"] == AUTO
+        if auto and flags["branching"]:
+            raise DDTreeError("--branching applies to a fixed --budget (auto: each budget's default)")
         names = {f.name for f in dataclasses.fields(cls)}
         given = {k: v for k, v in flags.items() if k in names}
         return cls(
@@ -358,7 +380,8 @@ class Settings:
                 draft=draft,
                 prompts=prompts,
                 method=method,
-                budget=flags["budget"] if method == "ddtree" else 0,
+                budget=(None if auto else flags["budget"]) if method == "ddtree" else 0,
+                auto_budgets=AUTO_BUDGETS if auto else (),
                 branching=flags["branching"] if method == "ddtree" else None,
                 chat_template=not flags["no_chat_template"],
                 stop=tuple(flags["stop"] or ()),
@@ -404,6 +427,7 @@ class Settings:
             device_loop=not self.host_loop,
             batch_invariant=self.batch_invariant,
             prefill_attention=self.prefill_attention,
+            auto_budgets=self.auto_budgets,
         )
 
     def record(self) -> dict[str, Any]:
@@ -414,6 +438,7 @@ class Settings:
         out["draft"] = str(Path(self.draft).resolve()) if self.draft else None
         out["no_chat_template"] = not out.pop("chat_template")
         out["stop"] = list(self.stop)
+        out["auto_budgets"] = list(self.auto_budgets)
         return out
 
 
@@ -422,7 +447,7 @@ def _check_numbers(flags: dict[str, Any]) -> None:
     from ddtree_jax.sampling import check
 
     for name in ("max_new_tokens", "batch_size", "budget", "branching", "draft_window", "tp", "dp", "n"):
-        if flags[name] is not None and flags[name] < 1:
+        if flags[name] is not None and flags[name] != AUTO and flags[name] < 1:
             raise DDTreeError(f"--{name.replace('_', '-')} must be >= 1, got {flags[name]}")
     if flags["logprobs"] < 0:
         raise DDTreeError(f"--logprobs must be >= 0, got {flags['logprobs']}")

@@ -1,4 +1,4 @@
-"""A job that chooses its ddtree budget (Schedule.budgets, --budget auto): switching budgets between the
+"""A job that chooses its ddtree budget (Schedule.auto_budgets, --budget auto): switching budgets between the
 device job's calls changes the speed, never the tokens (float32, greedy and seeded sampling), and the
 budgets chosen are a function of the job's own counts (the same sequence on a rerun).
 
@@ -46,7 +46,7 @@ def generator(budgets=BUDGETS, sampling=None, budget=7):
     dcfg, dparams = load_drafter(DRAFT)
     plan = Plan(cfg, dcfg, "ddtree", max_new_tokens=24, budget=budget, branching=min(budget, 32))
     # 3 rows, 9 prompts: rows refilled mid-job; 2 rounds a call: many calls, many chances to switch
-    schedule = Schedule(3, chunk=16, budgets=budgets, choice_rounds=2)
+    schedule = Schedule(3, chunk=16, auto_budgets=budgets, choice_rounds=2)
     return Generator(params, dparams, plan, (), defaults=sampling, schedule=schedule)
 
 
@@ -129,3 +129,43 @@ def test_chosen_budgets_repeat_and_keep_the_tokens(fixed_greedy):
     assert runs[0][0][0] == "ddtree-7" and runs[0][0][-1] == "ddtree-3"  # (the counts made it switch)
     np.testing.assert_array_equal(runs[0][1]["hits"], runs[1][1]["hits"])
     assert runs[0][1]["seen"].sum() > 0 and runs[0][2] == runs[1][2]
+
+
+def test_budget_auto_reproduces_the_record(tmp_path, capsys):
+    """`ddtree-generate --budget auto` on the dense fixture pair (float32) writes the recorded ddtree
+    output ids (tests/fixtures/recorded_outputs.json; the acceptance lengths are the budgets' own) and
+    says in its summary which budgets ran."""
+    import json
+
+    from recorded_outputs import RECORD, argv, outputs, write_prompts
+
+    from ddtree_jax.cli import main
+
+    out = tmp_path / "auto.jsonl"
+    prompts = write_prompts("dense", tmp_path / "dense.jsonl")
+    assert main([*argv("dense", "ddtree", prompts, out), "--budget", "auto"]) == 0
+    recorded = json.loads(RECORD.read_text())["cases"]["dense"]["ddtree"]
+
+    def ids(lines):
+        return {k: (v["output_ids"], v["finish_reason"]) for k, v in lines.items()}
+
+    assert ids(outputs(out)) == ids(recorded)
+    summary = capsys.readouterr().out
+    assert "budget: auto (ddtree-" in summary and "% of " in summary, summary
+    settings = json.loads((tmp_path / "auto.jsonl.settings.json").read_text())
+    assert settings["auto_budgets"] == [3, 7, 15]
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--budget", "auto", "--branching", "4"], "--branching applies to a fixed --budget"),
+        (["--method", "dflash", "--budget", "auto"], "apply to --method ddtree only"),
+        (["--budget", "0"], "--budget must be >= 1"),
+    ],
+)
+def test_budget_auto_flags(tmp_path, capsys, flags, words):
+    from ddtree_jax.cli import main
+
+    assert main(["--out", str(tmp_path / "x.jsonl"), *flags]) != 0
+    assert words in capsys.readouterr().err
