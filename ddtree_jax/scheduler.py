@@ -46,7 +46,7 @@ FIRST_MOST = 32  # the device job's rounds per call at first; then sized to ~MOS
 MOST_SECONDS = 0.25  # a call's wall time aimed at: the progress bar moves at least twice a second
 OPTIONS = (*GREEDY, SAMPLES, STOP, INCLUDE_STOP, IGNORE_EOS)  # a prompt's own settings over the generator's
 STOP_CHECK_ROUNDS = 1  # rounds between returns to the host while a row has stop strings
-CHOICE_ROUNDS = 64  # the device job's rounds per call while it chooses its budget (Schedule.choice_rounds)
+CHOICE_ROUNDS = 32  # the device job's rounds per call while it chooses its budget (Schedule.choice_rounds)
 
 
 @dataclasses.dataclass(frozen=True)
