@@ -68,14 +68,15 @@ def auto(tmp_path, monkeypatch, capsys):
     prompts = write_prompts("dense", tmp_path / "dense.jsonl")
     schedule = settings.Settings.schedule
 
-    def run(chooser=None, rounds=None):
+    def run(chooser=None, rounds=None, resume=False):
         if chooser is not None:
             monkeypatch.setattr(scheduler.Generator, "_chooser", lambda self: chooser)
         if rounds is not None:
             patched = lambda s: dataclasses.replace(schedule(s), choice_rounds=rounds)  # noqa: E731
             monkeypatch.setattr(settings.Settings, "schedule", patched)
         out = tmp_path / "auto.jsonl"
-        assert main([*argv("dense", "ddtree", prompts, out), "--budget", "auto", "--overwrite"]) == 0
+        again = "--resume" if resume else "--overwrite"
+        assert main([*argv("dense", "ddtree", prompts, out), "--budget", "auto", again]) == 0
         record = json.loads((tmp_path / "auto.jsonl.settings.json").read_text())
         return ids(outputs(out)), capsys.readouterr().out, record
 
@@ -126,6 +127,17 @@ def test_chosen_budgets_follow_the_counts_and_repeat(auto):
     np.testing.assert_array_equal(runs[0][1]["hits"], runs[1][1]["hits"])
     np.testing.assert_array_equal(runs[0][1]["seen"], runs[1][1]["seen"])
     assert runs[0][1]["seen"].sum() > 0
+
+
+def test_resumed_auto_run_writes_the_record(auto, tmp_path):
+    """--resume after 3 of the 8 lines: the job runs the other 5 (other calls, other budgets: the
+    chooser switches every call) and the file holds the recorded ids."""
+    auto(Scripted([3, 15]), rounds=2)
+    out = tmp_path / "auto.jsonl"
+    out.write_text("".join(out.read_text().splitlines(keepends=True)[:3]))
+    chooser = Scripted([15, 3])
+    lines, _, _ = auto(chooser, rounds=2, resume=True)
+    assert lines == ids(RECORDED) and chooser.calls > 2
 
 
 @pytest.mark.parametrize(
