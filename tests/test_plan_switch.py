@@ -152,3 +152,16 @@ def test_resumed_auto_run_writes_the_record(auto, tmp_path):
 def test_budget_auto_flags(tmp_path, capsys, flags, words):
     assert main(["--out", str(tmp_path / "x.jsonl"), *flags]) != 0
     assert words in capsys.readouterr().err
+
+
+def test_stand_ins_scale_the_reference_budgets_by_the_anchor():
+    """The bundled pair's table measures ar and ddtree 7 only: budgets 3 and 15 stand in as the H200
+    Qwen3-8B table's ms times the pair's ddtree-7 ms over the Qwen3-8B ddtree-7 ms, row by row."""
+    raw = json.loads((RECORD.parents[2] / "ddtree_jax" / "assets" / "plan_costs.json").read_text())
+    pair, ref = (raw["devices"]["NVIDIA H200"][s]["ms_per_round"] for s in ("default-pair", "qwen3-8b"))
+    costs = plan_choice.with_stand_ins(plan_choice.load_costs("NVIDIA H200", 7e6), ("ddtree-3", "ddtree-15"))
+    assert costs.shape == "default-pair" and costs.ms_per_round["ddtree-7"] == {1: 0.437, 16: 0.584}
+    want = ref["ddtree-15"]["16"] * pair["ddtree-7"]["16"] / ref["ddtree-7"]["16"]
+    assert costs.ms("ddtree-15", 16) == pytest.approx(want)
+    assert costs.ms("ddtree-3", 4) is None  # (the reference measured budget 3 from 16 rows only)
+    assert plan_choice.with_stand_ins(costs, ("ddtree-7",)) is costs
