@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -348,7 +349,7 @@ class Programs:
     ) -> tuple[DecodeState, jax.Array]:
         """Rounds over the state (donated) until `until` rows are done or all are, or `most` rounds ran;
         the rounds run ([B])."""
-        return self._call("rounds", state, jnp.int32(until), jnp.int32(most))
+        return self._call("rounds", state, np.int32(until), np.int32(most))
 
     def generate(self, req: Requests, stop_ids: jax.Array, shape: Shape) -> DecodeState:
         """The requests' whole generation in one program."""
@@ -367,7 +368,7 @@ class Programs:
         stride: int, finished_size: int,
     ) -> tuple[job.Job, job.Finished]:  # fmt: skip
         """A stretch of the continuous job (the state donated): the job and the rows that finished."""
-        scalars = (jnp.int32(most), jnp.int32(refill_at), jnp.int32(call))
+        scalars = (np.int32(most), np.int32(refill_at), np.int32(call))  # (jnp.int32: a compiled cast)
         return self._call(
             "job", state, queue, *scalars, slots=slots, stride=stride, finished_size=finished_size,
             chunk=self.chunk, attention=self.attention,

@@ -69,12 +69,13 @@ class SamplingArrays:
     @classmethod
     def from_rows(cls, rows: list[dict]) -> SamplingArrays:
         """From one {temperature, top_k, top_p, seed} dict per row (already validated)."""
-        return cls(
-            temperature=jnp.asarray(np.array([r["temperature"] for r in rows], np.float32)),
-            top_k=jnp.asarray(np.array([r["top_k"] for r in rows], np.int32)),
-            top_p=jnp.asarray(np.array([r["top_p"] for r in rows], np.float32)),
-            seed=jnp.asarray(np.array([r["seed"] for r in rows], np.uint32)),
-        )
+        column = {
+            "temperature": np.array([r["temperature"] for r in rows], np.float32),
+            "top_k": np.array([r["top_k"] for r in rows], np.int32),
+            "top_p": np.array([r["top_p"] for r in rows], np.float32),
+            "seed": np.array([r["seed"] for r in rows], np.uint32),
+        }  # placed, not staged: jnp.asarray compiles a program per shape outside jit (jax 0.11)
+        return cls(**jax.device_put(column))
 
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}

@@ -258,7 +258,7 @@ class Generator:
                         latency = now - since - (self.compile_seconds - compiled_then)
                         finished.append(self._result(prompts[i], out, r, latency, stop))
             if retire.any():  # rows cut at a stop string: done, free for the next prompt
-                run.state = _retire(run.state, jnp.asarray(retire))
+                run.state = _retire(run.state, jax.device_put(retire))
             yield from finished
 
     def _loop(self, prompts: list[Prompt]) -> str:
@@ -406,14 +406,14 @@ class Generator:
         ends = [min(base + block, len(mine)) for mine in share]
         last = all(base + block >= len(mine) for mine in share)
         return job.Queue(
-            tokens=jnp.asarray(tokens.reshape(dp * block, p)),
-            lengths=jnp.asarray(lengths.reshape(-1)),
-            limits=jnp.asarray(limits.reshape(-1)),
+            tokens=jax.device_put(tokens.reshape(dp * block, p)),
+            lengths=jax.device_put(lengths.reshape(-1)),
+            limits=jax.device_put(limits.reshape(-1)),
             sampling=sampling,
-            stops=jnp.asarray(stops.reshape(-1)),
-            base=jnp.full((dp,), base, jnp.int32),
-            end=jnp.asarray(np.array(ends, np.int32)),
-            last=jnp.full((dp,), last, bool),
+            stops=jax.device_put(stops.reshape(-1)),
+            base=jax.device_put(np.full((dp,), base, np.int32)),
+            end=jax.device_put(np.array(ends, np.int32)),
+            last=jax.device_put(np.full((dp,), last, bool)),
         )
 
     def _harvested(self, run, share, out: dict, size: int, starts: dict, now: float, compiled: float):
@@ -524,7 +524,7 @@ class Generator:
 
     def _stop_array(self) -> jax.Array:
         ids = list(self.stop_ids)[:MAX_STOP_IDS]
-        return jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32)
+        return jax.device_put(np.array(ids + [-1] * (MAX_STOP_IDS - len(ids)), np.int32))
 
     def _settings(self, prompt: Prompt) -> dict:
         """The prompt's sampling settings and samples: its own over the defaults."""
@@ -556,8 +556,8 @@ class Generator:
             settings[j] = self._settings(prompt)
             stops[j] = not settings[j][IGNORE_EOS]
         sampling = SamplingArrays.from_rows(settings) if run.sampled else None
-        arrays = (jnp.asarray(x) for x in (tokens, lengths, where))
-        return Requests(*arrays, sampling=sampling, limits=jnp.asarray(limits), stops=jnp.asarray(stops))
+        tokens, lengths, where, limits, stops = jax.device_put((tokens, lengths, where, limits, stops))
+        return Requests(tokens, lengths, where, sampling=sampling, limits=limits, stops=stops)
 
     def _limit(self, prompt: Prompt) -> int:
         """The prompt's own `max_new_tokens`, else the plan's."""
@@ -635,7 +635,7 @@ def _finished_outputs(f: job.Finished) -> dict:
     out = {
         "output": f.output, "num_output": f.num_output, "stopped": f.stopped, "rounds": f.rounds,
         "acceptance": f.acceptance, "prompt": f.prompt, "admitted": f.admitted, "count": f.count,
-        "next": f.next, "occupied": f.occupied, "counters": dataclasses.asdict(f.counters),
+        "next": f.next, "occupied": f.occupied, "counters": _fields(f.counters),
     }  # fmt: skip
     if f.ranks is not None:
         out["ranks"] = dataclasses.asdict(f.ranks)
@@ -643,6 +643,12 @@ def _finished_outputs(f: job.Finished) -> dict:
         lp = f.logprobs
         out |= {"logprobs": lp.chosen, "top_logprobs": lp.top, "top_ids": lp.top_ids}
     return out
+
+
+def _fields(x) -> dict:
+    """A dataclass's fields as a dict, the values themselves (`dataclasses.asdict` deep-copies them: for
+    jax arrays that is a compiled copy program per shape, inside the generation's clock)."""
+    return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
 
 
 def _next_most(most: int, seconds: float) -> int:

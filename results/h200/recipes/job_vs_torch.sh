@@ -5,7 +5,8 @@
 # counted) and the host loop beside the device job; prints ours / PyTorch. With EIGHT_B=1 also the Qwen3-8B
 # shape (random bf16 weights, 64 prompts of 128 tokens x 64, batch 16): the anchor and `ddtree-bench
 # scheduling` (continuous and static).
-# HOST_LOOP=0 leaves the host-loop run out, DDTREE_B64=0 ddtree at batch 64. The ar job at batch 16 also
+# HOST_LOOP=0 leaves the host-loop run out, DDTREE_B64=0 ddtree at batch 64, CACHES=0 the two runs
+# below; GRAPHS=1 adds ar and ddtree at batch 16 under the 'graphs' XLA preset (xla_flags.py). The ar job at batch 16 also
 # runs without the serialized executables (JAX's compile cache only) and with no compile cache at all.
 #   ANCHOR=path/to/torch_job_anchor.py [EIGHT_B=1] bash results/h200/recipes/job_vs_torch.sh   (under $OUT)
 set -u
@@ -40,8 +41,14 @@ job ddtree-b16 --prompts "$P96" --batch-size 16 --method ddtree
 job ar-b64 --prompts "$P192" --batch-size 64 --method ar
 [ "${DDTREE_B64:-1}" = 1 ] && job ddtree-b64 --prompts "$P192" --batch-size 64 --method ddtree
 [ "${HOST_LOOP:-1}" = 1 ] && job ar-b16-hostloop --prompts "$P96" --batch-size 16 --method ar --host-loop
-DDTREE_EXECUTABLES=off job ar-b16-noexec --prompts "$P96" --batch-size 16 --method ar  # JAX's cache only
-job ar-b16-nocache --prompts "$P96" --batch-size 16 --method ar --compile-cache off  # compiled in-process
+if [ "${CACHES:-1}" = 1 ]; then
+  DDTREE_EXECUTABLES=off job ar-b16-noexec --prompts "$P96" --batch-size 16 --method ar  # JAX's cache only
+  job ar-b16-nocache --prompts "$P96" --batch-size 16 --method ar --compile-cache off  # compiled in-process
+fi
+if [ "${GRAPHS:-0}" = 1 ]; then  # the 'graphs' XLA preset: while loops and conditionals inside CUDA graphs
+  DDTREE_XLA_PRESET=graphs job ar-b16-graphs --prompts "$P96" --batch-size 16 --method ar
+  DDTREE_XLA_PRESET=graphs job ddtree-b16-graphs --prompts "$P96" --batch-size 16 --method ddtree
+fi
 if [ -n "${EIGHT_B:-}" ]; then  # the Qwen3-8B shape: 64 prompts of 128 tokens x 64, batch 16, both sides
   OUT="$OUT" SHAPE=qwen3-8b BATCH=16 PROMPTS=64 NEW=64 PLEN=128 timeout 200 python3 "$ANCHOR" \
     > "$OUT/anchor-8b-b16.txt" 2>&1
@@ -71,6 +78,8 @@ for b in (16, 64):
 rows["ar-b16-hostloop"] = {"tok_s": tok_s("ar-b16-hostloop-2.txt")}
 rows["ar-b16-noexec"] = {"tok_s": tok_s("ar-b16-noexec-2.txt")}
 rows["ar-b16-nocache"] = {"tok_s": tok_s("ar-b16-nocache-2.txt")}
+for name in ("ar-b16-graphs", "ddtree-b16-graphs"):
+    rows[name] = {"tok_s": tok_s(f"{name}-2.txt"), "first_run_tok_s": tok_s(f"{name}-1.txt")}
 (out / "summary.json").write_text(json.dumps(rows, indent=1))
 print(json.dumps(rows, indent=1))
 PY
