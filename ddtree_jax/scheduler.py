@@ -638,7 +638,7 @@ def _finished_outputs(f: job.Finished) -> dict:
         "next": f.next, "occupied": f.occupied, "counters": _fields(f.counters),
     }  # fmt: skip
     if f.ranks is not None:
-        out["ranks"] = dataclasses.asdict(f.ranks)
+        out["ranks"] = _fields(f.ranks)
     if f.logprobs is not None:
         lp = f.logprobs
         out |= {"logprobs": lp.chosen, "top_logprobs": lp.top, "top_ids": lp.top_ids}

@@ -12,6 +12,7 @@ argument of the job program: nothing recompiles) so that a run makes about 20 ca
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 from recorded_outputs import RECORD, argv, outputs, write_prompts
@@ -55,6 +56,22 @@ class Recording:
         self.chooser.observe_counts(hits, exposure, plan)
 
 
+class Compiles:
+    """The names of the functions XLA compiles while `active` (jax.monitoring's compile events)."""
+
+    def __init__(self):
+        self.names: set[str] = set()
+        self.active = False
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event, duration, fun_name="", **kwargs):
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.names.add(fun_name)
+
+
+COMPILES = Compiles()
+
+
 def ids(lines):
     """Output ids and finish reason per id (the acceptance lengths are each budget's own)."""
     return {k: (v["output_ids"], v["finish_reason"]) for k, v in lines.items()}
@@ -63,8 +80,21 @@ def ids(lines):
 @pytest.fixture
 def auto(tmp_path, monkeypatch, capsys):
     """`run(chooser=None, rounds=None)`: ddtree-generate --budget auto over budgets 3 and 15, with
-    `chooser` in place of the shipped one and `rounds` rounds a call; -> (outputs, summary, settings)."""
+    `chooser` in place of the shipped one and `rounds` rounds a call; -> (outputs, summary, settings).
+    COMPILES.names: what XLA compiled inside the device job (its calls, the chooser, the harvests)."""
     monkeypatch.setattr(settings, "AUTO_BUDGETS", BUDGETS)
+    device_job = scheduler.Generator._device_job
+
+    def counted(self, *args):
+        COMPILES.active = True
+        try:
+            yield from device_job(self, *args)
+        finally:
+            COMPILES.active = False
+
+    monkeypatch.setattr(scheduler.Generator, "_device_job", counted)
+    jax.clear_caches()  # (eager operations compiled by earlier tests compile again)
+    COMPILES.names = set()
     prompts = write_prompts("dense", tmp_path / "dense.jsonl")
     schedule = settings.Settings.schedule
 
@@ -103,6 +133,9 @@ def test_forced_switches_leave_outputs_unchanged(auto, script):
     assert ran == {plan_choice.plan_name("ddtree", n) for n in script}, (ran, chooser.seen)
     assert sum(e for _, _, e in chooser.seen) > 0
     assert all(w == plan_choice.branching(p) for p, w, e in chooser.seen if e), chooser.seen
+    # nothing but the job's programs compiles on the way (an eager jax operation on the host path would
+    # compile a program per shape inside the generation's clock: tests/test_job.py)
+    assert COMPILES.names <= {"jit(job_start)", "jit(run_job)"}, COMPILES.names
     for n in set(script):
         assert f"ddtree-{n} " in summary.splitlines()[0], summary
 
