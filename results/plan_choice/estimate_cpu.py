@@ -3,12 +3,16 @@ pair in float32 on the CPU, 16 held-out prompts x 64 new tokens at batch 8, the 
 3, 7 and 15 in turn (each run counting the ranks as a choosing job does, its budget held fixed), and from
 each run's counts the chooser's estimate of every budget's tokens a round (PlanChooser's marginals: the
 counts shrunk towards the bundled pair's curve by 64 pseudo-observations) against each fixed run's
-observed mean acceptance length. Every run's output ids are also checked equal.
+observed mean acceptance length. Every run's output ids are also compared with budget 3's (DTYPE=bfloat16:
+the same in bfloat16, where a tree's size may change a row's arithmetic).
 
     PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py > results/plan_choice/estimate_cpu.json
+    DTYPE=bfloat16 PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py \
+        > results/plan_choice/estimate_cpu_bf16.json
 """
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -38,11 +42,13 @@ class Held:
         self.chooser.observe_counts(hits, exposure, plan)
 
 
-llm = LLM(budget="auto", dtype="float32", batch_size=8, max_new_tokens=64)
+DTYPE = os.environ.get("DTYPE", "float32")
+llm = LLM(budget="auto", dtype=DTYPE, batch_size=8, max_new_tokens=64)
 prompts = llm.prompts(texts)
 gen = llm.generator
 report = {
-    "command": "PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py",
+    "command": f"DTYPE={DTYPE} PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py",
+    "dtype": DTYPE,
     "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}, 2 cores shared with other work",
     "date": time.strftime("%Y-%m-%d"),
     "commit": subprocess.run(
@@ -77,4 +83,8 @@ report["relative_error"] = {
     for r in report["runs"]
 }
 report["output_ids_equal_across_budgets"] = all(ids[n] == ids[BUDGETS[0]] for n in BUDGETS)
+report["prompts_with_budget_3s_ids"] = {
+    n: sum(a == b for a, b in zip(ids[n], ids[3], strict=True)) for n in BUDGETS
+}
+report["prompts"] = len(prompts)
 print(json.dumps(report, indent=1))
