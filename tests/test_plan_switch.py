@@ -11,14 +11,18 @@ argument of the job program: nothing recompiles) so that a run makes about 20 ca
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
 import pytest
 from recorded_outputs import RECORD, argv, outputs, write_prompts
 
-from ddtree_jax import plan_choice, scheduler, settings
+from ddtree_jax import outfile, plan_choice, provenance, scheduler, settings
 from ddtree_jax.cli import main
+from ddtree_jax.compare import cli as compare_cli
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.prompts import sample_key
 
 BUDGETS = (3, 15)
 RECORDED = json.loads(RECORD.read_text())["cases"]["dense"]["ddtree"]
@@ -198,3 +202,36 @@ def test_stand_ins_scale_the_reference_budgets_by_the_anchor():
     assert costs.ms("ddtree-15", 16) == pytest.approx(want)
     assert costs.ms("ddtree-3", 4) is None  # (the reference measured budget 3 from 16 rows only)
     assert plan_choice.with_stand_ins(costs, ("ddtree-7",)) is costs
+
+
+@pytest.mark.parametrize("dtype,refused", [("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("before,now", [((), BUDGETS), (BUDGETS, ()), (None, BUDGETS)])
+def test_resume_holds_budget_auto_in_bfloat16(tmp_path, dtype, refused, before, now):
+    """--resume between --budget auto and a fixed budget (before: None, a sidecar from before
+    auto_budgets was recorded): refused in bfloat16, naming --budget, as the other schedule settings;
+    continued in float32, where every budget gives the same tokens."""
+    base = settings.Settings(target="t", draft="d", method="ddtree", budget=7, branching=7, dtype=dtype)
+    stored = dataclasses.replace(base, auto_budgets=before or ()).record()
+    if before is None:
+        del stored["auto_budgets"]
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps({"id": "a", "output_ids": [1]}) + "\n")
+    outfile.settings_path(out).write_text(json.dumps(stored))
+    resumed = dataclasses.replace(base, auto_budgets=now).record()
+    if not refused:
+        assert outfile.finished_ids(str(out), resumed) == {sample_key("a", 0)}
+        return
+    said = {(): "fixed", None: "fixed", BUDGETS: "auto (3, 15)"}
+    with pytest.raises(DDTreeError, match=re.escape(f"--budget {said[before]} (now {said[now]})")):
+        outfile.finished_ids(str(out), resumed)
+    assert provenance.numerics_differences({}, {}, stored, resumed) == (
+        [] if before is None else [f"auto_budgets {list(before)!r} -> {list(now)!r}"]
+    )
+
+
+@pytest.mark.parametrize("name,flags", [("external", ["--theirs", "x.jsonl"]), ("distribution", [])])
+def test_compare_refuses_budget_auto(tmp_path, capsys, name, flags):
+    """ddtree-compare runs one fixed budget: --budget auto is refused by name, before anything loads."""
+    argv = [name, "--report", str(tmp_path / "r"), *flags, "--budget", "auto"]
+    assert compare_cli.main(argv) == 1
+    assert "--budget auto: the comparisons run one fixed budget" in capsys.readouterr().err
