@@ -48,7 +48,7 @@ class Plan:
     draft: DraftConfig | None
     method: str
     max_new_tokens: int  # sizes the output buffer; each row may stop earlier (its own limit)
-    budget: int = 0  # ddtree: non-root tree nodes N
+    budget: int = 0  # ddtree: non-root tree nodes N (0: root-only rounds, `root_only`)
     branching: int = 1  # ddtree: candidates per depth k
     attention: str = "reference"
     draft_window: int | None = None
@@ -66,10 +66,17 @@ class Plan:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.method != "ar" and self.draft is None:
             raise ValueError(f"method {self.method!r} needs a drafter")
-        if self.method == "ddtree" and self.budget < 1:
-            raise ValueError("ddtree needs budget >= 1")
+        if self.method == "ddtree" and self.budget < 0:
+            raise ValueError("ddtree needs budget >= 0")
         if self.logprobs < 0 or self.logprobs_mode not in logprobs.MODES:
             raise ValueError(f"logprobs must be >= 0 and its mode one of {logprobs.MODES}")
+
+    @property
+    def root_only(self) -> bool:
+        """ddtree at budget 0: no draft, the tree is the root alone (an ar step's verify of 1 token a
+        row, its tokens), but the drafter's context K/V still grows from the target's features at the
+        root, so the job's state is ddtree's and a later round at a real budget finds its context."""
+        return self.method == "ddtree" and self.budget == 0
 
     @property
     def model_axis(self) -> str | None:
@@ -186,9 +193,10 @@ def draft_edges(params: Params, draft_params: Params, state: DecodeState, plan: 
 
 
 def build(state: DecodeState, logp: jax.Array | None, tok: jax.Array | None, plan: Plan) -> tree.Tree:
-    """The round's tree: the root alone (ar), a chain (dflash) or the lattice top-N (ddtree); over a
-    DFlash2 selector's edge log-scores (logp [B, D, K, K]) the best-first edge-score tree."""
-    if plan.method == "ar":
+    """The round's tree: the root alone (ar, ddtree's root-only rounds), a chain (dflash) or the lattice
+    top-N (ddtree); over a DFlash2 selector's edge log-scores (logp [B, D, K, K]) the best-first
+    edge-score tree."""
+    if plan.method == "ar" or plan.root_only:
         return tree.chain_tree(state.bonus, jnp.zeros((state.bonus.shape[0], 0, 1), jnp.int32))
     if plan.method == "dflash":
         return tree.chain_tree(state.bonus, tok)
@@ -241,11 +249,11 @@ def project_context(
 ) -> list:
     """The drafter's context cache with the accepted path's entries: its target features [B, W, F]
     projected by every draft layer, written at the path's slots L_b.. (those past the path are never
-    read: the lengths stop before them)."""
-    slots = plan.path_slots
+    read: the lengths stop before them). A root-only round's path is its root: one slot projected."""
+    slots = 1 if plan.root_only else plan.path_slots
     positions = state.lengths[:, None] + jnp.arange(slots, dtype=jnp.int32)[None, :]
     dtype = jax.tree.leaves(state.draft_cache)[0].dtype
-    path_features = gather_slots(features, w.path).astype(dtype)
+    path_features = gather_slots(features, w.path[:, :slots]).astype(dtype)
     ctx = drafter.context_kv(draft_params, plan.draft, path_features, positions)
     return kv_cache.write(state.draft_context, ctx, state.lengths).layers
 
@@ -278,7 +286,8 @@ def commit(
     round_idx = jnp.minimum(state.rounds, plan.max_new_tokens - 1)
     old = state.acceptance[jnp.arange(b), round_idx]
 
-    cache = kv_cache.write(state.cache, kv_cache.gather(kv, w.path), state.lengths)
+    path = w.path[:, :1] if plan.root_only else w.path  # (a root-only round writes its root alone)
+    cache = kv_cache.write(state.cache, kv_cache.gather(kv, path), state.lengths)
     cache.lengths = state.lengths + jnp.where(live, w.length, 0)
     draft_cache = None
     if state.draft_cache is not None:
@@ -313,10 +322,10 @@ def decode_round(params: Params, draft_params: Params | None, state: DecodeState
 def walked_round(
     params: Params, draft_params: Params | None, state: DecodeState, plan: Plan
 ) -> tuple[DecodeState, jax.Array | None, tree.Walk]:
-    """`decode_round`, and what its rows drafted (tok [B, D, k]; None for ar) and walked: what a job
-    that chooses its budget counts (tree.target_ranks)."""
+    """`decode_round`, and what its rows drafted (tok [B, D, k]; None for ar and root-only rounds) and
+    walked: what a job that chooses its budget counts (tree.target_ranks)."""
     logp = tok = None
-    if plan.method != "ar":
+    if plan.method != "ar" and not plan.root_only:
         with jax.named_scope("draft"):
             logp, tok = (plan.draft_stage or draft)(params, draft_params, state, plan)
     with jax.named_scope("build"):

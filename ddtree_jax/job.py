@@ -350,8 +350,10 @@ def observed_round(
 ) -> tuple[DecodeState, RankCounts]:
     """One round (engine.walked_round: the tokens are decode_round's), and the ranks of the target's
     tokens among the drafter's candidates at the depths the walk saw, counted over the `active` rows
-    ([B] bool: holding a live prompt) into `ranks`."""
+    ([B] bool: holding a live prompt) into `ranks`; a root-only round drafts nothing and counts none."""
     new, tok, walk = engine.walked_round(params, draft_params, state, plan)
+    if tok is None:
+        return new, ranks
     seen_ranks, seen = tree.target_ranks(tok, walk.emitted, walk.length)
     hits, exposure = tree.rank_counts(seen_ranks, seen, active, plan.branching, RANK_WIDTH)
     return new, RankCounts(ranks.hits + hits, ranks.exposure + exposure)

@@ -50,7 +50,7 @@ SCHEDULE_SETTINGS = provenance.SCHEDULE_SETTINGS  # the shapes' settings: --resu
 # Settings added since the first sidecars: a sidecar without one was made with this value.
 ADDED_SETTINGS = {
     "n": 1, "stop": [], "include_stop_str_in_output": False, "logprobs": 0, "logprobs_mode": "raw",
-    "output_format": "ours", "scan_layers": False,
+    "output_format": "ours", "scan_layers": False, "auto_budgets": [],
 }  # fmt: skip
 STDOUT = "-"
 
@@ -256,9 +256,17 @@ def _check_settings(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
         keys += SCHEDULE_SETTINGS
     diff = [k for k in keys if stored.get(k, ADDED_SETTINGS.get(k)) != settings.get(k)]
     if diff:
-        what = ", ".join(f"--{k.replace('_', '-')} {stored.get(k)!r} (now {settings.get(k)!r})" for k in diff)
+        what = ", ".join(_flag(k, stored.get(k, ADDED_SETTINGS.get(k)), settings.get(k)) for k in diff)
         raise DDTreeError(f"--resume: {path} was made with other settings: {what}")
     return stored
+
+
+def _flag(name: str, before: Any, now: Any) -> str:
+    """One setting --resume refuses to change, as the flag that sets it: '--top-k 0 (now 5)'."""
+    if name == "auto_budgets":  # (no flag of its own: --budget auto, or a fixed --budget)
+        before, now = (f"auto ({', '.join(map(str, v))})" if v else "fixed" for v in (before, now))
+        return f"--budget {before} (now {now})"
+    return f"--{name.replace('_', '-')} {before!r} (now {now!r})"
 
 
 # The sidecar's list of the provenance records of earlier runs whose lines are in the file, when a

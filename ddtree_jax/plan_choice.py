@@ -61,8 +61,10 @@ DEPTH = 15  # the bundled drafter's depths (block 16 - 1), also the Qwen3-8B DFl
 
 
 def plan_name(method: str, budget: int = 0) -> str:
-    """'ar', 'dflash' or 'ddtree-N': one name per compiled plan (the cost table's keys)."""
-    return f"ddtree-{budget}" if method == "ddtree" else method
+    """'ar', 'dflash' or 'ddtree-N': one name per compiled plan (the cost table's keys). ddtree at budget
+    0 (engine.Plan.root_only: an ar step that keeps the drafter's context) is 'ar': its tokens and, less
+    the context projection (`with_projection`), its cost are ar's."""
+    return f"ddtree-{budget}" if method == "ddtree" and budget else "ar" if method == "ddtree" else method
 
 
 def parse_plan(name: str) -> tuple[str, int]:
@@ -213,6 +215,28 @@ def load_costs(device_kind: str | None = None, target_params: float | None = Non
         shape = min(shapes, key=lambda s: abs(math.log(shapes[s]["target_params"] / target_params)))
     table = {p: {int(r): float(m) for r, m in v.items()} for p, v in shapes[shape]["ms_per_round"].items()}
     return CostTable(device, shape, table)
+
+
+def projection_share(target_cfg, draft_cfg, target_params: float) -> float:
+    """What a root-only round (engine.Plan.root_only) reads beyond an ar step, as a share of the
+    target's weights: the drafter's context projection of the root's features, fc [F, H] (F = the
+    feature layers x the target's hidden size) and each draft layer's K and V projections [H, Hkv x Dh]
+    (their norms and RoPE are elementwise). Decode steps at small rows are weight-bound, so an ar step's
+    ms times (1 + this share) stands in for the round's cost."""
+    d = draft_cfg.dims
+    fc = len(draft_cfg.target_layer_ids) * target_cfg.hidden_size * d.hidden_size
+    kv = draft_cfg.num_layers * 2 * d.hidden_size * d.num_kv_heads * d.head_dim
+    return (fc + kv) / target_params
+
+
+def with_projection(costs: CostTable, share: float) -> CostTable:
+    """`costs` with the 'ar' row scaled by 1 + `share` (projection_share): the cost of a choosing job's
+    root-only rounds, which run as 'ar'."""
+    if "ar" not in costs.ms_per_round:
+        return costs
+    table = dict(costs.ms_per_round)
+    table["ar"] = {rows: ms * (1 + share) for rows, ms in table["ar"].items()}
+    return CostTable(costs.device, costs.shape, table)
 
 
 def with_stand_ins(costs: CostTable, plans: tuple[str, ...], anchor: str = "ddtree-7") -> CostTable:

@@ -25,7 +25,9 @@ NUMERICS = ("commit", "dirty", "jax", "jaxlib", "device_kind", "platform")
 MADE_BY = ("ddtree_jax", "commit", "dirty", "jax", "jaxlib", "platform", "device_kind", "device_count")
 # The settings that decide a run's shapes, kernels and reduction orders: float32 outputs do not depend
 # on them (the same tokens whatever the batch, mesh or schedule), bfloat16 outputs do, so --resume
-# refuses to change them unless both runs are float32 (outfile).
+# refuses to change them unless both runs are float32 (outfile). auto_budgets (--budget auto) is one: a
+# choosing job runs each round at the budget it chose, and a bfloat16 round at another budget can give
+# other tokens (docs/scheduling.md), so auto against a fixed budget is a difference in bfloat16 only.
 SCHEDULE_SETTINGS = (
     "batch_size",
     "static_batches",
@@ -40,6 +42,7 @@ SCHEDULE_SETTINGS = (
     "attention",
     "moe_sharding",
     "scan_layers",
+    "auto_budgets",
 )
 # The settings (outfile.SETTINGS names) that change the programs a run compiles, and so bfloat16
 # outputs, beyond the ones that change what is generated at all.

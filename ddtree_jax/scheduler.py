@@ -83,8 +83,8 @@ class Schedule:
             raise ValueError(f"the prefill chunk must be a power of two >= 16, got {self.chunk}")
         if min(self.batch_size, self.refill_at, self.prefill_slots or 1, self.stride or 1) < 1:
             raise ValueError("batch_size, refill_at, prefill_slots and stride must be >= 1")
-        if self.choice_rounds < 1 or any(n < 1 for n in self.auto_budgets):
-            raise ValueError("choice_rounds and the budgets chosen among must be >= 1")
+        if self.choice_rounds < 1 or any(n < 0 for n in self.auto_budgets):
+            raise ValueError("choice_rounds must be >= 1 and the budgets chosen among >= 0 (0: ar)")
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -342,18 +342,21 @@ class Generator:
 
     def _chooser(self) -> plan_choice.PlanChooser:
         """The chooser of a job's budget: PlanChooser over this device kind's shipped cost table (the
-        nearest model size), starting from the bundled pair's acceptance curve."""
+        nearest model size), starting from the bundled pair's acceptance curve. Budget 0 runs as 'ar'
+        (root-only rounds): the table's ar row plus the drafter's context projection."""
         sizes = sum(x.size for x in jax.tree.leaves(self.programs.params))
         costs = plan_choice.load_costs(jax.devices()[0].device_kind, float(sizes))
         plans = tuple(plan_choice.plan_name("ddtree", n) for n in self.schedule.auto_budgets)
+        share = plan_choice.projection_share(self.plan.target, self.plan.draft, float(sizes))
+        costs = plan_choice.with_projection(plan_choice.with_stand_ins(costs, plans), share)
         prior = plan_choice.curve_marginals("bundled-pair", self.plan.depth)
-        return plan_choice.PlanChooser(plan_choice.with_stand_ins(costs, plans), plans, prior)
+        return plan_choice.PlanChooser(costs, plans, prior)
 
     def _budget_programs(self, budget: int) -> Programs:
-        """The programs of this plan at another ddtree budget (its default branching): the same state
-        shapes, so a job's calls may switch between them."""
+        """The programs of this plan at another ddtree budget (its default branching; budget 0: root-only
+        rounds, engine.Plan.root_only): the same state shapes, so a job's calls may switch between them."""
         if budget not in self.budget_programs:
-            branching = min(default_branching("ddtree", budget), self.plan.target.vocab_size)
+            branching = max(min(default_branching("ddtree", budget), self.plan.target.vocab_size), 1)
             plan = dataclasses.replace(self.plan, budget=budget, branching=branching)
             p = self.programs
             self.budget_programs[budget] = Programs(p.params, p.draft_params, plan, p.chunk, p.attention)

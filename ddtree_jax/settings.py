@@ -31,7 +31,9 @@ from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES, check_stop
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 SAMPLING = ("temperature", "top_k", "top_p", "seed")  # the sampling settings: flags, prompt keys, API fields
 AUTO = "auto"  # --budget auto: the job chooses its budget (scheduler.Schedule.auto_budgets)
-AUTO_BUDGETS = (3, 7, 15)  # the budgets --budget auto chooses among (plan_choice's cost table has each)
+# The budgets --budget auto chooses among (plan_choice's cost table has each); 0: root-only rounds, run as
+# ar (engine.Plan.root_only: ar's tokens, the drafter's context kept)
+AUTO_BUDGETS = (0, 3, 7, 15)
 
 
 def _budget(text: str) -> int | str:
@@ -80,7 +82,7 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "budget": (("--budget",), dict(type=_budget, metavar="N|auto", help="ddtree: tree nodes besides the "
         "root (default by rows per --dp device and the prompts' mean length plus their new tokens: "
         f"{describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: {describe(MOE_DEFAULT_BUDGETS)}); "
-        f"auto: the continuous job chooses among {', '.join(map(str, AUTO_BUDGETS))} every "
+        f"auto: the continuous job chooses among ar and {', '.join(str(n) for n in AUTO_BUDGETS if n)} every "
         "few rounds from the acceptance it counts and the shipped cost table (the same tokens as any "
         "fixed budget in float32; the summary says the share of rounds each ran)")),
     "block_size": (("--block-size",), dict(type=int, help="draft block size (<= the drafter's, the "

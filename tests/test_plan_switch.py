@@ -11,14 +11,20 @@ argument of the job program: nothing recompiles) so that a run makes about 20 ca
 
 import dataclasses
 import json
+import re
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
+from conftest import FIXTURES
 from recorded_outputs import RECORD, argv, outputs, write_prompts
 
-from ddtree_jax import plan_choice, scheduler, settings
+from ddtree_jax import outfile, plan_choice, provenance, scheduler, settings
 from ddtree_jax.cli import main
+from ddtree_jax.compare import cli as compare_cli
+from ddtree_jax.errors import DDTreeError
+from ddtree_jax.prompts import sample_key
 
 BUDGETS = (3, 15)
 RECORDED = json.loads(RECORD.read_text())["cases"]["dense"]["ddtree"]
@@ -198,3 +204,114 @@ def test_stand_ins_scale_the_reference_budgets_by_the_anchor():
     assert costs.ms("ddtree-15", 16) == pytest.approx(want)
     assert costs.ms("ddtree-3", 4) is None  # (the reference measured budget 3 from 16 rows only)
     assert plan_choice.with_stand_ins(costs, ("ddtree-7",)) is costs
+
+
+@pytest.mark.parametrize("dtype,refused", [("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("before,now", [((), BUDGETS), (BUDGETS, ()), (None, BUDGETS)])
+def test_resume_holds_budget_auto_in_bfloat16(tmp_path, dtype, refused, before, now):
+    """--resume between --budget auto and a fixed budget (before: None, a sidecar from before
+    auto_budgets was recorded): refused in bfloat16, naming --budget, as the other schedule settings;
+    continued in float32, where every budget gives the same tokens."""
+    base = settings.Settings(target="t", draft="d", method="ddtree", budget=7, branching=7, dtype=dtype)
+    stored = dataclasses.replace(base, auto_budgets=before or ()).record()
+    if before is None:
+        del stored["auto_budgets"]
+    out = tmp_path / "o.jsonl"
+    out.write_text(json.dumps({"id": "a", "output_ids": [1]}) + "\n")
+    outfile.settings_path(out).write_text(json.dumps(stored))
+    resumed = dataclasses.replace(base, auto_budgets=now).record()
+    if not refused:
+        assert outfile.finished_ids(str(out), resumed) == {sample_key("a", 0)}
+        return
+    said = {(): "fixed", None: "fixed", BUDGETS: "auto (3, 15)"}
+    with pytest.raises(DDTreeError, match=re.escape(f"--budget {said[before]} (now {said[now]})")):
+        outfile.finished_ids(str(out), resumed)
+    assert provenance.numerics_differences({}, {}, stored, resumed) == (
+        [] if before is None else [f"auto_budgets {list(before)!r} -> {list(now)!r}"]
+    )
+
+
+@pytest.mark.parametrize("name,flags", [("external", ["--theirs", "x.jsonl"]), ("distribution", [])])
+def test_compare_refuses_budget_auto(tmp_path, capsys, name, flags):
+    """ddtree-compare runs one fixed budget: --budget auto is refused by name, before anything loads."""
+    argv = [name, "--report", str(tmp_path / "r"), *flags, "--budget", "auto"]
+    assert compare_cli.main(argv) == 1
+    assert "--budget auto: the comparisons run one fixed budget" in capsys.readouterr().err
+
+
+def test_root_only_rounds_are_ar_and_keep_the_drafters_context(auto, monkeypatch):
+    """Budget 0 (engine.Plan.root_only: no draft, the root verified alone, the drafter's context still
+    extended) runs as 'ar' among budget 7's rounds: held throughout, and switched with budget 7 at every
+    call or every other, every run writes the ids recorded at budget 7 (greedy, seeded sampling, own
+    limits), the root-only calls count no ranks, and budget 7's calls after them count as budget 7's."""
+    monkeypatch.setattr(settings, "AUTO_BUDGETS", (0, 7))
+    for script in ([0], [0, 7], [7, 0, 0]):
+        chooser = Scripted(script)
+        out, summary, record = auto(chooser, rounds=2)
+        assert out == ids(RECORDED), script
+        assert record["auto_budgets"] == [0, 7] and chooser.calls > 8
+        assert {p for p, _, _ in chooser.seen} == {plan_choice.plan_name("ddtree", n) for n in script}
+        assert all(e == 0 for p, _, e in chooser.seen if p == "ar"), chooser.seen
+        if 7 in script:
+            assert any(p == "ddtree-7" and w == 7 and e for p, w, e in chooser.seen), chooser.seen
+        assert "ar " in summary.splitlines()[0], summary
+    assert COMPILES.names <= {"jit(job_start)", "jit(run_job)"}, COMPILES.names
+
+
+def test_root_only_cost_is_ar_plus_the_context_projection():
+    """The 'ar' plan of a choosing job costs the table's ar row times 1 + the projection's share of the
+    target's weights: fc [F, H] and each draft layer's K and V projections."""
+    dims = SimpleNamespace(hidden_size=64, num_kv_heads=2, head_dim=16)
+    draft = SimpleNamespace(dims=dims, target_layer_ids=(1, 3, 5), num_layers=2)
+    target = SimpleNamespace(hidden_size=128)
+    share = plan_choice.projection_share(target, draft, 1e6)
+    assert share == pytest.approx((3 * 128 * 64 + 2 * 2 * 64 * 32) / 1e6)
+    costs = plan_choice.CostTable("d", "s", {"ar": {1: 1.0, 16: 2.0}, "ddtree-7": {1: 3.0}})
+    scaled = plan_choice.with_projection(costs, 0.25)
+    assert scaled.ms_per_round == {"ar": {1: 1.25, 16: 2.5}, "ddtree-7": {1: 3.0}}
+    assert plan_choice.plan_name("ddtree", 0) == "ar" and plan_choice.parse_plan("ar") == ("ar", 0)
+
+
+def test_root_only_rounds_extend_the_drafters_context():
+    """From one prefilled prompt, root-only rounds and budget 7's rounds to 6 tokens commit the same
+    tokens and the same drafter context K/V at every committed slot (float32): a switch to a real budget
+    finds the context a budget-7 job would have. (The fixture drafter's trees accept no node, so budget
+    7 also takes a round a token.)"""
+    import jax.numpy as jnp
+
+    from ddtree_jax import engine, programs
+    from ddtree_jax.pair import load_pair
+    from ddtree_jax.requests import Requests
+
+    pair = load_pair(FIXTURES / "qwen3_gqa4_tp", FIXTURES / "dflash_qwen3_gqa4_tp", "float32")
+    prompt = np.load(FIXTURES / "qwen3_gqa4_tp" / "golden.npz")["prompt_3"].astype(np.int32)[:12]
+    plan = engine.Plan(pair.target, pair.draft, "ddtree", 16, budget=7, branching=7)
+    root = dataclasses.replace(plan, budget=0, branching=1)
+    shape = programs.Shape.of(plan, 1, 16)
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, : len(prompt)] = prompt
+    req = Requests(
+        jnp.asarray(tokens), jnp.asarray([len(prompt)]), jnp.zeros(1, jnp.int32), None, jnp.full(1, 16)
+    )
+    stop_ids = jnp.full((engine.MAX_STOP_IDS,), -1, jnp.int32)
+    start = programs.start(
+        pair.params, pair.draft_params, req, stop_ids, plan=plan, shape=shape, chunk=16, attention="reference"
+    )
+    states = {}
+    for p in (root, plan):
+        step = jax.jit(lambda s, p=p: engine.decode_round(pair.params, pair.draft_params, s, p))
+        state = start
+        while int(state.num_output[0]) < 6:
+            state = step(state)
+        states[p.budget] = state
+    rounds = 6 - int(start.num_output[0])  # (the prefill emits the first token)
+    assert int(states[0].rounds[0]) == rounds
+    np.testing.assert_array_equal(states[0].output[0, :6], states[7].output[0, :6])
+    end = int(states[0].lengths[0])  # the committed slots (the last token is the next root)
+    assert end == len(prompt) + 5 == int(states[7].lengths[0])
+    for a, b in zip(
+        jax.tree.leaves(states[0].draft_cache), jax.tree.leaves(states[7].draft_cache), strict=True
+    ):
+        axis = a.shape.index(shape.capacity)  # (the slots' axis of the cache's layout)
+        a, b = (np.take(np.asarray(x), np.arange(end), axis=axis) for x in (a, b))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -25,8 +25,15 @@ class Inputs:
 
 
 def check_generation_flags(args: argparse.Namespace) -> Settings:
-    """ddtree-generate's own checks (bundled pair, method, counts, sampling values): its settings."""
-    return Settings.from_flags(args)
+    """ddtree-generate's own checks (bundled pair, method, counts, sampling values): its settings. A
+    comparison runs one fixed budget (its generator is not the continuous job that chooses)."""
+    s = Settings.from_flags(args)
+    if s.auto_budgets:
+        raise DDTreeError(
+            "--budget auto: the comparisons run one fixed budget (only ddtree-generate's continuous job "
+            "chooses); give --budget N"
+        )
+    return s
 
 
 def resolved(args: argparse.Namespace, method: bool = True) -> argparse.Namespace:
