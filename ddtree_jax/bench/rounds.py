@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the target's decoder stack as one lax.scan over stacked layers (dense shapes only; "
         "default: every layer unrolled)",
     )
+    p.add_argument(
+        "--unfused-projections",
+        action="store_true",
+        help="dense shapes: q, k, v and gate, up as five weights and matmuls a layer, as HF stores them "
+        "(default: fused, one q/k/v and one gate/up matmul a layer: DenseConfig.fused_projections)",
+    )
     p.add_argument("--draft-layers", type=int, default=5, help="the drafter's depth")
     p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
     p.add_argument(
@@ -350,6 +356,8 @@ def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: repo
     if args.scan_layers:
         cfg = models.with_scan_layers(cfg)
     family = models.family(cfg)
+    if args.unfused_projections:
+        cfg = family.unfused(cfg)
     if family.ROUTED_EXPERTS:
         cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding, moe_dispatch=args.moe_dispatch)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
@@ -395,6 +403,7 @@ def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dpara
         "layer_all_reduce": not args.drop_layer_all_reduce,
         "num_layers": cfg.num_layers,
         "scan_layers": cfg.scan_layers,
+        "fused_projections": any(s.fuse for s in target.weight_specs(cfg)),
         "read_ceiling_gbs": ceiling,
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),
