@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.sharding import Placement
-from ddtree_jax.weights import Params, WeightSpec, assemble, join
+from ddtree_jax.weights import Params, WeightSpec, assemble, join, split
 
 _DTYPES = {
     "F64": np.float64,
@@ -580,12 +580,19 @@ def save_hf(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
+
+    def put(spec: WeightSpec, array: np.ndarray) -> None:
+        if spec.parts:  # a fused weight: its parts (one device's layout)
+            for part, x in zip(spec.parts, split(spec.fuse, spec.shape[-1], array), strict=True):
+                put(part, x)
+            return
+        for piece, part in zip(spec.pieces(), array if spec.stack else [array], strict=True):
+            tensors[piece.hf_name] = (part.T if spec.transpose else part).astype(dtype)
+
     for spec in specs:
         node = params
         for key in spec.path:
             node = node[key]
-        array = np.asarray(jax.device_get(node), dtype=np.float32)
-        for piece, part in zip(spec.pieces(), array if spec.stack else [array], strict=True):
-            tensors[piece.hf_name] = (part.T if spec.transpose else part).astype(dtype)
+        put(spec, np.asarray(jax.device_get(node), dtype=np.float32))
     write_safetensors(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")

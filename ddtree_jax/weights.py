@@ -101,6 +101,15 @@ def join(how: str, head_dim: int, arrays: list[jax.Array]) -> jax.Array:
     return jnp.concatenate([q, k.reshape(*lead, groups, 1, d), v.reshape(*lead, groups, 1, d)], axis=-2)
 
 
+def split(how: str, head_dim: int, array: Any) -> list[Any]:
+    """The parts of a fused weight as one device holds it (K/V heads not repeated): `join` undone."""
+    if how == "stack":
+        return [array[..., i, :] for i in range(array.shape[-2])]
+    lead, per = array.shape[:-3], array.shape[-2]
+    q = array[..., : per - 2, :].reshape(*lead, -1)
+    return [q, array[..., per - 2, :].reshape(*lead, -1), array[..., per - 1, :].reshape(*lead, -1)]
+
+
 def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:
     """An RMSNorm weight."""
     return WeightSpec(path, hf_name, (size,), (None,), is_norm=True)

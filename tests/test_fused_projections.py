@@ -141,3 +141,52 @@ def test_specs_opt_out_scan_layers_and_cache_key():
     )
     # a config made in code (training, save_hf) keeps HF's layout unless it asks
     assert not models.family(cfg).unfused(cfg).fused_projections
+
+
+@pytest.mark.parametrize("name", ["dflash_qwen3_gqa4_tp", "dflash2/qwen3_gqa4_tp"])
+def test_fused_drafter_equals_unfused(name):
+    """A drafter's context K/V and draft logits (DFlash and DFlash2 layers) from its fused weights equal
+    the unfused drafter's, float32, bit for bit on the CPU."""
+    import dataclasses
+
+    from ddtree_jax import drafter
+    from ddtree_jax.config import load_draft_config
+    from ddtree_jax.kv_cache import KVCache
+
+    tcfg, tparams = load_target(TP)
+    placement = param_sharding(make_mesh(1))
+    cfg, params = drafter.load(FIXTURES / name, tcfg, jnp.float32, placement)
+    ucfg = dataclasses.replace(load_draft_config(FIXTURES / name, tcfg), fused_projections=False)
+    ucfg, uparams = drafter.load(FIXTURES / name, tcfg, jnp.float32, placement, cfg=ucfg)
+    assert "qkv_proj" in params["layers"][0] and "q_proj" in uparams["layers"][0]
+    t = 2 * cfg.block_size
+    feats = jax.random.normal(jax.random.key(0), (2, t, len(cfg.target_layer_ids) * tcfg.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(t), (2, t))
+    got, want = (
+        drafter.context_kv(params, cfg, feats, positions),
+        drafter.context_kv(uparams, ucfg, feats, positions),
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cache = KVCache(
+        [jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2), e) for e in want], jnp.full((2,), t, jnp.int32)
+    )
+    bonus = jnp.asarray([3, 7])
+    np.testing.assert_array_equal(
+        np.asarray(drafter.draft_logits(params, cfg, tparams, bonus, cache)),
+        np.asarray(drafter.draft_logits(uparams, ucfg, tparams, bonus, cache)),
+    )
+
+
+def test_save_hf_writes_the_parts(tmp_path):
+    """save_hf of fused weights writes HF's tensors: equal to the checkpoint's."""
+    from ddtree_jax.checkpoint import save_hf
+
+    cfg, params = load_target(TP)
+    save_hf(params, target.weight_specs(cfg), tmp_path, {}, dtype=np.float32)
+    mine, theirs = Checkpoint(tmp_path), Checkpoint(FIXTURES / TP)
+    assert set(mine.where) == set(theirs.where)
+    for name in theirs.where:
+        np.testing.assert_array_equal(
+            mine.where[name].read(name), theirs.where[name].read(name), err_msg=name
+        )

@@ -164,7 +164,8 @@ def _at(tree, path):
 def test_drafter_split_like_target():
     _, dparams = load_drafter(DRAFT, tp=4)
     layer = dparams["layers"][0]
-    assert shard_shapes(layer["q_proj"]) == {(64, 128 // 4)}
+    # fused q/k/v: 8 query heads, 2 K/V heads of 16: per device one K/V head and 2 query heads
+    assert shard_shapes(layer["qkv_proj"]) == {(64, 1, 8 // 4 + 2, 16)}
     assert shard_shapes(layer["down_proj"]) == {(128 // 4, 64)}
     assert shard_shapes(dparams["fc"]) == {dparams["fc"].shape}  # replicated
 
