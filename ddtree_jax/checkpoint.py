@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.sharding import Placement
-from ddtree_jax.weights import Params, WeightSpec, assemble
+from ddtree_jax.weights import Params, WeightSpec, assemble, join, split
 
 _DTYPES = {
     "F64": np.float64,
@@ -341,7 +341,12 @@ def start_tensor(
 ) -> Reading:
     """Start reading one spec'd tensor's device blocks on `pool` (each sent to its device from the
     reading thread). Finishing waits for them: the array placed as the file stores it (`stored_spec`),
-    then transposed and converted on the devices into `spec`'s placement."""
+    then transposed and converted on the devices into `spec`'s placement. A fused weight: its parts
+    read so, then joined on the devices (`weights.join`)."""
+    if spec.parts:
+        parts = [start_tensor(ckpt, part, dtype, placement, pool) for part in spec.parts]
+        fuse = _join(spec.fuse, spec.shape[-1], placement(spec))
+        return Reading(sum(p.nbytes for p in parts), lambda: fuse([p.finish() for p in parts]))
     want = np.dtype(np.float32 if spec.float32 else dtype)
     stored = stored_spec(spec)
     pieces = [ckpt.stored(stored_spec(piece)) for piece in spec.pieces()]
@@ -368,6 +373,13 @@ def start_tensor(
         return _transform(spec.transpose, jnp.dtype(want), placement(spec))(placed)
 
     return Reading(nbytes, finish)
+
+
+@functools.cache
+def _join(how: str, head_dim: int, sharding) -> Callable[[list[jax.Array]], jax.Array]:
+    """A jitted program joining a fused weight's placed parts into its placement (`weights.join`: each
+    device joins its own blocks, no collective); one per fusion, head size and sharding."""
+    return jax.jit(functools.partial(join, how, head_dim), out_shardings=sharding)
 
 
 def _key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple:
@@ -419,7 +431,11 @@ def fingerprint(directory: Path, specs: list[WeightSpec], dtype: jnp.dtype, plac
         "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None,
         "files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files},
         "dtype": jnp.dtype(dtype).name,
-        "tensors": [[spec.hf_name, list(placement.placed_shape(spec))] for spec in specs],
+        # a fused weight also by its fusion (weights.join): its layout
+        "tensors": [
+            [spec.hf_name, list(placement.placed_shape(spec))] + ([spec.fuse] if spec.fuse else [])
+            for spec in specs
+        ],
     }
 
 
@@ -564,12 +580,19 @@ def save_hf(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
+
+    def put(spec: WeightSpec, array: np.ndarray) -> None:
+        if spec.parts:  # a fused weight: its parts (one device's layout)
+            for part, x in zip(spec.parts, split(spec.fuse, spec.shape[-1], array), strict=True):
+                put(part, x)
+            return
+        for piece, part in zip(spec.pieces(), array if spec.stack else [array], strict=True):
+            tensors[piece.hf_name] = (part.T if spec.transpose else part).astype(dtype)
+
     for spec in specs:
         node = params
         for key in spec.path:
             node = node[key]
-        array = np.asarray(jax.device_get(node), dtype=np.float32)
-        for piece, part in zip(spec.pieces(), array if spec.stack else [array], strict=True):
-            tensors[piece.hf_name] = (part.T if spec.transpose else part).astype(dtype)
+        put(spec, np.asarray(jax.device_get(node), dtype=np.float32))
     write_safetensors(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")

@@ -170,6 +170,9 @@ class DraftConfig:
     vocab_size: int
     target_architecture: str = "qwen3"  # the target's family gives the embedding and lm_head
     dflash2: DFlash2Config | None = None
+    # q/k/v and gate/up each one weight, one matmul (models/dense.py `fused`); False: HF's five weights.
+    # A drafter's config.json read gives True (load_draft_config), a config made in code False.
+    fused_projections: bool = False
 
     @property
     def depth(self) -> int:
@@ -340,6 +343,7 @@ def load_draft_config(
         dflash2=dflash2_config(raw, path, num_layers)
         if "DFlash2DraftModel" in raw.get("architectures", [])
         else None,
+        fused_projections=True,
     )
     if dims.hidden_size != target.hidden_size:
         raise DDTreeError(

@@ -8,6 +8,10 @@ The mesh has axes ("data", "model"). The batch is split over "data"; over "model
               holds K/V head j * Hkv // tp, the one its query heads [j * Hq/tp, (j+1) * Hq/tp) read.
               The placed k_proj / v_proj are then [H, tp * D]: each head repeated tp / Hkv times
               (`placed_shape`, `host_block`), a layout that is also correct GQA on one device.
+  "kv_groups" a fused q/k/v projection [H, Hkv, Hq/Hkv + 2, D] (weights.join): Hkv / tp groups of a
+              K/V head and its query heads per device; when fewer K/V heads than devices, tp groups of
+              one K/V head and Hq / tp query heads, [H, tp, Hq/tp + 2, D] (each K/V head repeated,
+              its query heads dealt out: the same heads the unfused k_proj, v_proj, q_proj give a device)
   "ff"        gate/up columns, down rows
   "vocab"     the embedding's rows and lm_head's columns (contiguous slices, in device order), padded
               with zero rows / columns to a multiple of tp (`placed_shape`, `host_block`), as vLLM and
@@ -41,7 +45,7 @@ from ddtree_jax.errors import DDTreeError
 from ddtree_jax.weights import WeightSpec
 
 DATA, MODEL = "data", "model"
-SPLIT_AXES = ("heads", "kv_heads", "ff", "vocab", "experts")  # logical axes split over "model"
+SPLIT_AXES = ("heads", "kv_heads", "kv_groups", "ff", "vocab", "experts")  # logical axes split over "model"
 
 
 def make_mesh(tp: int = 1, dp: int = 1) -> Mesh:
@@ -106,12 +110,19 @@ class Placement:
                 return n * r
             return -(-n // tp) * tp if axis == "vocab" else n
 
-        return tuple(placed(n, a) for n, a in zip(spec.shape, spec.axes, strict=True))
+        shape = tuple(placed(n, a) for n, a in zip(spec.shape, spec.axes, strict=True))
+        if "kv_groups" in spec.axes and tp > spec.heads and tp % spec.heads == 0:
+            dim = spec.axes.index("kv_groups")  # [..., groups, Hq / groups + 2, D]
+            per_group = (shape[dim + 1] - 2) * spec.heads // tp + 2
+            shape = (*shape[:dim], tp, per_group, *shape[dim + 2 :])
+        return shape
 
     def host_block(self, spec: WeightSpec, host: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
         """The block `index` of the placed array, read from the checkpoint's array `host` (only the
         block's own rows: padded vocabulary entries past the checkpoint's are zeros)."""
         r = self._kv_repeat(spec)
+        if spec.parts:
+            raise ValueError(f"{spec.hf_name}: a fused weight is read as its parts (checkpoint.start_tensor)")
         if "vocab" in spec.axes:
             dim = spec.axes.index("vocab")
             rows = range(self.placed_shape(spec)[dim])[index[dim]]  # the block's entries, padding included
@@ -139,6 +150,13 @@ class Placement:
             dim = spec.axes.index("kv_heads")
             split = whole.shape[:dim] + (spec.heads, spec.shape[dim] // spec.heads) + whole.shape[dim + 1 :]
             whole = jnp.repeat(whole.reshape(split), r, axis=dim).reshape(self.placed_shape(spec))
+        groups = self.placed_shape(spec)[spec.axes.index("kv_groups")] if "kv_groups" in spec.axes else 0
+        if groups > spec.heads:  # K/V heads repeated, each group's query heads dealt out over its repeats
+            dim, per, g = spec.axes.index("kv_groups"), groups // spec.heads, whole.shape[-2] - 2
+            lead = whole.shape[:dim]
+            q = whole[..., :g, :].reshape(*lead, groups, g // per, whole.shape[-1])
+            kv = jnp.repeat(whole[..., g:, :], per, axis=dim)
+            whole = jnp.concatenate([q, kv], axis=-2)
         return jax.device_put(whole, self(spec))
 
     def __call__(self, spec: WeightSpec) -> NamedSharding:

@@ -86,5 +86,7 @@ def load(
         return cfg, params
     params = quant_load.load_params(directory, specs, cfg.quantization, dtype, sharding, dequantize)
     check_finite(directory, params, specs)
-    # expanded: the config says so (plans compiled for quantized params are keyed by it)
-    return (dataclasses.replace(cfg, quantization=None) if dequantize else cfg), params
+    # expanded: the config says so (plans compiled for quantized params are keyed by it); their
+    # weights as stored, unfused (`Family.unfused`)
+    expanded = models.family(cfg).unfused(dataclasses.replace(cfg, quantization=None))
+    return (expanded if dequantize else cfg), params

@@ -28,6 +28,11 @@ class WeightSpec:
     heads: int = 0  # attention heads along the "heads" / "kv_heads" axis (0: none)
     stack: tuple[str, ...] = ()  # several HF tensors stacked on a new leading axis (hf_name: the first)
     float32: bool = False  # kept in float32 whatever the model's dtype (DeepSeek-V3's router, as HF keeps it)
+    # A fused weight: the specs of the weights it joins (each loaded, placed and checked as its own spec,
+    # then joined on the devices by `join`; hf_name: the first part's) and how they join: "qkv" (q, k, v
+    # projections as [H, K/V groups, query heads per group + 2, D]: `join`) or "stack" (on axis -2).
+    parts: tuple[WeightSpec, ...] = ()
+    fuse: str = ""
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -36,7 +41,10 @@ class WeightSpec:
         return shape[::-1] if self.transpose else shape
 
     def pieces(self) -> list[WeightSpec]:
-        """The specs of the stacked HF tensors, in stacking order ([self] when nothing is stacked)."""
+        """The specs of the stacked HF tensors, in stacking order ([self] when nothing is stacked); of
+        a fused weight, its parts' pieces in order."""
+        if self.parts:
+            return [piece for part in self.parts for piece in part.pieces()]
         if not self.stack:
             return [self]
         one = dataclasses.replace(self, shape=self.shape[1:], axes=self.axes[1:], stack=())
@@ -61,6 +69,45 @@ def stacked_linear(
     """nn.Linear weights of several HF tensors (one per expert) stacked as [len(hf_names), in, out]."""
     shape = (len(hf_names), d_in, d_out)
     return WeightSpec(path, hf_names[0], shape, axes, transpose=True, stack=tuple(hf_names))
+
+
+def fused_weight(
+    path: Path_, parts: list[WeightSpec], how: str, shape: tuple[int, ...], axes: tuple
+) -> WeightSpec:
+    """One weight of our layout `shape` joined from the weights `parts` as `how` says (`join`)."""
+    heads = shape[axes.index("kv_groups")] if "kv_groups" in axes else 0
+    return WeightSpec(path, parts[0].hf_name, shape, axes, heads=heads, parts=tuple(parts), fuse=how)
+
+
+def join(how: str, head_dim: int, arrays: list[jax.Array]) -> jax.Array:
+    """A fused weight of its parts' arrays (placed: K/V heads already repeated, each device's block its
+    own), in a layout whose every device block holds its own heads / columns of every part:
+
+    "qkv":   q [..., H, Hq * D], k and v [..., H, Hkv * D] -> [..., H, Hkv, Hq / Hkv + 2, D]: per K/V head
+             its query heads, then k, then v (q heads in HF's order: head h reads K/V head h // (Hq / Hkv))
+    "stack": [..., H, F] each -> [..., H, n, F]
+
+    A device's block [..., H, n_local, ...] reshapes to one [H, N] matrix for free: one matmul.
+    `head_dim`: D (the fused spec's last dim)."""
+    if how == "stack":
+        return jnp.stack(arrays, axis=-2)
+    if how != "qkv":
+        raise ValueError(f"unknown fusion {how!r}")
+    q, k, v = arrays
+    d = head_dim
+    groups = k.shape[-1] // d
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, groups, q.shape[-1] // (groups * d), d)
+    return jnp.concatenate([q, k.reshape(*lead, groups, 1, d), v.reshape(*lead, groups, 1, d)], axis=-2)
+
+
+def split(how: str, head_dim: int, array: Any) -> list[Any]:
+    """The parts of a fused weight as one device holds it (K/V heads not repeated): `join` undone."""
+    if how == "stack":
+        return [array[..., i, :] for i in range(array.shape[-2])]
+    lead, per = array.shape[:-3], array.shape[-2]
+    q = array[..., : per - 2, :].reshape(*lead, -1)
+    return [q, array[..., per - 2, :].reshape(*lead, -1), array[..., per - 1, :].reshape(*lead, -1)]
 
 
 def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:
@@ -91,25 +138,31 @@ def stack_layers(specs: Iterable[WeightSpec]) -> list[WeightSpec]:
         if rest is None or rest not in groups:
             merged.append(spec)
             continue
-        layers = groups[rest]
-        if [s.path[1] for s in layers] != list(range(len(layers))):
-            raise ValueError(f"{spec.hf_name}: layers {[s.path[1] for s in layers]} are not 0..L-1 in order")
-        if any(
-            (s.shape, s.axes, s.transpose, s.heads, s.float32)
-            != (spec.shape, spec.axes, spec.transpose, spec.heads, spec.float32)
-            for s in layers
-        ):
-            raise ValueError(f"{spec.hf_name}: layers differ in shape or layout, cannot be stacked")
-        merged.append(
-            dataclasses.replace(
-                spec,
-                path=("layers", *rest),
-                shape=(len(layers), *spec.shape),
-                axes=(None, *spec.axes),
-                stack=tuple(s.hf_name for s in layers),
-            )
-        )
+        merged.append(_merge_layers(groups[rest]))
     return merged
+
+
+def _merge_layers(layers: list[WeightSpec]) -> WeightSpec:
+    """One spec [L, ...] of a weight's per-layer specs (layers 0..L-1; a fused weight's parts merged
+    part by part)."""
+    spec = layers[0]
+    if [s.path[1] for s in layers] != list(range(len(layers))):
+        raise ValueError(f"{spec.hf_name}: layers {[s.path[1] for s in layers]} are not 0..L-1 in order")
+    if any(
+        (s.shape, s.axes, s.transpose, s.heads, s.float32, s.fuse)
+        != (spec.shape, spec.axes, spec.transpose, spec.heads, spec.float32, spec.fuse)
+        for s in layers
+    ):
+        raise ValueError(f"{spec.hf_name}: layers differ in shape or layout, cannot be stacked")
+    parts = tuple(_merge_layers([s.parts[j] for s in layers]) for j in range(len(spec.parts)))
+    return dataclasses.replace(
+        spec,
+        path=("layers", *spec.path[2:]),
+        shape=(len(layers), *spec.shape),
+        axes=(None, *spec.axes),
+        stack=tuple(s.hf_name for s in layers),
+        parts=parts,
+    )
 
 
 def set_path(tree: Params, path: Path_, value: Any) -> None:

@@ -210,9 +210,8 @@ def test_orbax_round_trip(tmp_path):
     _, params = load_target("qwen3_gqa1")
     save_converted(params, tmp_path / "conv")
     restored = restore_converted(tmp_path / "conv", params)
-    for a, b in zip(
-        np.asarray(params["layers"][2]["q_proj"]), np.asarray(restored["layers"][2]["q_proj"]), strict=True
-    ):
+    saved, back = params["layers"][2]["qkv_proj"], restored["layers"][2]["qkv_proj"]
+    for a, b in zip(np.asarray(saved), np.asarray(back), strict=True):
         np.testing.assert_array_equal(a, b)
     assert restored["embed"].shape == params["embed"].shape
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import drafter, target, train
-from ddtree_jax.config import DFlash2Config
+from ddtree_jax.config import DFlash2Config, load_draft_config
 from ddtree_jax.kv_cache import write
 from ddtree_jax.models.gqa import empty_cache
 from ddtree_jax.weights import random_params
@@ -92,7 +92,8 @@ def test_written_checkpoint_loads_back(tmp_path):
     config = train.draft_hf_config(dcfg, tcfg)
     assert config["architectures"] == ["DFlash2DraftModel"] and "is_causal" not in config
     save_hf(params, drafter.weight_specs(dcfg), tmp_path, config, dtype=ml_dtypes.bfloat16)
-    cfg, loaded = drafter.load(tmp_path, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)))
+    unfused = dataclasses.replace(load_draft_config(tmp_path, tcfg), fused_projections=False)  # dcfg's layout
+    cfg, loaded = drafter.load(tmp_path, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)), cfg=unfused)
     assert cfg.dflash2 == dcfg.dflash2 and cfg.block_size == dcfg.block_size
     as_bf16 = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)), params)
     jax.tree.map(np.testing.assert_array_equal, as_bf16, jax.tree.map(np.asarray, loaded))

@@ -36,8 +36,8 @@ def test_loader_stacks_every_layer_weight(name):
             np.testing.assert_array_equal(np.asarray(w[i]), np.asarray(params["layers"][i][name_]))
     specs = target.weight_specs(scfg)
     stacked = {s.path[1]: s for s in specs if s.path[0] == "layers"}
-    assert stacked["q_proj"].stack == tuple(
-        f"model.layers.{i}.self_attn.q_proj.weight" for i in range(cfg.num_layers)
+    assert stacked["o_proj"].stack == tuple(
+        f"model.layers.{i}.self_attn.o_proj.weight" for i in range(cfg.num_layers)
     )
     assert all(s.axes[0] is None for s in stacked.values())
 

@@ -187,7 +187,9 @@ def _bf16_exact(params):
 
 def test_hf_writer_round_trips(tmp_path):
     tcfg, dcfg = tiny_pair()
-    tcfg = dataclasses.replace(tcfg, eos_token_ids=(0,))
+    # fused projections, as a checkpoint's config reads: save_hf writes HF's tensors of them
+    tcfg = dataclasses.replace(tcfg, eos_token_ids=(0,), fused_projections=True)
+    dcfg = dataclasses.replace(dcfg, fused_projections=True)
     tparams = _bf16_exact(random_params(target.weight_specs(tcfg), 0, jnp.float32))
     dparams = _bf16_exact(random_params(drafter.weight_specs(dcfg), 1, jnp.float32))
     save_hf(tparams, target.weight_specs(tcfg), tmp_path / "t", train.target_hf_config(tcfg))

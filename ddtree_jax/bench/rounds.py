@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the target's decoder stack as one lax.scan over stacked layers (dense shapes only; "
         "default: every layer unrolled)",
     )
+    p.add_argument(
+        "--unfused-projections",
+        action="store_true",
+        help="the drafter's layers and a dense target's: q, k, v and gate, up as five weights and matmuls "
+        "a layer, as HF stores them (default: fused, one q/k/v and one gate/up matmul a layer)",
+    )
     p.add_argument("--draft-layers", type=int, default=5, help="the drafter's depth")
     p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
     p.add_argument(
@@ -350,6 +356,8 @@ def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: repo
     if args.scan_layers:
         cfg = models.with_scan_layers(cfg)
     family = models.family(cfg)
+    if args.unfused_projections:  # the drafter's too (below)
+        cfg = family.unfused(cfg)
     if family.ROUTED_EXPERTS:
         cfg = dataclasses.replace(cfg, moe_sharding=args.moe_sharding, moe_dispatch=args.moe_dispatch)
     dcfg = draft_shape(cfg, args.draft_layers, args.block_size)
@@ -359,6 +367,8 @@ def run(args: argparse.Namespace, grid: Grid, command: list[str], deadline: repo
             2, 16, 256, 16, sliding_window=2048, sliding=(True,) * layers, causal=(False,) * layers
         )
         dcfg = dataclasses.replace(dcfg, dflash2=dflash2)
+    if args.unfused_projections:
+        dcfg = dataclasses.replace(dcfg, fused_projections=False)
     family.check_divisible(cfg, args.tp)
     drafter.check_divisible(dcfg, args.tp)
     place = None if args.tp == 1 else param_sharding(make_mesh(args.tp)).place
@@ -395,6 +405,8 @@ def _sweep(args, grid: Grid, cfg: TargetConfig, dcfg: DraftConfig, params, dpara
         "layer_all_reduce": not args.drop_layer_all_reduce,
         "num_layers": cfg.num_layers,
         "scan_layers": cfg.scan_layers,
+        "fused_projections": any(s.fuse for s in target.weight_specs(cfg)),
+        "draft_fused_projections": dcfg.fused_projections,
         "read_ceiling_gbs": ceiling,
         "target_weight_bytes": weight_bytes(params),
         "draft_weight_bytes": weight_bytes(dparams),

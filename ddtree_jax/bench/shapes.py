@@ -28,4 +28,5 @@ def draft_shape(cfg: TargetConfig, layers: int, block_size: int) -> DraftConfig:
         tuple(min(max(i, 0), cfg.num_layers - 1) for i in default_target_layer_ids(cfg.num_layers, layers)),
         cfg.vocab_size,
         cfg.architecture,
+        fused_projections=True,
     )

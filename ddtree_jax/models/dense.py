@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import LayerDims, RopeConfig, TargetConfig, hf_dims, hf_rope, positive_field
 from ddtree_jax.models import common, gqa
-from ddtree_jax.models.common import ForwardOutput, all_reduce, rms_norm, rope_tables, swiglu
+from ddtree_jax.models.common import ForwardOutput, all_reduce, matmul, rms_norm, rope_tables, swiglu
 from ddtree_jax.models.family import Family
 from ddtree_jax.sharding import check_divisible as check_dims
-from ddtree_jax.weights import Params, WeightSpec, linear, norm, stack_layers
+from ddtree_jax.weights import Params, WeightSpec, fused_weight, linear, norm, stack_layers
 
 # ffn(p, h) -> [B, T, H], all-reduced: the feed-forward branch of one layer on its normed input.
 FFN = Callable[[dict, jax.Array], jax.Array]
@@ -32,6 +32,9 @@ class DenseConfig(TargetConfig):
     """A target of GQA layers (Qwen3ForCausalLM, LlamaForCausalLM; Qwen3-MoE extends it)."""
 
     dims: LayerDims = dataclasses.field(kw_only=True)  # every layer's attention and MLP shape
+    # q/k/v and gate/up projections each as one weight, one matmul (`fused`); False: five matmuls, as
+    # HF stores them. A checkpoint's config has True (config_from_hf), a config made in code False.
+    fused_projections: bool = dataclasses.field(default=False, kw_only=True)
 
     @property
     def hidden_size(self) -> int:
@@ -51,17 +54,34 @@ def config_from_hf(raw: dict[str, Any], path: Path, arch: str, eos: tuple[int, .
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         max_position_embeddings=positive_field(raw, "max_position_embeddings", path),
         eos_token_ids=eos,
+        fused_projections=True,
     )
 
 
-def mlp_specs(prefix: str, path: tuple, hidden: int, ff: int) -> list[WeightSpec]:
-    """The SwiGLU MLP of one layer (hidden -> ff -> hidden); columns split over "ff"."""
+def fused(cfg: DenseConfig) -> bool:
+    """Whether the layers' q/k/v and gate/up weights are fused (`DenseConfig.fused_projections`):
+    unquantized weights only (FP8 and INT4 ones stay as stored, one matmul each)."""
+    return cfg.fused_projections and cfg.quantization is None
+
+
+def unfused(cfg: DenseConfig) -> DenseConfig:
+    """The config with q/k/v and gate/up as five weights (HF's layout): the opt-out."""
+    return dataclasses.replace(cfg, fused_projections=False)
+
+
+def mlp_specs(prefix: str, path: tuple, hidden: int, ff: int, fuse: bool = False) -> list[WeightSpec]:
+    """The SwiGLU MLP of one layer (hidden -> ff -> hidden); columns split over "ff". `fuse`: gate and up
+    as one weight "gate_up_proj" [H, 2, F] (`weights.join`), one matmul."""
     h, mlp = hidden, prefix + "mlp."
-    return [
-        linear((*path, "gate_proj"), mlp + "gate_proj.weight", h, ff, (None, "ff")),
-        linear((*path, "up_proj"), mlp + "up_proj.weight", h, ff, (None, "ff")),
-        linear((*path, "down_proj"), mlp + "down_proj.weight", ff, h, ("ff", None)),
-    ]
+    gate = linear((*path, "gate_proj"), mlp + "gate_proj.weight", h, ff, (None, "ff"))
+    up = linear((*path, "up_proj"), mlp + "up_proj.weight", h, ff, (None, "ff"))
+    down = linear((*path, "down_proj"), mlp + "down_proj.weight", ff, h, ("ff", None))
+    if fuse:
+        return [
+            fused_weight((*path, "gate_up_proj"), [gate, up], "stack", (h, 2, ff), (None, None, "ff")),
+            down,
+        ]
+    return [gate, up, down]
 
 
 def norm_specs(prefix: str, path: tuple, h: int) -> list[WeightSpec]:
@@ -72,18 +92,25 @@ def norm_specs(prefix: str, path: tuple, h: int) -> list[WeightSpec]:
     ]
 
 
-def layer_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
-    """The weights of one dense decoder layer; HF names under `prefix` (e.g. 'model.layers.3.')."""
+def layer_specs(prefix: str, path: tuple, dims: LayerDims, fuse: bool = False) -> list[WeightSpec]:
+    """The weights of one dense decoder layer; HF names under `prefix` (e.g. 'model.layers.3.');
+    `fuse`: q/k/v and gate/up fused (`fused`)."""
     return (
         norm_specs(prefix, path, dims.hidden_size)
-        + gqa.attention_specs(prefix, path, dims)
-        + mlp_specs(prefix, path, dims.hidden_size, dims.intermediate_size)
+        + gqa.attention_specs(prefix, path, dims, fuse)
+        + mlp_specs(prefix, path, dims.hidden_size, dims.intermediate_size, fuse)
     )
 
 
 def mlp(p: dict, x: jax.Array, model_axis: Axis = None) -> jax.Array:
-    """SwiGLU feed-forward (columns split over `model_axis`: partial sums all-reduced)."""
-    return all_reduce(swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]), model_axis)
+    """SwiGLU feed-forward (columns split over `model_axis`: partial sums all-reduced); a fused
+    "gate_up_proj" [H, 2, F_local] is one matmul."""
+    if "gate_up_proj" not in p:
+        return all_reduce(swiglu(x, p["gate_proj"], p["up_proj"], p["down_proj"]), model_axis)
+    w = p["gate_up_proj"]
+    gate_up = (x @ w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], 2, w.shape[-1])
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    return all_reduce(matmul(jax.nn.silu(gate) * up, p["down_proj"]), model_axis)
 
 
 def decoder_layer(
@@ -117,7 +144,7 @@ def weight_specs(cfg: DenseConfig) -> list[WeightSpec]:
     """Every target weight with its HF name; lm_head only when embeddings are untied."""
     specs = common.head_specs(cfg.vocab_size, cfg.dims.hidden_size, cfg.tie_word_embeddings)
     for i in range(cfg.num_layers):
-        specs += layer_specs(f"model.layers.{i}.", ("layers", i), cfg.dims)
+        specs += layer_specs(f"model.layers.{i}.", ("layers", i), cfg.dims, fused(cfg))
     return stack_layers(specs) if cfg.scan_layers else specs
 
 
@@ -199,7 +226,7 @@ def _dims(hidden, ff, heads, kv_heads, head_dim, qk_norm) -> LayerDims:
 def _shape(
     arch: str, vocab: int, layers: int, dims: LayerDims, rope: RopeConfig, max_pos: int, tied: bool = False
 ) -> DenseConfig:
-    return DenseConfig(arch, vocab, layers, rope, tied, max_pos, dims=dims)
+    return DenseConfig(arch, vocab, layers, rope, tied, max_pos, dims=dims, fused_projections=True)
 
 
 FAMILY = Family(
@@ -217,6 +244,7 @@ FAMILY = Family(
     ignored_tensors=common.ignored_tensors,
     heads_per_device=heads_per_device,
     draft_dims=draft_dims,
+    unfused=unfused,
     ATTENTION="gqa",
     PAD_ONE_ROW_AR=True,  # a one-row ar step runs as two rows: XLA's two-row matmuls read faster
     ROUTED_EXPERTS=False,  # dense layers: the default ddtree budgets of budgets.DEFAULT_BUDGETS

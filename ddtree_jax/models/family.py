@@ -51,6 +51,9 @@ class Family:
     CUDNN_PREFILL        whether its prefill chunks may use cuDNN attention (GQA layers, `cfg.dims`)
     QUANTIZED_FORMATS    the quantization schemes (quant.formats types) its forward reads as stored
     SHAPES               benchmark shapes: name -> config (`ddtree-bench --shape`)
+    unfused              cfg -> the config whose weights are as the checkpoint stores them, one matmul per
+                         HF tensor (dense: q/k/v and gate/up unfused; others: cfg itself): the opt-out
+                         of fused projections, and the layout quantized weights keep
     """
 
     name: str
@@ -73,6 +76,7 @@ class Family:
     CUDNN_PREFILL: bool
     QUANTIZED_FORMATS: tuple[type, ...] = ()
     SHAPES: Mapping[str, TargetConfig] = dataclasses.field(default_factory=dict)
+    unfused: Callable[[Any], Any] = lambda cfg: cfg
 
     def __post_init__(self):
         for name in ("architectures", "SHAPES"):  # read-only copies: a family is fixed once made

@@ -20,7 +20,7 @@ from ddtree_jax.config import LayerDims
 from ddtree_jax.kernels.tree_attention import tree_attention_reference
 from ddtree_jax.models.common import all_reduce, apply_rope, rms_norm
 from ddtree_jax.sharding import DATA, MODEL
-from ddtree_jax.weights import WeightSpec, linear, norm
+from ddtree_jax.weights import WeightSpec, fused_weight, linear, norm
 
 # attend(q, k_new, v_new) -> [B, T, Hq, D]: the caller closes over the cache and the mask.
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -100,16 +100,24 @@ def empty_cache(
     return KVCache(layers, jnp.zeros((batch,), jnp.int32))
 
 
-def attention_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpec]:
-    """q/k/v/o projections (and Qwen3's q/k norms) of one layer; HF names under `prefix` + 'self_attn.'."""
+def attention_specs(prefix: str, path: tuple, dims: LayerDims, fuse: bool = False) -> list[WeightSpec]:
+    """q/k/v/o projections (and Qwen3's q/k norms) of one layer; HF names under `prefix` + 'self_attn.'.
+    `fuse`: q, k and v as one weight "qkv_proj" [H, Hkv, Hq / Hkv + 2, D] (`weights.join`; axis
+    "kv_groups": sharding.py), which `project_qkv` applies as one matmul."""
     h, hq, hkv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     attn = prefix + "self_attn."
-    specs = [
+    q, k, v = (
         linear((*path, "q_proj"), attn + "q_proj.weight", h, hq, (None, "heads"), dims.num_heads),
         linear((*path, "k_proj"), attn + "k_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
         linear((*path, "v_proj"), attn + "v_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
-        linear((*path, "o_proj"), attn + "o_proj.weight", hq, h, ("heads", None), dims.num_heads),
-    ]
+    )
+    if fuse:
+        group = dims.num_heads // dims.num_kv_heads + 2
+        shape = (h, dims.num_kv_heads, group, dims.head_dim)
+        specs = [fused_weight((*path, "qkv_proj"), [q, k, v], "qkv", shape, (None, "kv_groups", None, None))]
+    else:
+        specs = [q, k, v]
+    specs.append(linear((*path, "o_proj"), attn + "o_proj.weight", hq, h, ("heads", None), dims.num_heads))
     if dims.qk_norm:
         specs += [
             norm((*path, "q_norm"), attn + "q_norm.weight", dims.head_dim),
@@ -118,8 +126,30 @@ def attention_specs(prefix: str, path: tuple, dims: LayerDims) -> list[WeightSpe
     return specs
 
 
+def project_qkv(
+    p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]
+) -> tuple[jax.Array, KVEntry]:
+    """Q [B, T, Hq, D] and the K/V entry [B, T, Hkv, D] of x (normed, rotated; the heads this device
+    holds): one matmul of a fused "qkv_proj" [H, Hkv, Hq / Hkv + 2, D], else `project_q`, `project_kv`."""
+    if "qkv_proj" not in p:
+        return project_q(p, x, dims, rope), project_kv(p, x, dims, rope)
+    b, t, h = x.shape
+    w = p["qkv_proj"]  # this device's groups [H, G_local, Hq_group + 2, D]
+    groups, per, d = w.shape[1:]
+    qkv = (x @ w.reshape(h, -1)).reshape(b, t, groups, per, d)
+    q = qkv[:, :, :, : per - 2].reshape(b, t, groups * (per - 2), d)
+    k, v = qkv[:, :, :, per - 2], qkv[:, :, :, per - 1]
+    if dims.qk_norm:
+        q = rms_norm(q, p["q_norm"], dims.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], dims.rms_norm_eps)
+    return apply_rope(q, *rope), KVEntry(apply_rope(k, *rope), v)
+
+
 def project_kv(p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]) -> KVEntry:
-    """K (normed, rotated) and V of x: [B, T, Hkv, D] each (Hkv: the heads this device holds)."""
+    """K (normed, rotated) and V of x: [B, T, Hkv, D] each (Hkv: the heads this device holds); a fused
+    "qkv_proj" computes the query heads too (and drops them)."""
+    if "qkv_proj" in p:
+        return project_qkv(p, x, dims, rope)[1]
     b, t, _ = x.shape
     k = (x @ p["k_proj"]).reshape(b, t, -1, dims.head_dim)
     v = (x @ p["v_proj"]).reshape(b, t, -1, dims.head_dim)
@@ -147,8 +177,7 @@ def attention(
 ) -> tuple[jax.Array, KVEntry]:
     """Self-attention of normed h [B, T, H] -> (output [B, T, H] all-reduced, the new K/V entry)."""
     b, t, _ = h.shape
-    q = project_q(p, h, dims, rope)
-    entry = project_kv(p, h, dims, rope)
+    q, entry = project_qkv(p, h, dims, rope)
     out = attend(q, entry.k, entry.v).reshape(b, t, -1)
     return all_reduce(out @ p["o_proj"], model_axis), entry
 
