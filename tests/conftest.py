@@ -1,33 +1,26 @@
-"""Shared test set-up: 8 fake CPU devices, a shared compilation cache, exact float32 matmuls, fixture
-loading helpers; tests marked own_process run in a process of their own."""
+"""Shared test set-up: 8 fake CPU devices, no persistent compilation cache, exact float32 matmuls,
+fixture loading helpers; tests marked own_process run in a process of their own."""
 
 import os
-import tempfile
 
 # XLA's CPU backend at optimisation level 0 (LLVM's cheapest code generation): the suite is bound by
 # compiling programs, and at level 0 its 878 tests took 0.73x the CPU seconds of the default level on
 # the 2-core development VM (2026-12-03, docs/job-cost.md "The test suite"); the tests' float32
-# comparisons hold at either level. (Workers crashed in executable.serialize(), below, at both alike.)
+# comparisons hold at either level.
 XLA_OPTIMISATION = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {XLA_OPTIMISATION}")
-# JAX's persistent compilation cache, one per pytest-xdist worker (shared with the CLI subprocesses its
-# tests start): many tests build the same programs afresh (new jitted closures over the same fixtures).
-# Workers crashed a few times per thousand test runs with SIGSEGV or SIGABRT inside jaxlib's
-# executable.serialize() writing this cache (docs/job-cost.md); no worker reads a file another one is
-# writing. Serialising in forked children (compile_cache.contain_writes) was tried on 2026-12-07: the
-# workers then crashed three times in one run inside XLA's compiler itself, so it is off again and the
-# rerun plugin (pyproject) reruns a crashed worker's test once. The compiled programs kept by
-# executables.py are off here (DDTREE_EXECUTABLES; test_compile_cache turns them on): more
-# serialisations, more such crashes. (Jax's Mosaic GPU interpreter's tests run in processes of their
+# JAX's persistent compilation cache is off in the suite and in the processes its tests start
+# (JAX_ENABLE_COMPILATION_CACHE=false, which compile_cache.enable(None), so every command, honours;
+# tests/test_compile_cache.py turns it on in its own directories). Measured over one full run with
+# tests/compile_stats.py (docs/job-cost.md "The test suite", 2026-12-07): hits were rare, the programs
+# they saved took less to compile than the run spent writing entries, and the workers crashed inside
+# XLA deserialising entries (SIGSEGV, SIGABRT in get_executable_and_time) and serialising them
+# (executable.serialize()). The directory it used to set was shared by both pytest-xdist workers of
+# every run on the machine: the controller imports this file first, and the workers inherit its
+# environment. The compiled programs kept by executables.py are off too (DDTREE_EXECUTABLES;
+# test_compile_cache turns them on). (Jax's Mosaic GPU interpreter's tests run in processes of their
 # own: `own_process` below.)
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(
-        tempfile.gettempdir(),
-        f"ddtree-jax-tests-{os.getuid()}-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}",
-    ),
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 os.environ.setdefault("DDTREE_EXECUTABLES", "off")
 
 import functools  # noqa: E402

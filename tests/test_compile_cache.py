@@ -21,7 +21,7 @@ SETTINGS = (
 
 @pytest.fixture(autouse=True)
 def restore_jax_cache():
-    """Each test leaves JAX's cache as the suite set it (conftest's directory)."""
+    """Each test leaves JAX's cache as the suite set it (off: conftest)."""
     before = {name: getattr(jax.config, name) for name in SETTINGS}
     yield
     for name, value in before.items():
@@ -169,8 +169,9 @@ def test_write_failure_is_dropped(tmp_path, events, capsys):
 
 
 def test_environment_directory_wins_over_default_not_flag(tmp_path, monkeypatch):
-    """JAX_COMPILATION_CACHE_DIR (the suite's own, here) is used as is when no flag is given; the
+    """JAX_COMPILATION_CACHE_DIR (a directory of the test's, here) is used as is when no flag is given; the
     flag's directory wins over it; the environment's minimum compile time is kept."""
+    monkeypatch.delenv(compile_cache.ENV_ENABLE, raising=False)  # (conftest turns the cache off)
     monkeypatch.setenv(compile_cache.ENV_DIR, str(tmp_path / "env"))
     monkeypatch.setenv(compile_cache.ENV_MIN_SECONDS, "0.7")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.7)
@@ -184,6 +185,7 @@ def test_environment_directory_wins_over_default_not_flag(tmp_path, monkeypatch)
 
 def test_default_directory_and_minimum(tmp_path, monkeypatch):
     """No flag, no environment: $XDG_CACHE_HOME/ddtree-jax/xla, programs over 0.1 s kept."""
+    monkeypatch.delenv(compile_cache.ENV_ENABLE, raising=False)
     monkeypatch.delenv(compile_cache.ENV_DIR, raising=False)
     monkeypatch.delenv(compile_cache.ENV_MIN_SECONDS, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
