@@ -254,6 +254,8 @@ def _check_settings(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     keys = SETTINGS
     if not stored.get("dtype") == settings.get("dtype") == "float32":
         keys += SCHEDULE_SETTINGS
+    elif stored.get("auto_budgets") or settings.get("auto_budgets"):  # (every budget's float32 tokens
+        keys = tuple(k for k in keys if k not in ("budget", "branching"))  # are the same: --budget auto)
     diff = [k for k in keys if stored.get(k, ADDED_SETTINGS.get(k)) != settings.get(k)]
     if diff:
         what = ", ".join(_flag(k, stored.get(k, ADDED_SETTINGS.get(k)), settings.get(k)) for k in diff)

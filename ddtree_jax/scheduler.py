@@ -133,7 +133,7 @@ class Generator:
         self.plan, self.dtype = dataclasses.replace(plan, attention=impl), params["embed"].dtype
         self.programs = Programs(params, draft_params, self.plan, self.schedule.chunk, self._prefill_impl())
         self.generate_seconds = 0.0
-        self.warmup_seconds = 0.0  # the device job's first call, which runs no round (`_warm_up`)
+        self.warmup_seconds = 0.0  # the device job's warm-up calls, outside the generation (`_warm_up`)
         self.occupancy = Occupancy()
         self.stepper = HostStepper(self.programs, timed=self.schedule.host_stepped)
         self.rows_run = 0  # B of the last run

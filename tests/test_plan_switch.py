@@ -211,9 +211,13 @@ def test_stand_ins_scale_the_reference_budgets_by_the_anchor():
 def test_resume_holds_budget_auto_in_bfloat16(tmp_path, dtype, refused, before, now):
     """--resume between --budget auto and a fixed budget (before: None, a sidecar from before
     auto_budgets was recorded): refused in bfloat16, naming --budget, as the other schedule settings;
-    continued in float32, where every budget gives the same tokens."""
+    continued in float32, where every budget gives the same tokens, whatever fixed budget the file was
+    made with (an auto run records its batch size's default budget)."""
     base = settings.Settings(target="t", draft="d", method="ddtree", budget=7, branching=7, dtype=dtype)
-    stored = dataclasses.replace(base, auto_budgets=before or ()).record()
+    fixed = 3 if dtype == "float32" else 7  # (in float32 the fixed run's budget differs from auto's)
+    stored = dataclasses.replace(
+        base, auto_budgets=before or (), **({} if before else {"budget": fixed, "branching": fixed})
+    ).record()
     if before is None:
         del stored["auto_budgets"]
     out = tmp_path / "o.jsonl"

@@ -48,7 +48,8 @@ def config_from_hf(
     base = dense.config_from_hf(raw, path, "qwen3", eos)
     experts = raw.get("num_experts", raw.get("num_local_experts"))
     routed = moe.routed_fields(raw, path, experts, False, moe_sharding, Qwen3MoeConfig.EXPERTS_FIELD)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)} | {"architecture": arch}
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    fields |= {"architecture": arch, "fused_projections": False}  # (its specs keep q/k/v apart: not fused)
     return Qwen3MoeConfig(
         **fields,
         **routed,
