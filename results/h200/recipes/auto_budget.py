@@ -16,60 +16,28 @@ against ddtree 7's observed mean acceptance).
 """
 
 import json
-import os
-import time
-from pathlib import Path
 
-import jax
+from timed_llm import Recipe, timed
 
 from ddtree_jax import plan_choice
 from ddtree_jax.api import LLM
 
-OUT = Path(os.environ.get("OUT", "/tmp/auto-budget"))
-OUT.mkdir(parents=True, exist_ok=True)
-PROMPTS = Path(__file__).resolve().parents[3] / "results" / "heldout-prompts-96.jsonl"
-QUICK = os.environ.get("QUICK")  # 8 prompts x 8 tokens, reference attention, batch 4
-DEADLINE_S = float(os.environ.get("DEADLINE_S", "200"))
-texts = [json.loads(x)["prompt"] for x in PROMPTS.open()]
-new, attention = (8, "reference") if QUICK else (128, "auto")
-batches = (4,) if QUICK else tuple(int(b) for b in os.environ.get("BATCHES", "16,64").split(","))
-report: dict = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), "runs": []}
-report["skipped"] = []
-begin = time.perf_counter()
-
-
-def save():
-    (OUT / "auto_budget.json").write_text(json.dumps(report, indent=1))
-
-
-for batch in batches:
-    n = 8 if QUICK else (96 if batch <= 16 else 256)
+recipe = Recipe("auto-budget", "16,64")
+report = recipe.report
+for batch in recipe.batches:
+    n = 8 if recipe.quick else (96 if batch <= 16 else 256)
     ids = {}
     for name, kw in (("ar", {"method": "ar"}), ("ddtree-7", {"budget": 7}), ("auto", {"budget": "auto"})):
-        if time.perf_counter() - begin > DEADLINE_S:
-            report["skipped"].append(f"{name} batch {batch}")
+        if recipe.late(f"{name} batch {batch}"):
             continue
-        llm = LLM(batch_size=batch, max_new_tokens=new, attention=attention, **kw)
-        prompts = llm.prompts((texts * 3)[:n])
+        llm = LLM(batch_size=batch, max_new_tokens=recipe.new, attention=recipe.attention, **kw)
         gen, choosers = llm.generator, []
         if gen.schedule.auto_budgets:
             make = gen.make_chooser
             gen.make_chooser = lambda make=make, kept=choosers: kept.append(make()) or kept[-1]
-        list(llm.run(prompts))  # compiles, warms
-        times = []
-        for _ in range(2):
-            gen.generate_seconds = 0.0
-            results = sorted(llm.run(prompts), key=lambda r: (r.id, r.index))
-            times.append(gen.generate_seconds)
-        tokens = sum(len(r.output_ids) for r in results)
+        results, row = timed(llm, llm.prompts((recipe.texts * 3)[:n]), name, batch)
         accepted = [a for r in results for a in r.acceptance_lengths]
-        row = {
-            "plan": name, "batch_size": batch, "prompts": n, "tokens": tokens,
-            "generate_s": [round(t, 4) for t in times], "tok_s": round(tokens / min(times), 1),
-            "mean_acceptance": round(sum(accepted) / len(accepted), 4),
-            "compile_s": round(gen.compile_seconds, 2),
-            "plan_rounds": dict(gen.plan_rounds),
-        }  # fmt: skip
+        row["mean_acceptance"] = round(sum(accepted) / len(accepted), 4)
         ids[name] = [r.output_ids for r in results]
         if choosers:
             c = choosers[-1]
@@ -80,7 +48,7 @@ for batch in batches:
             row["cost_table"] = f"{c.costs.device} / {c.costs.shape}"
         report["runs"].append(row)
         print(json.dumps(row), flush=True)
-        save()
+        recipe.save()
     fixed = next((r for r in report["runs"] if r["plan"] == "ddtree-7" and r["batch_size"] == batch), None)
     auto = next((r for r in report["runs"] if r["plan"] == "auto" and r["batch_size"] == batch), None)
     if fixed and auto:
@@ -91,6 +59,5 @@ for batch in batches:
         auto["vs_ddtree7"] = round(auto["tok_s"] / fixed["tok_s"], 3)
         if ar:
             auto["vs_ar"] = round(auto["tok_s"] / ar["tok_s"], 3)
-        save()
-print(json.dumps({k: v for k, v in report.items() if k != "runs"}))
-save()
+        recipe.save()
+recipe.done()

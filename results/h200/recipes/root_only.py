@@ -16,26 +16,15 @@ for the bundled pair), and whether root-only's ids equal ar's (float32 would; bf
 """
 
 import json
-import os
-import time
-from pathlib import Path
 
 import jax
+from timed_llm import Recipe, timed
 
 from ddtree_jax import plan_choice, settings
 from ddtree_jax.api import LLM
 
-OUT = Path(os.environ.get("OUT", "/tmp/root-only"))
-OUT.mkdir(parents=True, exist_ok=True)
-PROMPTS = Path(__file__).resolve().parents[3] / "results" / "heldout-prompts-96.jsonl"
-QUICK = os.environ.get("QUICK")  # 8 prompts x 8 tokens, reference attention, batch 4
-DEADLINE_S = float(os.environ.get("DEADLINE_S", "200"))
-texts = [json.loads(x)["prompt"] for x in PROMPTS.open()]
-new, attention = (8, "reference") if QUICK else (128, "auto")
-batches = (4,) if QUICK else tuple(int(b) for b in os.environ.get("BATCHES", "16,1").split(","))
-report: dict = {"device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"), "runs": []}
-report["skipped"] = []
-begin = time.perf_counter()
+recipe = Recipe("root-only", "16,1")
+report = recipe.report
 SHIPPED = settings.AUTO_BUDGETS
 CONFIGS = (
     ("ar", {"method": "ar"}, SHIPPED),
@@ -43,46 +32,26 @@ CONFIGS = (
     ("ddtree-7", {"budget": 7}, SHIPPED),
     ("auto", {"budget": "auto"}, SHIPPED),
 )
-
-
-def save():
-    (OUT / "root_only.json").write_text(json.dumps(report, indent=1))
-
-
-for batch in batches:
-    n = 8 if QUICK else 96
+for batch in recipe.batches:
+    n = 8 if recipe.quick else 96
     ids = {}
     for name, kw, budgets in CONFIGS:
-        if time.perf_counter() - begin > DEADLINE_S:
-            report["skipped"].append(f"{name} batch {batch}")
+        if recipe.late(f"{name} batch {batch}"):
             continue
         settings.AUTO_BUDGETS = budgets  # (read when the LLM's settings are made)
-        llm = LLM(batch_size=batch, max_new_tokens=new, attention=attention, **kw)
+        llm = LLM(batch_size=batch, max_new_tokens=recipe.new, attention=recipe.attention, **kw)
         settings.AUTO_BUDGETS = SHIPPED
         gen = llm.generator
-        prompts = llm.prompts(texts[:n])
-        list(llm.run(prompts))  # compiles, warms
-        times = []
-        for _ in range(2):
-            gen.generate_seconds = 0.0
-            results = sorted(llm.run(prompts), key=lambda r: (r.id, r.index))
-            times.append(gen.generate_seconds)
-        tokens = sum(len(r.output_ids) for r in results)
-        row = {
-            "plan": name, "batch_size": batch, "prompts": n, "tokens": tokens,
-            "generate_s": [round(t, 4) for t in times], "tok_s": round(tokens / min(times), 1),
-            "compile_s": round(gen.compile_seconds, 2), "plan_rounds": dict(gen.plan_rounds),
-        }  # fmt: skip
+        results, row = timed(llm, llm.prompts(recipe.texts[:n]), name, batch)
         if name == "root-only":
-            p = gen.programs.params
-            size = float(sum(x.size for x in jax.tree.leaves(p)))
+            size = float(sum(x.size for x in jax.tree.leaves(gen.programs.params)))
             row["projection_share"] = round(
                 plan_choice.projection_share(gen.plan.target, gen.plan.draft, size), 5
             )
         ids[name] = [r.output_ids for r in results]
         report["runs"].append(row)
         print(json.dumps(row), flush=True)
-        save()
+        recipe.save()
     got = {r["plan"]: r for r in report["runs"] if r["batch_size"] == batch}
     if "ar" in got:
         for name in ("root-only", "auto"):
@@ -91,6 +60,5 @@ for batch in batches:
                     got[name]["tok_s"] / got["ar"]["tok_s"], 3
                 )
                 got["ar"][f"{name.replace('-', '_')}_ids_equal_ar"] = ids[name] == ids["ar"]
-    save()
-print(json.dumps({k: v for k, v in report.items() if k != "runs"}))
-save()
+    recipe.save()
+recipe.done()
