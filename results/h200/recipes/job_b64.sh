@@ -10,14 +10,7 @@ python3 -m ddtree_jax.bench rounds --shape default-pair --methods ar,ddtree --bu
   --contexts 256 --attention pallas --deadline-s 60 --out "$OUT/rounds.json" > "$OUT/rounds.txt" 2>&1
 tail -8 "$OUT/rounds.txt"
 P=/tmp/heldout-192.jsonl
-python3 -c "
-import json
-lines = [json.loads(x) for x in open('results/heldout-prompts-96.jsonl')]
-with open('$P', 'w') as f:
-    for rep in range(2):
-        for x in lines:
-            f.write(json.dumps(dict(x, id=f\"{x['id']}-{rep}\")) + '\n')
-"
+python3 results/h200/recipes/heldout_twice.py "$P"
 for run in 1 2; do
   flags=$([ $run = 2 ] && echo --trace-device)
   timeout 120 python3 -m ddtree_jax.cli --prompts $P --max-new-tokens 128 --batch-size 64 --method ar \

@@ -15,14 +15,7 @@ ANCHOR=${ANCHOR:-../shared/anchors/torch_job_anchor.py}
 CACHE=/tmp/ddtree-job-cache
 P96=results/heldout-prompts-96.jsonl
 P192=/tmp/heldout-192.jsonl
-python3 -c "
-import json
-lines = [json.loads(x) for x in open('$P96')]
-with open('$P192', 'w') as f:
-    for rep in range(2):
-        for x in lines:
-            f.write(json.dumps(dict(x, id=f\"{x['id']}-{rep}\")) + '\n')
-"
+python3 results/h200/recipes/heldout_twice.py "$P192"
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/device.txt"
 git log -1 --format=%H > "$OUT/commit.txt" 2>/dev/null
 for b in 16 64; do
