@@ -219,14 +219,15 @@ def load_costs(device_kind: str | None = None, target_params: float | None = Non
 
 def projection_share(target_cfg, draft_cfg, target_params: float) -> float:
     """What a root-only round (engine.Plan.root_only) reads beyond an ar step, as a share of the
-    target's weights: the drafter's context projection of the root's features, fc [F, H] (F = the
-    feature layers x the target's hidden size) and each draft layer's K and V projections [H, Hkv x Dh]
-    (their norms and RoPE are elementwise). Decode steps at small rows are weight-bound, so an ar step's
-    ms times (1 + this share) stands in for the round's cost."""
+    target's weights: the weights of the drafter's context projection of the root's features
+    (drafter.context_kv), fc [F, H] (F = the feature layers x the target's hidden size) and its norm
+    [H], then each draft layer's K and V projections [H, 2 x Hkv x Dh] (fused: "kv_proj", no query
+    columns) and its K norm [Dh] where it has one (RoPE reads no weights). Decode steps at small rows are
+    weight-bound, so an ar step's ms times (1 + this share) stands in for the round's cost."""
     d = draft_cfg.dims
-    fc = len(draft_cfg.target_layer_ids) * target_cfg.hidden_size * d.hidden_size
-    kv = draft_cfg.num_layers * 2 * d.hidden_size * d.num_kv_heads * d.head_dim
-    return (fc + kv) / target_params
+    fc = len(draft_cfg.target_layer_ids) * target_cfg.hidden_size * d.hidden_size + d.hidden_size
+    kv = 2 * d.hidden_size * d.num_kv_heads * d.head_dim + (d.head_dim if d.qk_norm else 0)
+    return (fc + draft_cfg.num_layers * kv) / target_params
 
 
 def with_projection(costs: CostTable, share: float) -> CostTable:

@@ -264,12 +264,13 @@ def test_root_only_rounds_are_ar_and_keep_the_drafters_context(auto, monkeypatch
 
 def test_root_only_cost_is_ar_plus_the_context_projection():
     """The 'ar' plan of a choosing job costs the table's ar row times 1 + the projection's share of the
-    target's weights: fc [F, H] and each draft layer's K and V projections."""
-    dims = SimpleNamespace(hidden_size=64, num_kv_heads=2, head_dim=16)
+    target's weights: fc [F, H] and its norm, each draft layer's K and V projections and K norm (what
+    `drafter.context_kv` reads: test_fused_projections.py checks it against a fixture drafter)."""
+    dims = SimpleNamespace(hidden_size=64, num_kv_heads=2, head_dim=16, qk_norm=True)
     draft = SimpleNamespace(dims=dims, target_layer_ids=(1, 3, 5), num_layers=2)
     target = SimpleNamespace(hidden_size=128)
     share = plan_choice.projection_share(target, draft, 1e6)
-    assert share == pytest.approx((3 * 128 * 64 + 2 * 2 * 64 * 32) / 1e6)
+    assert share == pytest.approx((3 * 128 * 64 + 64 + 2 * (2 * 64 * 32 + 16)) / 1e6)
     costs = plan_choice.CostTable("d", "s", {"ar": {1: 1.0, 16: 2.0}, "ddtree-7": {1: 3.0}})
     scaled = plan_choice.with_projection(costs, 0.25)
     assert scaled.ms_per_round == {"ar": {1: 1.25, 16: 2.5}, "ddtree-7": {1: 3.0}}
