@@ -193,3 +193,19 @@ def test_counts_summed_between_syncs_equal_counts_per_round():
     np.testing.assert_array_equal(each.counts.hits, synced.counts.hits)
     np.testing.assert_array_equal(each.counts.seen, synced.counts.seen)
     assert each.used == synced.used and each.rounds_in_plan == synced.rounds_in_plan == 5
+
+
+def test_root_only_is_its_own_plan_and_probes_as_ar_does():
+    """ddtree at budget 0 is 'root-only' (not 'ar': one name per plan), priced as the ar row times 1 + the
+    projection share; a chooser held in it probes the best drafting plan every probe_every rounds, as in
+    ar, and then chooses freely again."""
+    assert pc.plan_name("ddtree", 0) == "root-only" and pc.plan_name("ar") == "ar"
+    assert pc.branching("root-only") == 0
+    assert pc.plan_tokens("root-only", pc.curve_marginals("bundled-pair")) == 1
+    costs = pc.with_projection(pc.CostTable("x", "y", {"ar": {1: 1.0}, "ddtree-3": {1: 100.0}}), 0.5)
+    assert costs.ms("root-only", 1) == 1.5 and costs.ms("ar", 1) == 1.0
+    chooser = pc.PlanChooser(costs, ("root-only", "ddtree-3"), pc.geometric_marginals(0.9, 0.9, 0.3),
+                             calibrate_rounds=0, probe_every=5)  # fmt: skip
+    seq = [chooser.next_plan(1) for _ in range(7)]
+    assert seq == ["root-only"] * 5 + ["ddtree-3", "root-only"], seq
+    assert chooser.used == {"root-only": 6, "ddtree-3": 1}
