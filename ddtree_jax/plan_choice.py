@@ -270,6 +270,24 @@ def with_stand_ins(costs: CostTable, plans: tuple[str, ...], anchor: str = "ddtr
     return CostTable(costs.device, costs.shape, table)
 
 
+def job_costs(
+    device_kind: str | None, target_params: float, plans: tuple[str, ...], share: float
+) -> CostTable:
+    """The table a choosing job prices `plans` by: the device kind's shipped table of the nearest model
+    size (load_costs), the plans it lacks stood in for (with_stand_ins), root-only rounds at the ar row
+    times 1 + `share` (with_projection: projection_share)."""
+    return with_projection(with_stand_ins(load_costs(device_kind, target_params), plans), share)
+
+
+def priced_budgets(costs: CostTable, budgets: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """The ddtree budgets of `budgets` (0: root-only) whose plan `costs` prices at some row count up to
+    `rows`, the rows per device of a job (its active rows only fall below them): the budgets its chooser
+    can ever choose. The table prices no plan below the plan's first measured rows (CostTable.ms): the
+    H200 table's budget 3 from 16 rows."""
+    first = {n: min(costs.ms_per_round.get(plan_name("ddtree", n), {}), default=rows + 1) for n in budgets}
+    return tuple(n for n in budgets if first[n] <= rows)
+
+
 # ---------------------------------------------------------------- the choice
 
 

@@ -209,3 +209,20 @@ def test_root_only_is_its_own_plan_and_probes_as_ar_does():
     seq = [chooser.next_plan(1) for _ in range(7)]
     assert seq == ["root-only"] * 5 + ["ddtree-3", "root-only"], seq
     assert chooser.used == {"root-only": 6, "ddtree-3": 1}
+
+
+def test_priced_budgets_are_those_the_table_has_at_or_below_the_rows():
+    """The budgets a job of `rows` rows per device can be priced at: a plan's first measured rows at most
+    `rows` (the H200 Qwen3-8B table: budget 3 from 16 rows, the others from 1); a plan of one measured row
+    count is priced there only."""
+    costs = pc.with_projection(pc.load_costs("NVIDIA H200"), 0.01)
+    budgets = (0, 3, 7, 15)
+    assert pc.priced_budgets(costs, budgets, 1) == pc.priced_budgets(costs, budgets, 15) == (0, 7, 15)
+    assert pc.priced_budgets(costs, budgets, 16) == pc.priced_budgets(costs, budgets, 512) == budgets
+    for rows in (1, 15, 16, 512):  # the rule is CostTable.ms's: priced at the rows themselves
+        assert pc.priced_budgets(costs, budgets, rows) == tuple(
+            n for n in budgets if costs.ms(pc.plan_name("ddtree", n), rows) is not None
+        )
+    one = pc.CostTable("x", "y", {"ddtree-5": {8: 1.0}})
+    assert pc.priced_budgets(one, (5, 9), 4) == () and pc.priced_budgets(one, (5, 9), 8) == (5,)
+    assert pc.priced_budgets(pc.load_costs("NVIDIA H200"), (0,), 4) == ()  # (no root-only row yet)

@@ -89,6 +89,9 @@ def auto(tmp_path, monkeypatch, capsys):
     `chooser` in place of the shipped one and `rounds` rounds a call; -> (outputs, summary, settings).
     COMPILES.names: what XLA compiled inside the device job (its calls, the chooser, the harvests)."""
     monkeypatch.setattr(settings, "AUTO_BUDGETS", BUDGETS)
+    # at 2 rows the shipped table prices no budget 3 (pair.priced_auto_budgets would leave it out): the
+    # switches tested here are forced, so every budget is kept
+    monkeypatch.setattr(plan_choice, "priced_budgets", lambda costs, budgets, rows: tuple(budgets))
     device_job = scheduler.Generator._device_job
 
     def counted(self, *args):
@@ -326,3 +329,21 @@ def test_root_only_rounds_extend_the_drafters_context():
         axis = a.shape.index(shape.capacity)  # (the slots' axis of the cache's layout)
         a, b = (np.take(np.asarray(x), np.arange(end), axis=axis) for x in (a, b))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_budgets_the_table_cannot_price_are_left_out():
+    """A choosing job's Generator keeps the budgets its cost table prices at the run's rows per device
+    (the fixture pair: the bundled pair's table, budgets 3 and 15 stood in from the H200 Qwen3-8B one,
+    where budget 3 starts at 16 rows): below 16 rows per device (batch 2, 8; 16 over 2 data devices) no
+    budget 3, so its program is neither compiled nor warmed up; from 16 rows per device, every budget."""
+    from ddtree_jax.pair import generator, load_pair, make_plan
+
+    pair = load_pair(FIXTURES / "qwen3_gqa4_tp", FIXTURES / "dflash_qwen3_gqa4_tp", "float32")
+    plan = make_plan(pair.target, pair.draft, "ddtree", max_new_tokens=4, budget=7)
+    every, no_3 = (0, 3, 7, 15), (0, 7, 15)
+    for batch, dp, want in ((2, 1, no_3), (8, 1, no_3), (16, 1, every), (16, 2, no_3), (32, 2, every)):
+        schedule = scheduler.Schedule(batch_size=batch, auto_budgets=every)
+        gen = generator(pair, dataclasses.replace(plan, dp=dp), schedule=schedule)
+        assert gen.schedule.auto_budgets == want, (batch, dp)
+    fixed = generator(pair, plan, schedule=scheduler.Schedule(batch_size=2))
+    assert fixed.schedule.auto_budgets == ()
