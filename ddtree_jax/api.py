@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree_jax import compile_cache
-from ddtree_jax.budgets import default_branching
+from ddtree_jax.budgets import ddtree_branching
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.prompts import (
     IGNORE_EOS,
@@ -239,12 +239,12 @@ def check_budget(s: Settings, dcfg) -> None:
             check_budget(dataclasses.replace(s, budget=n, branching=None, auto_budgets=()), dcfg)
         return
     depth = (s.block_size or dcfg.block_size) - 1
-    branching = s.branching or default_branching("ddtree", s.budget)
+    branching = ddtree_branching(s.budget, dcfg.vocab_size, s.branching)
     lattice = sum(branching**d for d in range(1, depth + 1))
     if s.budget > lattice:
         raise DDTreeError(
             f"--budget {s.budget} exceeds the {lattice} nodes of the drafter's lattice "
-            f"({depth} depths of {s.branching} candidates, --branching): no tree that large exists"
+            f"({depth} depths of {branching} candidates, --branching): no tree that large exists"
         )
 
 

@@ -41,6 +41,14 @@ def default_branching(method: str, budget: int) -> int:
     return min(budget, MAX_BRANCHING) if method == "ddtree" else 1
 
 
+def ddtree_branching(budget: int, vocab_size: int, given: int | None = None) -> int:
+    """A ddtree plan's drafter candidates per depth: `given` (--branching) or the default for `budget`
+    (default_branching), at most the vocabulary (`vocab_size`: the target's) and at least 1 (budget 0,
+    root-only rounds, drafts nothing: engine.Plan's least branching). The one rule the settings, the
+    budget check and a choosing job's programs apply."""
+    return max(min(given or default_branching("ddtree", budget), vocab_size), 1)
+
+
 def default_budget(batch_size: int, target_cfg=None, context: int = 0) -> int:
     """The ddtree budget used for `batch_size` rows reaching `context` tokens on average when --budget is
     not given (`target_cfg`: the target's config, whose family says whether it routes tokens to

@@ -170,8 +170,9 @@ class DraftConfig:
     vocab_size: int
     target_architecture: str = "qwen3"  # the target's family gives the embedding and lm_head
     dflash2: DFlash2Config | None = None
-    # q/k/v and gate/up each one weight, one matmul (models/dense.py `fused`); False: HF's five weights.
-    # A drafter's config.json read gives True (load_draft_config), a config made in code False.
+    # k/v and gate/up each one weight, one matmul, q its own (drafter.weight_specs: the context K/V read
+    # no query columns); False: HF's five weights. A drafter's config.json read gives True
+    # (load_draft_config), a config made in code False.
     fused_projections: bool = False
 
     @property

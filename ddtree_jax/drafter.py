@@ -31,7 +31,9 @@ def weight_specs(cfg: DraftConfig) -> list[WeightSpec]:
         norm(("hidden_norm",), "hidden_norm.weight", h),
     ]
     for i in range(cfg.num_layers):
-        specs += layer_specs(f"layers.{i}.", ("layers", i), cfg.dims, cfg.fused_projections)
+        # fused: q apart from a fused k/v ("kv_proj"), so that `context_kv`, run every round, reads
+        # the K/V columns alone
+        specs += layer_specs(f"layers.{i}.", ("layers", i), cfg.dims, cfg.fused_projections, q_apart=True)
     specs.append(norm(("norm",), "norm.weight", h))
     if cfg.dflash2 is not None:
         specs += dflash2.weight_specs(cfg)
@@ -44,7 +46,7 @@ def context_kv(
     """Per draft layer, K/V [B, T, Hkv, D] of committed tokens from their target features [B, T, F].
 
     No collective: fc is replicated and each device projects the K/V heads it holds (fused
-    projections: with its query heads, dropped).
+    projections: one matmul of its "kv_proj", no query columns read).
     """
     ctx = rms_norm(features @ params["fc"], params["hidden_norm"], cfg.dims.rms_norm_eps)
     rope = rope_tables(positions, cfg.rope.inv_freq(), cfg.rope.attention_factor)

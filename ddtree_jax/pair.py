@@ -180,7 +180,25 @@ def generator(
 
     draft_params = None if plan.method == "ar" else pair.draft_params
     schedule = schedule or Schedule(host_stepped=host_stepped)
+    if plan.method == "ddtree" and schedule.auto_budgets:
+        schedule = dataclasses.replace(schedule, auto_budgets=priced_auto_budgets(pair, plan, schedule))
     return Generator(pair.params, draft_params, plan, pair.stop_ids, pair.codec, defaults, schedule)
+
+
+def priced_auto_budgets(pair: Pair, plan: Plan, schedule) -> tuple[int, ...]:
+    """--budget auto's budgets less those the job's cost table (plan_choice.job_costs: this device
+    kind, the target's size) cannot price at the run's rows per device: its chooser would never pick
+    them, so they are neither compiled nor warmed up (all of them if the table prices none: the
+    chooser then says so)."""
+    from ddtree_jax import plan_choice
+
+    budgets = schedule.auto_budgets
+    sizes = float(sum(x.size for x in jax.tree.leaves(pair.params)))
+    plans = tuple(plan_choice.plan_name("ddtree", n) for n in budgets)
+    share = plan_choice.projection_share(plan.target, plan.draft, sizes)
+    costs = plan_choice.job_costs(jax.devices()[0].device_kind, sizes, plans, share)
+    priced = plan_choice.priced_budgets(costs, budgets, rows_per_device(schedule.batch_size, plan.dp))
+    return priced or budgets
 
 
 def load_generator(s, target_cfg: TargetConfig | None = None, draft_cfg=None, codec=None):

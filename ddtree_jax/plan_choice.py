@@ -60,15 +60,23 @@ DEPTH = 15  # the bundled drafter's depths (block 16 - 1), also the Qwen3-8B DFl
 # ---------------------------------------------------------------- plans
 
 
+ROOT_ONLY = "root-only"  # ddtree at budget 0 (engine.Plan.root_only), a choosing job's plan without a draft
+
+
 def plan_name(method: str, budget: int = 0) -> str:
-    """'ar', 'dflash' or 'ddtree-N': one name per compiled plan (the cost table's keys). ddtree at budget
-    0 (engine.Plan.root_only: an ar step that keeps the drafter's context) is 'ar': its tokens and, less
-    the context projection (`with_projection`), its cost are ar's."""
-    return f"ddtree-{budget}" if method == "ddtree" and budget else "ar" if method == "ddtree" else method
+    """'ar', 'dflash', 'ddtree-N' or 'root-only': one name per compiled plan (the cost table's keys, the
+    summary's). ddtree at budget 0 (engine.Plan.root_only: an ar step that keeps the drafter's context)
+    is 'root-only': its tokens are ar's, its cost the table's ar row plus the context projection
+    (`with_projection`)."""
+    if method != "ddtree":
+        return method
+    return f"ddtree-{budget}" if budget else ROOT_ONLY
 
 
 def parse_plan(name: str) -> tuple[str, int]:
-    """plan_name's inverse: 'ddtree-7' -> ('ddtree', 7), 'ar' -> ('ar', 0)."""
+    """plan_name's inverse: 'ddtree-7' -> ('ddtree', 7), 'root-only' -> ('ddtree', 0), 'ar' -> ('ar', 0)."""
+    if name == ROOT_ONLY:
+        return "ddtree", 0
     method, _, budget = name.partition("-")
     return method, int(budget or 0)
 
@@ -219,23 +227,24 @@ def load_costs(device_kind: str | None = None, target_params: float | None = Non
 
 def projection_share(target_cfg, draft_cfg, target_params: float) -> float:
     """What a root-only round (engine.Plan.root_only) reads beyond an ar step, as a share of the
-    target's weights: the drafter's context projection of the root's features, fc [F, H] (F = the
-    feature layers x the target's hidden size) and each draft layer's K and V projections [H, Hkv x Dh]
-    (their norms and RoPE are elementwise). Decode steps at small rows are weight-bound, so an ar step's
-    ms times (1 + this share) stands in for the round's cost."""
+    target's weights: the weights of the drafter's context projection of the root's features
+    (drafter.context_kv), fc [F, H] (F = the feature layers x the target's hidden size) and its norm
+    [H], then each draft layer's K and V projections [H, 2 x Hkv x Dh] (fused: "kv_proj", no query
+    columns) and its K norm [Dh] where it has one (RoPE reads no weights). Decode steps at small rows are
+    weight-bound, so an ar step's ms times (1 + this share) stands in for the round's cost."""
     d = draft_cfg.dims
-    fc = len(draft_cfg.target_layer_ids) * target_cfg.hidden_size * d.hidden_size
-    kv = draft_cfg.num_layers * 2 * d.hidden_size * d.num_kv_heads * d.head_dim
-    return (fc + kv) / target_params
+    fc = len(draft_cfg.target_layer_ids) * target_cfg.hidden_size * d.hidden_size + d.hidden_size
+    kv = 2 * d.hidden_size * d.num_kv_heads * d.head_dim + (d.head_dim if d.qk_norm else 0)
+    return (fc + draft_cfg.num_layers * kv) / target_params
 
 
 def with_projection(costs: CostTable, share: float) -> CostTable:
-    """`costs` with the 'ar' row scaled by 1 + `share` (projection_share): the cost of a choosing job's
-    root-only rounds, which run as 'ar'."""
+    """`costs` with a 'root-only' row: the 'ar' row scaled by 1 + `share` (projection_share), the cost
+    of a choosing job's root-only rounds (an ar step and the drafter's context projection)."""
     if "ar" not in costs.ms_per_round:
         return costs
     table = dict(costs.ms_per_round)
-    table["ar"] = {rows: ms * (1 + share) for rows, ms in table["ar"].items()}
+    table[ROOT_ONLY] = {rows: ms * (1 + share) for rows, ms in table["ar"].items()}
     return CostTable(costs.device, costs.shape, table)
 
 
@@ -259,6 +268,24 @@ def with_stand_ins(costs: CostTable, plans: tuple[str, ...], anchor: str = "ddtr
         if points:
             table[plan] = points
     return CostTable(costs.device, costs.shape, table)
+
+
+def job_costs(
+    device_kind: str | None, target_params: float, plans: tuple[str, ...], share: float
+) -> CostTable:
+    """The table a choosing job prices `plans` by: the device kind's shipped table of the nearest model
+    size (load_costs), the plans it lacks stood in for (with_stand_ins), root-only rounds at the ar row
+    times 1 + `share` (with_projection: projection_share)."""
+    return with_projection(with_stand_ins(load_costs(device_kind, target_params), plans), share)
+
+
+def priced_budgets(costs: CostTable, budgets: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    """The ddtree budgets of `budgets` (0: root-only) whose plan `costs` prices at some row count up to
+    `rows`, the rows per device of a job (its active rows only fall below them): the budgets its chooser
+    can ever choose. The table prices no plan below the plan's first measured rows (CostTable.ms): the
+    H200 table's budget 3 from 16 rows."""
+    first = {n: min(costs.ms_per_round.get(plan_name("ddtree", n), {}), default=rows + 1) for n in budgets}
+    return tuple(n for n in budgets if first[n] <= rows)
 
 
 # ---------------------------------------------------------------- the choice
@@ -350,9 +377,9 @@ class PlanChooser:
     """The plan of each round: the one of highest projected tokens per ms (`tokens_per_ms` over
     `plan_tokens` of the estimated acceptance), with hysteresis: a switch needs `margin` better and
     `min_rounds` rounds in the current plan. The first `calibrate_rounds` rounds run the best plan that
-    drafts (the start's calibration: acceptance is observed only where a draft runs); in ar, every
-    `probe_every` rounds one round of the best drafting plan refreshes the counts. A deterministic function
-    of the calls made on it (their rows and observations)."""
+    drafts (the start's calibration: acceptance is observed only where a draft runs); in ar or root-only,
+    every `probe_every` rounds one round of the best drafting plan refreshes the counts. A deterministic
+    function of the calls made on it (their rows and observations)."""
 
     costs: CostTable
     plans: tuple[str, ...]
@@ -400,6 +427,7 @@ class PlanChooser:
         best = best_plan(values)
         drafts = {p: v for p, v in values.items() if branching(p) > 0}
         current = self.current
+        drafting = current is None or branching(current) > 0  # ar and root-only rounds draft nothing
         calibrating = sum(self.used.values()) < self.calibrate_rounds and bool(drafts)
         if calibrating:
             chosen = best_plan(drafts)
@@ -407,12 +435,12 @@ class PlanChooser:
             chosen = best  # the first round, a plan without a cost here, or back from a probe: no hysteresis
         elif self.rounds_in_plan >= self.min_rounds and values[best] > values[current] * (1 + self.margin):
             chosen = best
-        elif current == "ar" and self.rounds_in_plan >= self.probe_every and drafts:
+        elif not drafting and self.rounds_in_plan >= self.probe_every and drafts:
             chosen = best_plan(drafts)
         else:
             chosen = current
         # after a probe or the calibration the next round chooses freely (no hysteresis)
-        self.probing = calibrating or (current == "ar" and chosen != "ar" and chosen != best)
+        self.probing = calibrating or (not drafting and chosen != current and chosen != best)
         self.rounds_in_plan = self.rounds_in_plan + rounds if chosen == current else rounds
         self.current = chosen
         self.used[chosen] = self.used.get(chosen, 0) + rounds

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import attention, job, models, plan_choice
-from ddtree_jax.budgets import default_branching
+from ddtree_jax.budgets import ddtree_branching
 from ddtree_jax.engine import MAX_STOP_IDS, DecodeState, Plan
 from ddtree_jax.host_stepped import HostStepper
 from ddtree_jax.programs import EVERY_ROUND, Programs, Shape, rows_to_run
@@ -356,7 +356,7 @@ class Generator:
         """The programs of this plan at another ddtree budget (its default branching; budget 0: root-only
         rounds, engine.Plan.root_only): the same state shapes, so a job's calls may switch between them."""
         if budget not in self.budget_programs:
-            branching = max(min(default_branching("ddtree", budget), self.plan.target.vocab_size), 1)
+            branching = ddtree_branching(budget, self.plan.target.vocab_size)
             plan = dataclasses.replace(self.plan, budget=budget, branching=branching)
             p = self.programs
             self.budget_programs[budget] = Programs(p.params, p.draft_params, plan, p.chunk, p.attention)

@@ -19,7 +19,7 @@ from ddtree_jax import compile_cache
 from ddtree_jax.budgets import (
     DEFAULT_BUDGETS,
     MOE_DEFAULT_BUDGETS,
-    default_branching,
+    ddtree_branching,
     default_budget,
     describe,
     rows_per_device,
@@ -31,8 +31,8 @@ from ddtree_jax.prompts import LIMIT, MAX_LINE_BYTES, check_stop
 BUNDLED = Path(__file__).parent / "assets" / "default_pair"
 SAMPLING = ("temperature", "top_k", "top_p", "seed")  # the sampling settings: flags, prompt keys, API fields
 AUTO = "auto"  # --budget auto: the job chooses its budget (scheduler.Schedule.auto_budgets)
-# The budgets --budget auto chooses among (plan_choice's cost table has each); 0: root-only rounds, run as
-# ar (engine.Plan.root_only: ar's tokens, the drafter's context kept)
+# The budgets --budget auto chooses among (plan_choice's cost table has each); 0: root-only rounds
+# (engine.Plan.root_only: ar's tokens, the drafter's context kept; plan_choice.ROOT_ONLY)
 AUTO_BUDGETS = (0, 3, 7, 15)
 
 
@@ -413,7 +413,7 @@ class Settings:
                 [len(p.input_ids) + p.options.get(LIMIT, self.max_new_tokens) for p in prompts]
             )
             budget = default_budget(rows_per_device(self.batch_size, self.dp), target_cfg, context)
-        branching = min(self.branching or default_branching("ddtree", budget), target_cfg.vocab_size)
+        branching = ddtree_branching(budget, target_cfg.vocab_size, self.branching)
         return dataclasses.replace(self, budget=budget, branching=branching)
 
     def schedule(self):

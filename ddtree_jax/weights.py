@@ -30,7 +30,8 @@ class WeightSpec:
     float32: bool = False  # kept in float32 whatever the model's dtype (DeepSeek-V3's router, as HF keeps it)
     # A fused weight: the specs of the weights it joins (each loaded, placed and checked as its own spec,
     # then joined on the devices by `join`; hf_name: the first part's) and how they join: "qkv" (q, k, v
-    # projections as [H, K/V groups, query heads per group + 2, D]: `join`) or "stack" (on axis -2).
+    # projections as [H, K/V groups, query heads per group + 2, D]: `join`), "kv" (k and v alone as
+    # [H, K/V groups, 2, D]) or "stack" (on axis -2).
     parts: tuple[WeightSpec, ...] = ()
     fuse: str = ""
 
@@ -85,20 +86,23 @@ def join(how: str, head_dim: int, arrays: list[jax.Array]) -> jax.Array:
 
     "qkv":   q [..., H, Hq * D], k and v [..., H, Hkv * D] -> [..., H, Hkv, Hq / Hkv + 2, D]: per K/V head
              its query heads, then k, then v (q heads in HF's order: head h reads K/V head h // (Hq / Hkv))
+    "kv":    k and v [..., H, Hkv * D] -> [..., H, Hkv, 2, D] ("qkv" without its query heads)
     "stack": [..., H, F] each -> [..., H, n, F]
 
     A device's block [..., H, n_local, ...] reshapes to one [H, N] matrix for free: one matmul.
     `head_dim`: D (the fused spec's last dim)."""
     if how == "stack":
         return jnp.stack(arrays, axis=-2)
-    if how != "qkv":
+    if how not in ("qkv", "kv"):
         raise ValueError(f"unknown fusion {how!r}")
-    q, k, v = arrays
+    *q, k, v = arrays
     d = head_dim
     groups = k.shape[-1] // d
-    lead = q.shape[:-1]
-    q = q.reshape(*lead, groups, q.shape[-1] // (groups * d), d)
-    return jnp.concatenate([q, k.reshape(*lead, groups, 1, d), v.reshape(*lead, groups, 1, d)], axis=-2)
+    lead = k.shape[:-1]
+    kv = [k.reshape(*lead, groups, 1, d), v.reshape(*lead, groups, 1, d)]
+    if not q:
+        return jnp.concatenate(kv, axis=-2)
+    return jnp.concatenate([q[0].reshape(*lead, groups, q[0].shape[-1] // (groups * d), d), *kv], axis=-2)
 
 
 def split(how: str, head_dim: int, array: Any) -> list[Any]:
@@ -106,8 +110,8 @@ def split(how: str, head_dim: int, array: Any) -> list[Any]:
     if how == "stack":
         return [array[..., i, :] for i in range(array.shape[-2])]
     lead, per = array.shape[:-3], array.shape[-2]
-    q = array[..., : per - 2, :].reshape(*lead, -1)
-    return [q, array[..., per - 2, :].reshape(*lead, -1), array[..., per - 1, :].reshape(*lead, -1)]
+    kv = [array[..., per - 2, :].reshape(*lead, -1), array[..., per - 1, :].reshape(*lead, -1)]
+    return kv if how == "kv" else [array[..., : per - 2, :].reshape(*lead, -1), *kv]
 
 
 def norm(path: Path_, hf_name: str, size: int) -> WeightSpec:

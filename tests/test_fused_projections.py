@@ -4,6 +4,7 @@ checkpoint stores them: `Family.unfused`), and numpy slices of the checkpoint's 
 each device of a mesh must hold."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -158,7 +159,8 @@ def test_fused_drafter_equals_unfused(name):
     cfg, params = drafter.load(FIXTURES / name, tcfg, jnp.float32, placement)
     ucfg = dataclasses.replace(load_draft_config(FIXTURES / name, tcfg), fused_projections=False)
     ucfg, uparams = drafter.load(FIXTURES / name, tcfg, jnp.float32, placement, cfg=ucfg)
-    assert "qkv_proj" in params["layers"][0] and "q_proj" in uparams["layers"][0]
+    assert {"q_proj", "kv_proj"} <= set(params["layers"][0]) and "k_proj" in uparams["layers"][0]
+    assert not {"qkv_proj", "k_proj", "v_proj"} & set(params["layers"][0])
     t = 2 * cfg.block_size
     feats = jax.random.normal(jax.random.key(0), (2, t, len(cfg.target_layer_ids) * tcfg.hidden_size))
     positions = jnp.broadcast_to(jnp.arange(t), (2, t))
@@ -176,6 +178,87 @@ def test_fused_drafter_equals_unfused(name):
         np.asarray(drafter.draft_logits(params, cfg, tparams, bonus, cache)),
         np.asarray(drafter.draft_logits(uparams, ucfg, tparams, bonus, cache)),
     )
+
+
+def _read_leaves(fn, params) -> set[str]:
+    """The paths of the leaves of `params` that fn(params) reads (inputs of its jaxpr's equations)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    jaxpr = jax.make_jaxpr(fn)(params).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, jax.extend.core.Var)}
+    return {jax.tree_util.keystr(path) for (path, _), var in zip(leaves, jaxpr.invars, strict=True)
+            if id(var) in used}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["dflash_qwen3_gqa4_tp", "dflash2/qwen3_gqa4_tp"])
+def test_fused_drafter_context_reads_no_query_columns(name):
+    """The fused drafter's context projection (run every round, root-only rounds too) reads fc, its norm
+    and each layer's K/V weight and K norm, never a weight holding query heads; their sizes are what
+    plan_choice.projection_share counts."""
+    from ddtree_jax import drafter, plan_choice
+
+    tcfg, tparams = load_target(TP)
+    cfg, params = drafter.load(FIXTURES / name, tcfg, jnp.float32, param_sharding(make_mesh(1)))
+    t = 3
+    feats = jnp.ones((1, t, len(cfg.target_layer_ids) * tcfg.hidden_size), jnp.float32)
+    positions = jnp.arange(t)[None]
+    read = _read_leaves(lambda p: drafter.context_kv(p, cfg, feats, positions), params)
+    per_layer = ["kv_proj", "k_norm"] if cfg.dims.qk_norm else ["kv_proj"]
+    want = {"['fc']", "['hidden_norm']"} | {
+        f"['layers'][{i}]['{w}']" for i in range(cfg.num_layers) for w in per_layer
+    }
+    assert read == want
+    sizes = {jax.tree_util.keystr(k): x.size for k, x in jax.tree_util.tree_leaves_with_path(params)}
+    target_size = sum(x.size for x in jax.tree.leaves(tparams))
+    share = plan_choice.projection_share(tcfg, cfg, float(target_size))
+    assert sum(sizes[k] for k in read) == pytest.approx(share * target_size, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_drafter_devices_hold_their_kv_heads(tp):
+    """Device j's block of a fused drafter's kv_proj holds the K/V heads its block of q_proj's query
+    heads [j Hq/tp, (j+1) Hq/tp) read (Hkv = 2 < tp at 4, 8: one, repeated): numpy slices of the
+    checkpoint's tensors."""
+    from ddtree_jax import drafter
+
+    tcfg, _ = load_target(TP)
+    name = "dflash_qwen3_gqa4_tp"
+    cfg, params = drafter.load(FIXTURES / name, tcfg, jnp.float32, param_sharding(make_mesh(tp)))
+    ckpt = Checkpoint(FIXTURES / name)
+    hq, hkv, d = cfg.dims.num_heads, cfg.dims.num_kv_heads, cfg.dims.head_dim
+    attn = "layers.1.self_attn."
+    q, k, v = (ckpt.where[attn + f"{x}_proj.weight"].read(attn + f"{x}_proj.weight").T for x in "qkv")
+    h = q.shape[0]
+    layer = params["layers"][1]
+    qs = {s.device: s for s in layer["q_proj"].addressable_shards}
+    for s in layer["kv_proj"].addressable_shards:
+        groups = s.data.shape[1]
+        j = s.index[1].start // groups  # the device's position along "model"
+        heads = range(j * hq // tp, (j + 1) * hq // tp)
+        kv_heads = sorted({i // (hq // hkv) for i in heads})
+        assert s.data.shape[1:] == (len(kv_heads), 2, d)
+        local = np.asarray(s.data)
+        np.testing.assert_array_equal(local[:, :, 0], k.reshape(h, hkv, d)[:, kv_heads])
+        np.testing.assert_array_equal(local[:, :, 1], v.reshape(h, hkv, d)[:, kv_heads])
+        np.testing.assert_array_equal(
+            np.asarray(qs[s.device].data), q.reshape(h, hq, d)[:, list(heads)].reshape(h, -1)
+        )
+
+
+def test_save_hf_writes_the_fused_drafters_parts(tmp_path):
+    """save_hf of a fused drafter (q apart, k/v fused) writes the checkpoint's tensors."""
+    from ddtree_jax import drafter
+    from ddtree_jax.checkpoint import save_hf
+
+    name = "dflash_qwen3_gqa4_tp"
+    tcfg, _ = load_target(TP)
+    cfg, params = drafter.load(FIXTURES / name, tcfg, jnp.float32, param_sharding(make_mesh(1)))
+    save_hf(params, drafter.weight_specs(cfg), tmp_path, {}, dtype=np.float32)
+    mine, theirs = Checkpoint(tmp_path), Checkpoint(FIXTURES / name)
+    assert set(mine.where) == set(theirs.where)
+    for tensor in theirs.where:
+        np.testing.assert_array_equal(
+            mine.where[tensor].read(tensor), theirs.where[tensor].read(tensor), err_msg=tensor
+        )
 
 
 def test_save_hf_writes_the_parts(tmp_path):

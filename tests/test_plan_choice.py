@@ -193,3 +193,36 @@ def test_counts_summed_between_syncs_equal_counts_per_round():
     np.testing.assert_array_equal(each.counts.hits, synced.counts.hits)
     np.testing.assert_array_equal(each.counts.seen, synced.counts.seen)
     assert each.used == synced.used and each.rounds_in_plan == synced.rounds_in_plan == 5
+
+
+def test_root_only_is_its_own_plan_and_probes_as_ar_does():
+    """ddtree at budget 0 is 'root-only' (not 'ar': one name per plan), priced as the ar row times 1 + the
+    projection share; a chooser held in it probes the best drafting plan every probe_every rounds, as in
+    ar, and then chooses freely again."""
+    assert pc.plan_name("ddtree", 0) == "root-only" and pc.plan_name("ar") == "ar"
+    assert pc.branching("root-only") == 0
+    assert pc.plan_tokens("root-only", pc.curve_marginals("bundled-pair")) == 1
+    costs = pc.with_projection(pc.CostTable("x", "y", {"ar": {1: 1.0}, "ddtree-3": {1: 100.0}}), 0.5)
+    assert costs.ms("root-only", 1) == 1.5 and costs.ms("ar", 1) == 1.0
+    chooser = pc.PlanChooser(costs, ("root-only", "ddtree-3"), pc.geometric_marginals(0.9, 0.9, 0.3),
+                             calibrate_rounds=0, probe_every=5)  # fmt: skip
+    seq = [chooser.next_plan(1) for _ in range(7)]
+    assert seq == ["root-only"] * 5 + ["ddtree-3", "root-only"], seq
+    assert chooser.used == {"root-only": 6, "ddtree-3": 1}
+
+
+def test_priced_budgets_are_those_the_table_has_at_or_below_the_rows():
+    """The budgets a job of `rows` rows per device can be priced at: a plan's first measured rows at most
+    `rows` (the H200 Qwen3-8B table: budget 3 from 16 rows, the others from 1); a plan of one measured row
+    count is priced there only."""
+    costs = pc.with_projection(pc.load_costs("NVIDIA H200"), 0.01)
+    budgets = (0, 3, 7, 15)
+    assert pc.priced_budgets(costs, budgets, 1) == pc.priced_budgets(costs, budgets, 15) == (0, 7, 15)
+    assert pc.priced_budgets(costs, budgets, 16) == pc.priced_budgets(costs, budgets, 512) == budgets
+    for rows in (1, 15, 16, 512):  # the rule is CostTable.ms's: priced at the rows themselves
+        assert pc.priced_budgets(costs, budgets, rows) == tuple(
+            n for n in budgets if costs.ms(pc.plan_name("ddtree", n), rows) is not None
+        )
+    one = pc.CostTable("x", "y", {"ddtree-5": {8: 1.0}})
+    assert pc.priced_budgets(one, (5, 9), 4) == () and pc.priced_budgets(one, (5, 9), 8) == (5,)
+    assert pc.priced_budgets(pc.load_costs("NVIDIA H200"), (0,), 4) == ()  # (no root-only row yet)

@@ -89,6 +89,9 @@ def auto(tmp_path, monkeypatch, capsys):
     `chooser` in place of the shipped one and `rounds` rounds a call; -> (outputs, summary, settings).
     COMPILES.names: what XLA compiled inside the device job (its calls, the chooser, the harvests)."""
     monkeypatch.setattr(settings, "AUTO_BUDGETS", BUDGETS)
+    # at 2 rows the shipped table prices no budget 3 (pair.priced_auto_budgets would leave it out): the
+    # switches tested here are forced, so every budget is kept
+    monkeypatch.setattr(plan_choice, "priced_budgets", lambda costs, budgets, rows: tuple(budgets))
     device_job = scheduler.Generator._device_job
 
     def counted(self, *args):
@@ -245,9 +248,10 @@ def test_compare_refuses_budget_auto(tmp_path, capsys, name, flags):
 
 def test_root_only_rounds_are_ar_and_keep_the_drafters_context(auto, monkeypatch):
     """Budget 0 (engine.Plan.root_only: no draft, the root verified alone, the drafter's context still
-    extended) runs as 'ar' among budget 7's rounds: held throughout, and switched with budget 7 at every
-    call or every other, every run writes the ids recorded at budget 7 (greedy, seeded sampling, own
-    limits), the root-only calls count no ranks, and budget 7's calls after them count as budget 7's."""
+    extended) runs as 'root-only' (its own name in the summary, not ar's) among budget 7's rounds: held
+    throughout, and switched with budget 7 at every call or every other, every run writes the ids
+    recorded at budget 7 (greedy, seeded sampling, own limits), the root-only calls count no ranks, and
+    budget 7's calls after them count as budget 7's."""
     monkeypatch.setattr(settings, "AUTO_BUDGETS", (0, 7))
     for script in ([0], [0, 7], [7, 0, 0]):
         chooser = Scripted(script)
@@ -255,25 +259,31 @@ def test_root_only_rounds_are_ar_and_keep_the_drafters_context(auto, monkeypatch
         assert out == ids(RECORDED), script
         assert record["auto_budgets"] == [0, 7] and chooser.calls > 8
         assert {p for p, _, _ in chooser.seen} == {plan_choice.plan_name("ddtree", n) for n in script}
-        assert all(e == 0 for p, _, e in chooser.seen if p == "ar"), chooser.seen
+        assert all(e == 0 for p, _, e in chooser.seen if p == "root-only"), chooser.seen
         if 7 in script:
             assert any(p == "ddtree-7" and w == 7 and e for p, w, e in chooser.seen), chooser.seen
-        assert "ar " in summary.splitlines()[0], summary
+        first = summary.splitlines()[0]
+        assert "budget: auto (root-only " in first and " ar " not in first, summary
     assert COMPILES.names <= {"jit(job_start)", "jit(run_job)"}, COMPILES.names
 
 
 def test_root_only_cost_is_ar_plus_the_context_projection():
-    """The 'ar' plan of a choosing job costs the table's ar row times 1 + the projection's share of the
-    target's weights: fc [F, H] and each draft layer's K and V projections."""
-    dims = SimpleNamespace(hidden_size=64, num_kv_heads=2, head_dim=16)
+    """The 'root-only' plan of a choosing job costs the table's ar row times 1 + the projection's share of the
+    target's weights: fc [F, H] and its norm, each draft layer's K and V projections and K norm (what
+    `drafter.context_kv` reads: test_fused_projections.py checks it against a fixture drafter)."""
+    dims = SimpleNamespace(hidden_size=64, num_kv_heads=2, head_dim=16, qk_norm=True)
     draft = SimpleNamespace(dims=dims, target_layer_ids=(1, 3, 5), num_layers=2)
     target = SimpleNamespace(hidden_size=128)
     share = plan_choice.projection_share(target, draft, 1e6)
-    assert share == pytest.approx((3 * 128 * 64 + 2 * 2 * 64 * 32) / 1e6)
+    assert share == pytest.approx((3 * 128 * 64 + 64 + 2 * (2 * 64 * 32 + 16)) / 1e6)
     costs = plan_choice.CostTable("d", "s", {"ar": {1: 1.0, 16: 2.0}, "ddtree-7": {1: 3.0}})
     scaled = plan_choice.with_projection(costs, 0.25)
-    assert scaled.ms_per_round == {"ar": {1: 1.25, 16: 2.5}, "ddtree-7": {1: 3.0}}
-    assert plan_choice.plan_name("ddtree", 0) == "ar" and plan_choice.parse_plan("ar") == ("ar", 0)
+    want = {"ar": {1: 1.0, 16: 2.0}, "ddtree-7": {1: 3.0}, "root-only": {1: 1.25, 16: 2.5}}
+    assert scaled.ms_per_round == want
+    assert scaled.ms(plan_choice.plan_name("ddtree", 0), 4) == pytest.approx(1.25 * 1.5)
+    for name in ("ar", "dflash", "ddtree-7", "root-only"):
+        assert plan_choice.plan_name(*plan_choice.parse_plan(name)) == name
+    assert plan_choice.parse_plan("root-only") == ("ddtree", 0) and plan_choice.parse_plan("ar") == ("ar", 0)
 
 
 def test_root_only_rounds_extend_the_drafters_context():
@@ -319,3 +329,21 @@ def test_root_only_rounds_extend_the_drafters_context():
         axis = a.shape.index(shape.capacity)  # (the slots' axis of the cache's layout)
         a, b = (np.take(np.asarray(x), np.arange(end), axis=axis) for x in (a, b))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_budgets_the_table_cannot_price_are_left_out():
+    """A choosing job's Generator keeps the budgets its cost table prices at the run's rows per device
+    (the fixture pair: the bundled pair's table, budgets 3 and 15 stood in from the H200 Qwen3-8B one,
+    where budget 3 starts at 16 rows): below 16 rows per device (batch 2, 8; 16 over 2 data devices) no
+    budget 3, so its program is neither compiled nor warmed up; from 16 rows per device, every budget."""
+    from ddtree_jax.pair import generator, load_pair, make_plan
+
+    pair = load_pair(FIXTURES / "qwen3_gqa4_tp", FIXTURES / "dflash_qwen3_gqa4_tp", "float32")
+    plan = make_plan(pair.target, pair.draft, "ddtree", max_new_tokens=4, budget=7)
+    every, no_3 = (0, 3, 7, 15), (0, 7, 15)
+    for batch, dp, want in ((2, 1, no_3), (8, 1, no_3), (16, 1, every), (16, 2, no_3), (32, 2, every)):
+        schedule = scheduler.Schedule(batch_size=batch, auto_budgets=every)
+        gen = generator(pair, dataclasses.replace(plan, dp=dp), schedule=schedule)
+        assert gen.schedule.auto_budgets == want, (batch, dp)
+    fixed = generator(pair, plan, schedule=scheduler.Schedule(batch_size=2))
+    assert fixed.schedule.auto_budgets == ()

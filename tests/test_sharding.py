@@ -164,8 +164,9 @@ def _at(tree, path):
 def test_drafter_split_like_target():
     _, dparams = load_drafter(DRAFT, tp=4)
     layer = dparams["layers"][0]
-    # fused q/k/v: 8 query heads, 2 K/V heads of 16: per device one K/V head and 2 query heads
-    assert shard_shapes(layer["qkv_proj"]) == {(64, 1, 8 // 4 + 2, 16)}
+    # q apart, k/v fused: 8 query heads, 2 K/V heads of 16: per device 2 query heads and one K/V head
+    assert shard_shapes(layer["q_proj"]) == {(64, 8 // 4 * 16)}
+    assert shard_shapes(layer["kv_proj"]) == {(64, 1, 2, 16)}
     assert shard_shapes(layer["down_proj"]) == {(128 // 4, 64)}
     assert shard_shapes(dparams["fc"]) == {dparams["fc"].shape}  # replicated
 

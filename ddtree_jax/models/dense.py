@@ -92,12 +92,15 @@ def norm_specs(prefix: str, path: tuple, h: int) -> list[WeightSpec]:
     ]
 
 
-def layer_specs(prefix: str, path: tuple, dims: LayerDims, fuse: bool = False) -> list[WeightSpec]:
+def layer_specs(
+    prefix: str, path: tuple, dims: LayerDims, fuse: bool = False, q_apart: bool = False
+) -> list[WeightSpec]:
     """The weights of one dense decoder layer; HF names under `prefix` (e.g. 'model.layers.3.');
-    `fuse`: q/k/v and gate/up fused (`fused`)."""
+    `fuse`: q/k/v and gate/up fused (`fused`); `q_apart`: q kept apart from the fused k/v
+    (`gqa.attention_specs`)."""
     return (
         norm_specs(prefix, path, dims.hidden_size)
-        + gqa.attention_specs(prefix, path, dims, fuse)
+        + gqa.attention_specs(prefix, path, dims, fuse, q_apart)
         + mlp_specs(prefix, path, dims.hidden_size, dims.intermediate_size, fuse)
     )
 

@@ -100,10 +100,14 @@ def empty_cache(
     return KVCache(layers, jnp.zeros((batch,), jnp.int32))
 
 
-def attention_specs(prefix: str, path: tuple, dims: LayerDims, fuse: bool = False) -> list[WeightSpec]:
+def attention_specs(
+    prefix: str, path: tuple, dims: LayerDims, fuse: bool = False, q_apart: bool = False
+) -> list[WeightSpec]:
     """q/k/v/o projections (and Qwen3's q/k norms) of one layer; HF names under `prefix` + 'self_attn.'.
     `fuse`: q, k and v as one weight "qkv_proj" [H, Hkv, Hq / Hkv + 2, D] (`weights.join`; axis
-    "kv_groups": sharding.py), which `project_qkv` applies as one matmul."""
+    "kv_groups": sharding.py), which `project_qkv` applies as one matmul. `q_apart` (with `fuse`): q
+    its own weight and k, v one "kv_proj" [H, Hkv, 2, D], so that `project_kv` reads no query columns
+    (the drafter's layout: its context K/V are projected every round without queries)."""
     h, hq, hkv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     attn = prefix + "self_attn."
     q, k, v = (
@@ -111,7 +115,10 @@ def attention_specs(prefix: str, path: tuple, dims: LayerDims, fuse: bool = Fals
         linear((*path, "k_proj"), attn + "k_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
         linear((*path, "v_proj"), attn + "v_proj.weight", h, hkv, (None, "kv_heads"), dims.num_kv_heads),
     )
-    if fuse:
+    if fuse and q_apart:
+        shape = (h, dims.num_kv_heads, 2, dims.head_dim)
+        specs = [q, fused_weight((*path, "kv_proj"), [k, v], "kv", shape, (None, "kv_groups", None, None))]
+    elif fuse:
         group = dims.num_heads // dims.num_kv_heads + 2
         shape = (h, dims.num_kv_heads, group, dims.head_dim)
         specs = [fused_weight((*path, "qkv_proj"), [q, k, v], "qkv", shape, (None, "kv_groups", None, None))]
@@ -130,7 +137,8 @@ def project_qkv(
     p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]
 ) -> tuple[jax.Array, KVEntry]:
     """Q [B, T, Hq, D] and the K/V entry [B, T, Hkv, D] of x (normed, rotated; the heads this device
-    holds): one matmul of a fused "qkv_proj" [H, Hkv, Hq / Hkv + 2, D], else `project_q`, `project_kv`."""
+    holds): one matmul of a fused "qkv_proj" [H, Hkv, Hq / Hkv + 2, D], else `project_q`, `project_kv`
+    (two matmuls with a "kv_proj", three unfused)."""
     if "qkv_proj" not in p:
         return project_q(p, x, dims, rope), project_kv(p, x, dims, rope)
     b, t, h = x.shape
@@ -146,13 +154,19 @@ def project_qkv(
 
 
 def project_kv(p: dict, x: jax.Array, dims: LayerDims, rope: tuple[jax.Array, jax.Array]) -> KVEntry:
-    """K (normed, rotated) and V of x: [B, T, Hkv, D] each (Hkv: the heads this device holds); a fused
-    "qkv_proj" computes the query heads too (and drops them)."""
+    """K (normed, rotated) and V of x: [B, T, Hkv, D] each (Hkv: the heads this device holds): one
+    matmul of a fused "kv_proj" [H, Hkv, 2, D], two unfused; a fused "qkv_proj" (the target's layout)
+    computes the query heads too (and drops them)."""
     if "qkv_proj" in p:
         return project_qkv(p, x, dims, rope)[1]
-    b, t, _ = x.shape
-    k = (x @ p["k_proj"]).reshape(b, t, -1, dims.head_dim)
-    v = (x @ p["v_proj"]).reshape(b, t, -1, dims.head_dim)
+    b, t, h = x.shape
+    if "kv_proj" in p:
+        w = p["kv_proj"]  # this device's groups [H, G_local, 2, D]
+        kv = (x @ w.reshape(h, -1)).reshape(b, t, w.shape[1], 2, w.shape[3])
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+    else:
+        k = (x @ p["k_proj"]).reshape(b, t, -1, dims.head_dim)
+        v = (x @ p["v_proj"]).reshape(b, t, -1, dims.head_dim)
     if dims.qk_norm:
         k = rms_norm(k, p["k_norm"], dims.rms_norm_eps)
     return KVEntry(apply_rope(k, *rope), v)
