@@ -342,13 +342,12 @@ class Generator:
 
     def _chooser(self) -> plan_choice.PlanChooser:
         """The chooser of a job's budget: PlanChooser over this device kind's shipped cost table (the
-        nearest model size), starting from the bundled pair's acceptance curve. Budget 0 runs as 'ar'
-        (root-only rounds): the table's ar row plus the drafter's context projection."""
+        nearest model size), starting from the bundled pair's acceptance curve. Budget 0 runs root-only
+        rounds: the table's ar row plus the drafter's context projection."""
         sizes = sum(x.size for x in jax.tree.leaves(self.programs.params))
-        costs = plan_choice.load_costs(jax.devices()[0].device_kind, float(sizes))
         plans = tuple(plan_choice.plan_name("ddtree", n) for n in self.schedule.auto_budgets)
         share = plan_choice.projection_share(self.plan.target, self.plan.draft, float(sizes))
-        costs = plan_choice.with_projection(plan_choice.with_stand_ins(costs, plans), share)
+        costs = plan_choice.job_costs(jax.devices()[0].device_kind, float(sizes), plans, share)
         prior = plan_choice.curve_marginals("bundled-pair", self.plan.depth)
         return plan_choice.PlanChooser(costs, plans, prior)
 
