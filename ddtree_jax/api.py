@@ -462,8 +462,8 @@ class LLM:
         """Check the options (None: ddtree-generate's default; no target: the bundled pair), read the
         configs, then load the weights. ddtree's budget, when not given, is the default for
         `batch_size` rows at a short context (the prompts are not known yet); "auto": the continuous job
-        chooses among ar and a few budgets call by call (`--budget auto`). vLLM's names are taken
-        too (`vllm`: model, tensor_parallel_size, data_parallel_size, max_num_seqs,
+        chooses among root-only rounds and a few budgets call by call (`--budget auto`). vLLM's names are
+        taken too (`vllm`: model, tensor_parallel_size, data_parallel_size, max_num_seqs,
         speculative_config={"method": "ddtree" | "dflash", "model": DRAFT_DIR,
         "num_speculative_tokens": N}, max_model_len, and a few with no effect here: VLLM_NO_EFFECT);
         errors name the keyword arguments as given."""

@@ -44,8 +44,9 @@ EXIT_SIGNAL = 128  # + the signal's number: 130 after SIGINT, 143 after SIGTERM 
 
 EPILOG = f"""prompt lines (JSONL, one object per line; keys: {", ".join(KNOWN_KEYS)}):
   {{"id": ..., "prompt": "text"}}, {{"id": ..., "messages": [{{"role": ..., "content": ...}}]}} or
-  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed, n override the
-  flags; an optional per-line max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
+  {{"id": ..., "input_ids": [ints]}}; optional per-line temperature, top_k, top_p, seed, n, stop,
+  include_stop_str_in_output, ignore_eos and logprobs override the flags; an optional per-line
+  max_new_tokens (at most --max-new-tokens) ends that prompt earlier.
   Ids must be unique (default: the line's index among the prompts); unknown keys are refused.
   OpenAI Batch API files (`vllm run-batch`'s: {{"custom_id", "method", "url": "/v1/chat/completions" or
   "/v1/completions", "body": {{messages | prompt, max_tokens, temperature, top_p, n, stop, seed,

@@ -82,9 +82,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "budget": (("--budget",), dict(type=_budget, metavar="N|auto", help="ddtree: tree nodes besides the "
         "root (default by rows per --dp device and the prompts' mean length plus their new tokens: "
         f"{describe(DEFAULT_BUDGETS)}; mixture-of-experts targets: {describe(MOE_DEFAULT_BUDGETS)}); "
-        f"auto: the continuous job chooses among ar and {', '.join(str(n) for n in AUTO_BUDGETS if n)} every "
-        "few rounds from the acceptance it counts and the shipped cost table (the same tokens as any "
-        "fixed budget in float32; the summary says the share of rounds each ran)")),
+        "auto: the continuous job chooses among root-only rounds (ar's tokens) and "
+        f"{', '.join(str(n) for n in AUTO_BUDGETS if n)} every few rounds from the acceptance it counts "
+        "and the shipped cost table (the same tokens as any fixed budget in float32; the summary "
+        "says the share of rounds each ran)")),
     "block_size": (("--block-size",), dict(type=int, help="draft block size (<= the drafter's, the "
         "default; depth = block - 1)")),
     "branching": (("--branching",), dict(type=int, help="ddtree: drafter candidates per depth (default "
