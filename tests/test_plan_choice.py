@@ -162,7 +162,7 @@ def test_hysteresis_keeps_a_plan_within_the_margin():
 def test_choice_within_5_percent_of_the_best_fixed_plan(curve, rows):
     """Qwen3-8B-shaped costs on the H200 (the recorded sweep), a job whose drafter accepts as `curve`,
     starting from the bundled pair's prior: the chosen plans' tokens/ms within 5% of the best fixed plan's
-    (the full table: results/plan-choice.md)."""
+    (the full table: results/plan-choice/table.md)."""
     plans = ("ar", "ddtree-3", "ddtree-7", "ddtree-15")
     out = pc.simulate(
         pc.load_costs(),

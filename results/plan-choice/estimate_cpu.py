@@ -6,9 +6,9 @@ counts shrunk towards the bundled pair's curve by 64 pseudo-observations) agains
 observed mean acceptance length. Every run's output ids are also compared with budget 3's (DTYPE=bfloat16:
 the same in bfloat16, where a tree's size may change a row's arithmetic).
 
-    PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py > results/plan_choice/estimate_cpu.json
-    DTYPE=bfloat16 PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py \
-        > results/plan_choice/estimate_cpu_bf16.json
+    PYTHONPATH=$PWD python3 results/plan-choice/estimate_cpu.py > results/plan-choice/estimate_cpu.json
+    DTYPE=bfloat16 PYTHONPATH=$PWD python3 results/plan-choice/estimate_cpu.py \
+        > results/plan-choice/estimate_cpu_bf16.json
 """
 
 import json
@@ -47,7 +47,7 @@ llm = LLM(budget="auto", dtype=DTYPE, batch_size=8, max_new_tokens=64)
 prompts = llm.prompts(texts)
 gen = llm.generator
 report = {
-    "command": f"DTYPE={DTYPE} PYTHONPATH=$PWD python3 results/plan_choice/estimate_cpu.py",
+    "command": f"DTYPE={DTYPE} PYTHONPATH=$PWD python3 results/plan-choice/estimate_cpu.py",
     "dtype": DTYPE,
     "machine": f"{platform.machine()}, {jax.devices()[0].device_kind}, 2 cores shared with other work",
     "date": time.strftime("%Y-%m-%d"),
