@@ -18,6 +18,15 @@ for sl in 64 16; do for run in 1 2; do
   timeout 50 python3 -m ddtree_jax.cli --prompts /tmp/heldout-192.jsonl --max-new-tokens 128 --batch-size 64 --method ar \
     --prefill-slots $sl --compile-cache /tmp/cc-b64 --out /tmp/b64s.jsonl --overwrite > $R/slots-$sl-$run.txt 2>&1
 done; echo "== slots $sl"; sed -n 2,6p $R/slots-$sl-2.txt; done; echo "t=$(( $(date +%s) - T0 ))"
+# the job program's optimized HLO at batch 64: cache-sized copies inside the round loop? (on the CPU,
+# 2026-12-07, both the job's and the bench's round bodies copy every layer's K and V twice a round; the
+# bench's GPU rounds at 8B ran at 1.04x the HBM floor, so the GPU likely elides them: this checks the job)
+XLA_FLAGS="--xla_dump_to=$R/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" timeout 60 python3 -m ddtree_jax.cli \
+  --prompts /tmp/heldout-192.jsonl --max-new-tokens 128 --batch-size 64 --method ar --compile-cache off \
+  --out /tmp/b64d.jsonl --overwrite > $R/dump.txt 2>&1
+for f in $R/hlo/*run_job*after_optimizations.txt; do
+  echo "$f: $(grep -c ' copy(' $f) copies; cache-shaped: $(grep -oE 'bf16\[64,[0-9]+,[0-9]+,[0-9]+\][^ ]* copy\(' $f | sort | uniq -c)"
+done | tee $OUT/hlo-copies.txt; echo "t=$(( $(date +%s) - T0 ))"
 for f in $R/b64.log $R/b64/*.txt $R/slots-*.txt; do echo "#### $f"; cat $f; done > $OUT/b64-all.txt
 cp $R/b64/rounds.json $OUT/b64-rounds.json 2>/dev/null
 S="python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas --prompts 64
