@@ -2,7 +2,7 @@
 # The next GPU call, ~9 minutes (planned 2026-12-07, session 4, when no device was lent): issue 50 at batch 64
 # (the anchor, the ar round alone and the traced job: job_b64.sh; then --prefill-slots 64 and 16 against the
 # default 8), issue 46 at the Qwen3-8B shape (the spread case at --refill-at 1 and 4: wait for more free rows
-# or not), fused projections at the Qwen3-8B shape (ar and ddtree 15 at batch 16, fused against unfused; the
+# or not; and --prefill-slots 4: less padding a pass), fused projections at the Qwen3-8B shape (ar and ddtree 15 at batch 16, fused against unfused; the
 # drafter computes Q and fused K/V apart since 2026-12-07). Each step is cut by the time left.
 #   ANCHOR=../shared/anchors/torch_job_anchor.py bash results/h200/recipes/next_call.sh   (writes under $OUT)
 # (The device machine gets the working tree only: copy the anchor into a git-ignored folder of the checkout
@@ -31,9 +31,10 @@ for f in $R/b64.log $R/b64/*.txt $R/slots-*.txt; do echo "#### $f"; cat $f; done
 cp $R/b64/rounds.json $OUT/b64-rounds.json 2>/dev/null
 S="python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas --prompts 64
   --min-len 16 --max-len 512 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 --repeats 2 --method ar --min-new-tokens 8"
-for r in 1 4; do
-  l=$(left 420); [ $l -gt 40 ] || break
-  timeout $(( l < 80 ? l : 80 )) $S --refill-at $r --skip-static --deadline-s 60 --out $R/spread-r$r.json > $R/spread-r$r.txt 2>&1
+# refill_at 1 (today's), 4 (wait for more free rows), and prefill slots 4 (less padding a pass: docs/scheduling.md)
+for v in "r1 --refill-at 1" "r4 --refill-at 4" "s4 --prefill-slots 4"; do
+  l=$(left 460); [ $l -gt 40 ] || break
+  timeout $(( l < 80 ? l : 80 )) $S ${v#* } --skip-static --deadline-s 60 --out $R/spread-${v%% *}.json > $R/spread-${v%% *}.txt 2>&1
 done; echo "t=$(( $(date +%s) - T0 ))"
 python3 - $R <<'PY' | tee $OUT/spread-summary.txt
 import json, sys
