@@ -2,8 +2,9 @@
 # The next GPU call, ~9 minutes (planned 2026-12-07, session 4, when no device was lent): issue 50 at batch 64
 # (the anchor, the ar round alone and the traced job: job_b64.sh; then --prefill-slots 64 and 16 against the
 # default 8), issue 46 at the Qwen3-8B shape (the spread case at --refill-at 1 and 4: wait for more free rows
-# or not; and --prefill-slots 4: less padding a pass), fused projections at the Qwen3-8B shape (ar and ddtree 15 at batch 16, fused against unfused; the
-# drafter computes Q and fused K/V apart since 2026-12-07). Each step is cut by the time left.
+# or not; and --prefill-slots 4: less padding a pass), fused projections at the Qwen3-8B shape (ar and
+# ddtree 15 at batch 16, fused against unfused; the drafter computes Q and fused K/V apart since
+# 2026-12-07), the batch-64 job's optimized HLO. Each step is cut by the time left.
 #   ANCHOR=../shared/anchors/torch_job_anchor.py bash results/h200/recipes/next_call.sh   (writes under $OUT)
 # (The device machine gets the working tree only: copy the anchor into a git-ignored folder of the checkout
 # and pass that folder with the run tool's carry, as the lead's .devcarry/ is.)
