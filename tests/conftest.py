@@ -1,9 +1,7 @@
-"""Shared test set-up: 8 fake CPU devices, a compilation cache per worker, exact float32 matmuls,
+"""Shared test set-up: 8 fake CPU devices, no persistent compilation cache, exact float32 matmuls,
 fixture loading helpers; tests marked own_process run in a process of their own."""
 
 import os
-import shutil
-import tempfile
 
 # XLA's CPU backend at optimisation level 0 (LLVM's cheapest code generation): the suite is bound by
 # compiling programs, and at level 0 its 878 tests took 0.73x the CPU seconds of the default level on
@@ -11,29 +9,22 @@ import tempfile
 # comparisons hold at either level.
 XLA_OPTIMISATION = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {XLA_OPTIMISATION}")
-# JAX's persistent compilation cache: on, one directory per pytest-xdist worker and per run (shared with
-# the processes that worker's tests start, which run while it waits), created empty under the temporary
-# directory and deleted at the end, as on a fresh CI machine. Many tests build the same programs afresh
-# (new jitted closures over the same fixtures, the CLI's subprocesses). Measured on CI (a fresh 2-core
-# machine, 2026-12-07): 1,053 s with a cache the run's two workers shared, 1,882 s with none (stop 53,
-# 35 more tests); docs/job-cost.md "The test suite" has the rest. Per worker and per run: a worker never
-# reads a file the other is writing (JAX writes entries in place), and no run reads another's entries
-# (the earlier directory was shared by the workers of every run on a machine: pytest-xdist's controller
-# imports this file first and its environment reaches the workers, so each worker picks its own directory
-# below, not with setdefault). Workers still die now and then inside XLA, (de)serialising an entry or
-# compiling: the rerun plugin (pyproject) reruns such a worker's test once. The compiled programs kept
-# by executables.py are off (DDTREE_EXECUTABLES; test_compile_cache turns them on). (Jax's Mosaic GPU
-# interpreter's tests run in processes of their own: `own_process` below.)
-CACHE_BASE = "DDTREE_TEST_CACHE_BASE"  # this run's directory of worker caches (made by the first process)
-if CACHE_BASE not in os.environ:
-    os.environ[CACHE_BASE] = tempfile.mkdtemp(prefix="ddtree-jax-tests-")
-    _MADE_CACHE_BASE = True  # this process (pytest's controller, or a run without xdist) deletes it
-else:
-    _MADE_CACHE_BASE = False
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
-    os.environ[CACHE_BASE], os.environ.get("PYTEST_XDIST_WORKER", "main")
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# JAX's persistent compilation cache is off in the suite and in the processes its tests start
+# (JAX_ENABLE_COMPILATION_CACHE=false, which compile_cache.enable(None), so every command, honours;
+# tests/test_compile_cache.py turns it on in its own directories). Measured over one full run with
+# tests/compile_stats.py (docs/job-cost.md "The test suite", 2026-12-07): hits were rare, the programs
+# they saved took less to compile than the run spent writing entries, and the workers crashed inside
+# XLA deserialising entries (SIGSEGV, SIGABRT in get_executable_and_time) and serialising them
+# (executable.serialize()). The directory it used to set was shared by both pytest-xdist workers of
+# every run on the machine: the controller imports this file first, and the workers inherit its
+# environment. A fresh cache per worker and per run was tried again (2026-12-07, 20:37 UTC, `.ci/run` in a
+# fresh clone, same 2-core VM): 86% of the tests at 28 min, before other work shared the machine, against
+# 28.7 min for the whole suite with the cache off, and three workers lost in executable.serialize(); so
+# the stop-52/53 CI figures (1,053 s then 1,882 s) owe their difference to other changes, not to the
+# cache. The compiled programs kept by executables.py are off too (DDTREE_EXECUTABLES;
+# test_compile_cache turns them on). (Jax's Mosaic GPU interpreter's tests run in processes of their
+# own: `own_process` below.)
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 os.environ.setdefault("DDTREE_EXECUTABLES", "off")
 
 import functools  # noqa: E402
@@ -58,11 +49,6 @@ OWN_PROCESS = "DDTREE_TEST_OWN_PROCESS"  # set in the test's own process
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "own_process: run the test alone in a fresh Python process")
-
-
-def pytest_unconfigure(config):
-    if _MADE_CACHE_BASE:
-        shutil.rmtree(os.environ[CACHE_BASE], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
