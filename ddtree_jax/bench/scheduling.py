@@ -191,25 +191,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shape", help="random weights of a ddtree-bench shape (e.g. qwen3-8b); default: the bundled pair"
     )
-    p.add_argument("--prompts", type=int, default=48)
-    p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=48, help="prompts in the workload")
+    p.add_argument("--min-len", type=int, default=16, help="shortest prompt (tokens; lengths log-uniform)")
+    p.add_argument("--max-len", type=int, default=512, help="longest prompt (tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens a prompt (at most)")
     p.add_argument(
         "--min-new-tokens",
         type=int,
-        help="each prompt's own max_new_tokens, log-uniform in [this, --max-new-tokens] (default: none)",
+        help="each prompt's own max_new_tokens, log-uniform in [this, --max-new-tokens]",
     )
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--method", default="ddtree")
-    p.add_argument("--budget", type=int, default=15)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8, help="rows (both policies)")
+    p.add_argument("--method", default="ddtree", choices=("ar", "dflash", "ddtree"), help="decoding method")
+    p.add_argument("--budget", type=int, default=15, help="ddtree: tree nodes besides the root")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prefill chunk (tokens)")
     p.add_argument("--prefill-slots", type=int, help="continuous: prompts a prefill pass (by backend)")
     p.add_argument("--refill-at", type=int, default=1, help="continuous: refill once this many rows are free")
     p.add_argument("--host-loop", action="store_true", help="continuous batching driven from the host")
     p.add_argument("--stride", type=int, help="continuous: rounds between harvests (default by backend)")
     p.add_argument("--repeats", type=int, default=1, help="continuous runs (the fastest reported)")
-    p.add_argument("--stop-fraction", type=float, default=0.3)
+    p.add_argument(
+        "--stop-fraction", type=float, default=0.3, help="share of rows a chosen stop id ends early (0: none)"
+    )
     p.add_argument(
         "--stop-tokens", type=int, default=1, help="at most this many stop ids (random weights: 8)"
     )
@@ -218,11 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="same",
         help="the prefill chunks' attention: same (the decode attention), cudnn, or an implementation name",
     )
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--attention", default="reference")
+    p.add_argument("--dtype", default="float32", help="weights' and caches' dtype (e.g. bfloat16)")
+    p.add_argument("--attention", default="reference", help="decode attention implementation (e.g. pallas)")
     p.add_argument("--batch-invariant", action="store_true", help="also time the batch-invariant schedule")
-    p.add_argument("--skip-static", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-static", action="store_true", help="time continuous batching only")
+    p.add_argument("--seed", type=int, default=0, help="the workload's seed (prompts, their limits)")
     p.add_argument("--out", required=True, help="the JSON written (rewritten after every run)")
     report.add_deadline(p)
     return p
