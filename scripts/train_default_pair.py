@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 from ddtree_jax import drafter, target, train  # noqa: E402
 from ddtree_jax.checkpoint import save_hf  # noqa: E402
-from ddtree_jax.config import DFlash2Config  # noqa: E402
+from ddtree_jax.config import DFlash2Config, load_draft_config  # noqa: E402
 from ddtree_jax.engine import Plan  # noqa: E402
 from ddtree_jax.prompts import Prompt  # noqa: E402
 from ddtree_jax.scheduler import Generator, Schedule  # noqa: E402
@@ -263,7 +263,12 @@ def from_v1_drafter(params, dcfg, directory: Path, tcfg):
     """A DFlash2 drafter's initial parameters from a v1 drafter of the same shape (--init-draft): its
     weights, identity convolutions (tap 0 of both sides at 1, no dynamic part) and the selector as
     initialised, so that it drafts exactly as the v1 drafter until training moves it."""
-    vcfg, vparams = drafter.load(directory, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)))
+    # the v1 drafter in the new drafter's layout (fused or not): a config.json drafter loads fused by
+    # default, the trainer's config is unfused, and a mix trains one layout and saves the other
+    vcfg = dataclasses.replace(
+        load_draft_config(directory, tcfg), fused_projections=dcfg.fused_projections
+    )
+    vcfg, vparams = drafter.load(directory, tcfg, jnp.float32, param_sharding(make_mesh(1, 1)), cfg=vcfg)
     if dcfg.dflash2 is None or (vcfg.num_layers, vcfg.dims, vcfg.target_layer_ids) != (
         dcfg.num_layers,
         dcfg.dims,
@@ -273,6 +278,9 @@ def from_v1_drafter(params, dcfg, directory: Path, tcfg):
     out = dict(params, fc=vparams["fc"], hidden_norm=vparams["hidden_norm"], norm=vparams["norm"])
     out["layers"] = []
     for new, old in zip(params["layers"], vparams["layers"], strict=True):
+        if set(old) - set(new):  # (the layouts differ: one would train, the other be saved)
+            lacks = sorted(set(old) - set(new))
+            raise SystemExit(f"--init-draft {directory}: tensors the new drafter lacks: {lacks}")
         layer = dict(new, **old)
         for conv in ("attention_conv", "mlp_conv"):
             base = jnp.zeros_like(new[conv]["base_kernel"]).at[:, 0].set(1.0)

@@ -12,6 +12,7 @@ from ddtree_jax import drafter, target, train
 from ddtree_jax.config import DFlash2Config, load_draft_config
 from ddtree_jax.kv_cache import write
 from ddtree_jax.models.gqa import empty_cache
+from ddtree_jax.sharding import make_mesh, param_sharding
 from ddtree_jax.weights import random_params
 
 VOCAB, MASK_ID = 96, 95
@@ -141,9 +142,17 @@ def test_init_from_the_bundled_v1_drafter_drafts_as_it():
     feats = jax.random.normal(jax.random.key(0), (1, 20, len(v1.target_layer_ids) * tcfg.hidden_size))
     d = v1.dims
     outs = []
-    for cfg, p in ((v1, pair.draft_params), (dcfg, params)):
+    # the v1 drafter in the trainer's layout (unfused; fused and unfused matmuls round differently)
+    v1 = dataclasses.replace(v1, fused_projections=dcfg.fused_projections)
+    _, v1_params = drafter.load(assets / "draft", tcfg, jnp.float32, param_sharding(make_mesh(1, 1)), cfg=v1)
+    for cfg, p in ((v1, v1_params), (dcfg, params)):
         cache = empty_cache(2, 1, d.num_kv_heads, 64, d.head_dim, jnp.float32)
         cache = write(cache, drafter.context_kv(p, cfg, feats, jnp.arange(20)[None]), jnp.array([0]))
         cache.lengths = jnp.array([20], jnp.int32)
         outs.append(np.asarray(drafter.draft_logits(p, cfg, pair.params, jnp.array([5]), cache)))
     np.testing.assert_array_equal(outs[0], outs[1])
+    # every tensor is one of the new drafter's, in its layout: the trainer trains what save_hf writes (a
+    # fused v1 copy beside the unfused initialisation drafted as v1 and saved the random tensors)
+    specs = {spec.path for spec in drafter.weight_specs(dcfg)}
+    held = {path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path) for path in held} == specs
