@@ -273,6 +273,15 @@ def from_v1_drafter(params, dcfg, directory: Path, tcfg):
     out = dict(params, fc=vparams["fc"], hidden_norm=vparams["hidden_norm"], norm=vparams["norm"])
     out["layers"] = []
     for new, old in zip(params["layers"], vparams["layers"], strict=True):
+        old = dict(old)  # drafter.load fuses k/v and gate/up; the trained (and saved) layout keeps them apart
+        kv, gate_up = old.pop("kv_proj"), old.pop("gate_up_proj")  # [H, kv_heads, 2, D], [H, 2, F]
+        old |= {
+            "k_proj": kv[:, :, 0].reshape(kv.shape[0], -1),
+            "v_proj": kv[:, :, 1].reshape(kv.shape[0], -1),
+        }
+        old |= {"gate_proj": gate_up[:, 0], "up_proj": gate_up[:, 1]}
+        if set(old) - set(new):
+            raise SystemExit(f"--init-draft {directory}: unexpected weights {sorted(set(old) - set(new))}")
         layer = dict(new, **old)
         for conv in ("attention_conv", "mlp_conv"):
             base = jnp.zeros_like(new[conv]["base_kernel"]).at[:, 0].set(1.0)
