@@ -253,12 +253,7 @@ def test_save_hf_writes_the_fused_drafters_parts(tmp_path):
     tcfg, _ = load_target(TP)
     cfg, params = drafter.load(FIXTURES / name, tcfg, jnp.float32, param_sharding(make_mesh(1)))
     save_hf(params, drafter.weight_specs(cfg), tmp_path, {}, dtype=np.float32)
-    mine, theirs = Checkpoint(tmp_path), Checkpoint(FIXTURES / name)
-    assert set(mine.where) == set(theirs.where)
-    for tensor in theirs.where:
-        np.testing.assert_array_equal(
-            mine.where[tensor].read(tensor), theirs.where[tensor].read(tensor), err_msg=tensor
-        )
+    _assert_same_tensors(tmp_path, FIXTURES / name)
 
 
 def test_save_hf_writes_the_parts(tmp_path):
@@ -267,7 +262,12 @@ def test_save_hf_writes_the_parts(tmp_path):
 
     cfg, params = load_target(TP)
     save_hf(params, target.weight_specs(cfg), tmp_path, {}, dtype=np.float32)
-    mine, theirs = Checkpoint(tmp_path), Checkpoint(FIXTURES / TP)
+    _assert_same_tensors(tmp_path, FIXTURES / TP)
+
+
+def _assert_same_tensors(written, original) -> None:
+    """The checkpoint directory `written` holds exactly `original`'s tensors, equal to them."""
+    mine, theirs = Checkpoint(written), Checkpoint(original)
     assert set(mine.where) == set(theirs.where)
     for name in theirs.where:
         np.testing.assert_array_equal(
