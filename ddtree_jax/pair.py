@@ -194,9 +194,7 @@ def priced_auto_budgets(pair: Pair, plan: Plan, schedule) -> tuple[int, ...]:
 
     budgets = schedule.auto_budgets
     sizes = float(sum(x.size for x in jax.tree.leaves(pair.params)))
-    plans = tuple(plan_choice.plan_name("ddtree", n) for n in budgets)
-    share = plan_choice.projection_share(plan.target, plan.draft, sizes)
-    costs = plan_choice.job_costs(jax.devices()[0].device_kind, sizes, plans, share)
+    _, costs = plan_choice.job_costs(jax.devices()[0].device_kind, plan.target, plan.draft, sizes, budgets)
     priced = plan_choice.priced_budgets(costs, budgets, rows_per_device(schedule.batch_size, plan.dp))
     return priced or budgets
 

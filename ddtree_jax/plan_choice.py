@@ -271,12 +271,15 @@ def with_stand_ins(costs: CostTable, plans: tuple[str, ...], anchor: str = "ddtr
 
 
 def job_costs(
-    device_kind: str | None, target_params: float, plans: tuple[str, ...], share: float
-) -> CostTable:
-    """The table a choosing job prices `plans` by: the device kind's shipped table of the nearest model
-    size (load_costs), the plans it lacks stood in for (with_stand_ins), root-only rounds at the ar row
-    times 1 + `share` (with_projection: projection_share)."""
-    return with_projection(with_stand_ins(load_costs(device_kind, target_params), plans), share)
+    device_kind: str | None, target_cfg, draft_cfg, target_params: float, budgets: tuple[int, ...]
+) -> tuple[tuple[str, ...], CostTable]:
+    """The plans of a choosing job's `budgets` (0: root-only) and the table it prices them by: the device
+    kind's shipped table of the nearest model size (load_costs), the plans it lacks stood in for
+    (with_stand_ins), root-only rounds at the ar row times 1 + the drafter's context projection
+    (with_projection, projection_share)."""
+    plans = tuple(plan_name("ddtree", n) for n in budgets)
+    share = projection_share(target_cfg, draft_cfg, target_params)
+    return plans, with_projection(with_stand_ins(load_costs(device_kind, target_params), plans), share)
 
 
 def priced_budgets(costs: CostTable, budgets: tuple[int, ...], rows: int) -> tuple[int, ...]:

@@ -344,10 +344,9 @@ class Generator:
         """The chooser of a job's budget: PlanChooser over this device kind's shipped cost table (the
         nearest model size), starting from the bundled pair's acceptance curve. Budget 0 runs root-only
         rounds: the table's ar row plus the drafter's context projection."""
-        sizes = sum(x.size for x in jax.tree.leaves(self.programs.params))
-        plans = tuple(plan_choice.plan_name("ddtree", n) for n in self.schedule.auto_budgets)
-        share = plan_choice.projection_share(self.plan.target, self.plan.draft, float(sizes))
-        costs = plan_choice.job_costs(jax.devices()[0].device_kind, float(sizes), plans, share)
+        sizes = float(sum(x.size for x in jax.tree.leaves(self.programs.params)))
+        kind, budgets = jax.devices()[0].device_kind, self.schedule.auto_budgets
+        plans, costs = plan_choice.job_costs(kind, self.plan.target, self.plan.draft, sizes, budgets)
         prior = plan_choice.curve_marginals("bundled-pair", self.plan.depth)
         return plan_choice.PlanChooser(costs, plans, prior)
 
