@@ -228,7 +228,7 @@ def _refill(params, draft_params, job: Job, req: Requests, n, call, *, plan, chu
     rows, capacity = s.bonus.shape[0], s.cache.capacity
     new = prefill.prefill(
         params, draft_params, req, s.stop_ids,
-        plan=plan, rows=rows, capacity=capacity, chunk=chunk, attention=attention, own_schedules=True,
+        plan=plan, rows=rows, capacity=capacity, chunk=chunk, attention=attention, packed=True,
     )  # fmt: skip
     state = place_rows(s, new, req.rows)
     j = jnp.arange(req.rows.shape[0], dtype=jnp.int32)

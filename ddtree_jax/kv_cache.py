@@ -32,6 +32,34 @@ class KVCache:
         return jax.tree.leaves(entry)[0].shape[type(entry).time_axis]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SharedRows:
+    """A cache whose rows a forward's sequences share (a packed prefill pass: several pieces of one
+    prompt in one forward, `prefill.py`). Sequence b reads row `rows[b]` up to `lengths[b]` and, under
+    the forward's mask, its own new tokens, after the new entries of EVERY sequence were written at
+    (rows[b], lengths[b] + t): a piece sees the earlier pieces of its prompt in the same forward.
+    `rows[b]` >= R marks a padding sequence (it writes nothing; its output is not used). `width`: the
+    slots of each row a sequence may read (static, at most the capacity)."""
+
+    layers: list[Any]
+    lengths: jax.Array  # [Bq] int32
+    rows: jax.Array  # [Bq] int32
+    width: int = dataclasses.field(metadata=dict(static=True))
+
+    def view(self, entry: Any, new: Any) -> Any:
+        """What the sequences read of one layer's entry [R, ...]: `new` [Bq, T, ...] written as
+        `write_rows` writes it, then each sequence's row, its first `width` slots -> [Bq, ...]."""
+        written = _write_rows_entry(entry, new, self.rows, self.lengths)
+        axis = type(entry).time_axis
+
+        def read(x):
+            x = jax.lax.slice_in_dim(x, 0, self.width, axis=axis)
+            return jnp.take(x, self.rows, axis=0, mode="clip")
+
+        return jax.tree.map(read, written)
+
+
 def gather_slots(x: jax.Array, index: jax.Array) -> jax.Array:
     """x [B, T, ...] gathered at index [B, W] -> [B, W, ...]."""
     return jax.vmap(lambda row, i: row[i])(x, index)
@@ -64,6 +92,30 @@ def write(cache: KVCache, new: list[Any], start: jax.Array, keep: jax.Array | No
     """
     layers = [_write_entry(c, n, start, keep) for c, n in zip(cache.layers, new, strict=True)]
     return KVCache(layers, cache.lengths)
+
+
+def write_rows(cache: KVCache, new: list[Any], rows: jax.Array, starts: jax.Array) -> KVCache:
+    """Write per-layer in-flight entries [Bq, W, ...] of sequences that share rows: token t of sequence
+    b at slot starts[b] + t of row rows[b] (a row >= R, or a slot past the capacity: not written);
+    lengths are left to the caller."""
+    layers = [_write_rows_entry(c, n, rows, starts) for c, n in zip(cache.layers, new, strict=True)]
+    return KVCache(layers, cache.lengths)
+
+
+def _write_rows_entry(cached: Any, new: Any, rows: jax.Array, starts: jax.Array) -> Any:
+    axis = type(cached).time_axis
+    leaves, tree = jax.tree.flatten(cached)
+    fresh = jax.tree.leaves(new)
+
+    def scatter(buf, x):
+        # buf [R, ..., S (axis), ...]; indexing rows and slots with [Bq, W] arrays selects [Bq, W, ...]:
+        # the in-flight layout, whatever the time axis (NumPy's rule for advanced indices)
+        index = [slice(None)] * buf.ndim
+        index[0] = rows[:, None]
+        index[axis] = starts[:, None] + jnp.arange(x.shape[1], dtype=starts.dtype)
+        return buf.at[tuple(index)].set(x.astype(buf.dtype), mode="drop")
+
+    return jax.tree.unflatten(tree, [scatter(c, n) for c, n in zip(leaves, fresh, strict=True)])
 
 
 def _write_entry(cached: Any, new: Any, start: jax.Array, keep=None) -> Any:

@@ -5,14 +5,18 @@ so far and to itself under a causal mask, as a verify does: no [P, P] scores; a 
 prompt is one pass), its end in chunks of C / 4, so a prompt computes fewer than C / 4 padding tokens.
 The drafter's context entries of each chunk come from the chunk's target features, at the same slots.
 
-R prompts prefill together, one weight read per chunk step for all of them. In a static batch they
-share the longest prompt's chunk schedule; in the continuous job's passes (`own_schedules`) each follows
-its OWN chunk schedule (`chunk_steps` of its own length): step k of the full chunks covers [kC, kC + C) of
-the requests that have more than k full chunks, tail step j covers [f C + j C/4, ...) of a request with
-f full chunks and more than j tail chunks; a request with no chunk at a step computes it masked and
-keeps nothing of it. So a prompt sees the same arithmetic (shapes [R, C], its own tokens, its own
-chunks) whichever prompts share its prefill and whichever slot it lands in; a step a request has no
-chunk in leaves its caches as they were. Each "data" device loops over its own requests' chunks only.
+R prompts prefill together, one weight read per step for all of them. In a static batch they share
+the longest prompt's chunk schedule ([R, C] steps). The continuous job's passes (`packed`) must not
+let a prompt's tokens depend on its companions, and must not compute its companions' padding: each
+prompt is cut into pieces of C / 4 tokens (`piece_count`), the pass's pieces are laid end to end,
+prompt after prompt, and each step runs the next R * 4 of them, a forward of [R * 4, C / 4] tokens
+whatever prompts they belong to. Piece i of a prompt attends to its row of the pass's cache up to
+i * C / 4 (the prompt's earlier pieces, whether an earlier step or this one wrote them:
+`kv_cache.SharedRows`) and causally to itself. A prompt then sees the same arithmetic (fixed shapes,
+its own tokens, its own pieces; a matmul's rows are independent of their neighbours at a fixed
+shape) whichever prompts share its pass and wherever its pieces land, and a pass computes its
+prompts' tokens rounded up to pieces, plus the last step's unused pieces: where the shared schedule
+computed every slot for as many steps as the longest prompt needs.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ from ddtree_jax.weights import Params
 def tail_chunk(chunk: int) -> int:
     """The chunk of a prompt's end: C / 4, at least 16 (the prompt computes < C / 4 padding tokens)."""
     return max(chunk // 4, 16)
+
+
+def piece_count(length, chunk: int):
+    """The pieces of a prompt of `length` tokens in a packed pass: ceil(length / (C / 4))."""
+    piece = tail_chunk(chunk)
+    return (length + piece - 1) // piece
 
 
 def chunk_steps(length, chunk: int) -> tuple:
@@ -92,25 +102,27 @@ def prefill(
     capacity: int,
     chunk: int,
     attention: str,
-    own_schedules: bool = False,
+    packed: bool = False,
 ) -> DecodeState:
     """The state of the R requests [R, P] (this device's rows): prompts run in chunks of min(`chunk`,
     P) tokens through the cache path (`attention`: the chunks' implementation), caches of `capacity`
-    slots, the first token chosen; a request bound for row `rows` or beyond is inactive. Each request
-    on its own chunk schedule (`own_schedules`: the continuous job's passes, whose companions must not
-    matter), else every request on the longest's (a static batch: one set of shapes for all)."""
+    slots, the first token chosen; a request bound for row `rows` or beyond is inactive. With `packed`
+    (the continuous job's passes, whose companions must not matter) in packed pieces, each prompt on
+    its own; else every request on the longest's chunk schedule (a static batch: one set of shapes)."""
     cfg, (r, p) = plan.target, req.tokens.shape
     axis, dtype = plan.model_axis, params["embed"].dtype
     chunk = min(chunk, p)  # a chunk of the whole prompt buffer is one pass
     if p % chunk:
         raise ValueError(f"prompt width {p} is not a multiple of the chunk {chunk}")
-    tail = tail_chunk(chunk)
 
     def forward(tokens, positions, mask, cache):
         return target.forward(
             params, cfg, tokens, positions, mask, cache,
             feature_layers=plan.feature_layers, attention=attention, model_axis=axis,
         )  # fmt: skip
+
+    def context(features, positions):
+        return drafter.context_kv(draft_params, plan.draft, features.astype(dtype), positions)
 
     probe = jax.eval_shape(
         lambda: forward(
@@ -120,49 +132,15 @@ def prefill(
     cache = kv_cache.empty_like(_zeros(probe.kv), capacity)
     draft_cache = None
     if plan.method != "ar":
-        ctx = jax.eval_shape(
-            lambda f: drafter.context_kv(draft_params, plan.draft, f, jnp.zeros((r, chunk), jnp.int32)),
-            jax.ShapeDtypeStruct(probe.features.shape, dtype),
-        )
+        ctx = jax.eval_shape(context, probe.features, jnp.zeros((r, chunk), jnp.int32))
         draft_cache = kv_cache.empty_like(_zeros(ctx), capacity)
     last = jnp.zeros((r, probe.hidden.shape[-1]), probe.hidden.dtype)
+    run = _packed if packed else _chunked
+    cache, draft_cache, last = run(
+        forward, context if draft_cache is not None else None, req, (cache, draft_cache, last),
+        active=req.rows < rows, chunk=chunk,
+    )  # fmt: skip
 
-    lengths = req.lengths if own_schedules else jnp.full_like(req.lengths, jnp.max(req.lengths))
-    full, tails = chunk_steps(lengths, chunk)  # [R] each request's schedule
-
-    def step(size: int, starts, active):
-        """One chunk step of `size` tokens: request r's chunk `i` from position starts(i)[r], kept
-        where active(i)[r]."""
-        arange = jnp.arange(size, dtype=jnp.int32)
-        causal = arange[None, :] <= arange[:, None]  # [C, C]
-
-        def run(carry):
-            i, cache, draft_cache, last = carry
-            start, keep = starts(i), active(i)  # [R] each
-            positions = start[:, None] + arange[None, :]  # [R, C]
-            tokens = jnp.take_along_axis(req.tokens, jnp.minimum(positions, p - 1), axis=1)
-            real = keep[:, None] & (positions < req.lengths[:, None])
-            mask = causal[None] & real[:, None, :]
-            seen = jnp.minimum(start, req.lengths)  # each request's cache holds its prompt before the chunk
-            out = forward(tokens, positions, mask, KVCache(cache.layers, seen))
-            cache = kv_cache.write(cache, out.kv, start, keep)  # (a request without this chunk: unchanged)
-            if draft_cache is not None:
-                ctx = drafter.context_kv(draft_params, plan.draft, out.features.astype(dtype), positions)
-                draft_cache = kv_cache.write(draft_cache, ctx, start, keep)
-            here = req.lengths - 1 - start  # the last prompt token's index in this chunk
-            inside = keep & (here >= 0) & (here < size)
-            picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, size - 1)]
-            return i + 1, cache, draft_cache, jnp.where(inside[:, None], picked, last)
-
-        return run
-
-    carry = (jnp.int32(0), cache, draft_cache, last)
-    full_step = step(chunk, lambda i: jnp.full((r,), i * chunk, jnp.int32), lambda i: i < full)
-    _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < jnp.max(full), full_step, carry)
-    if tail < chunk:  # (with tail == chunk there are no tail chunks)
-        carry = (jnp.int32(0), cache, draft_cache, last)
-        tail_step = step(tail, lambda j: full * chunk + j * tail, lambda j: j < tails)
-        _, cache, draft_cache, last = jax.lax.while_loop(lambda c: c[0] < jnp.max(tails), tail_step, carry)
     # the target's choice after each prompt: the token at position L, also its noise position (sampling.py)
     head = target.logits(params, last[:, None], cfg.vocab_size, axis)
     first = choose(head, req.sampling, req.lengths[:, None], axis)[:, 0]
@@ -174,6 +152,81 @@ def prefill(
     layers = None if draft_cache is None else draft_cache.layers
     cache = KVCache(cache.layers, req.lengths)
     return initial_state(cache, layers, first, req, req.rows < rows, stop_ids, plan, scores)
+
+
+def _chunked(forward, context, req: Requests, carry, *, active, chunk: int):
+    """(cache, draft cache, last hidden [R, H]) after every request ran the longest's chunk schedule:
+    [R, C] steps, then [R, C / 4] tail steps."""
+    (r, p), tail = req.tokens.shape, tail_chunk(chunk)
+    full, tails = chunk_steps(jnp.full_like(req.lengths, jnp.max(req.lengths)), chunk)
+
+    def step(size: int, starts, keep_at):
+        """One chunk step of `size` tokens: request r's chunk `i` from position starts(i)[r], kept
+        where keep_at(i)[r]."""
+        arange = jnp.arange(size, dtype=jnp.int32)
+        causal = arange[None, :] <= arange[:, None]  # [C, C]
+
+        def run(carry):
+            i, cache, draft_cache, last = carry
+            start, keep = starts(i), keep_at(i)  # [R] each
+            positions = start[:, None] + arange[None, :]  # [R, C]
+            tokens = jnp.take_along_axis(req.tokens, jnp.minimum(positions, p - 1), axis=1)
+            real = keep[:, None] & (positions < req.lengths[:, None])
+            mask = causal[None] & real[:, None, :]
+            seen = jnp.minimum(start, req.lengths)  # each request's cache holds its prompt before the chunk
+            out = forward(tokens, positions, mask, KVCache(cache.layers, seen))
+            cache = kv_cache.write(cache, out.kv, start, keep)  # (a request without this chunk: unchanged)
+            if draft_cache is not None:
+                draft_cache = kv_cache.write(draft_cache, context(out.features, positions), start, keep)
+            here = req.lengths - 1 - start  # the last prompt token's index in this chunk
+            inside = keep & (here >= 0) & (here < size)
+            picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, size - 1)]
+            return i + 1, cache, draft_cache, jnp.where(inside[:, None], picked, last)
+
+        return run
+
+    carry = (jnp.int32(0), *carry)
+    full_step = step(chunk, lambda i: jnp.full((r,), i * chunk, jnp.int32), lambda i: i < full)
+    carry = jax.lax.while_loop(lambda c: c[0] < jnp.max(full), full_step, carry)
+    if tail < chunk:  # (with tail == chunk there are no tail chunks)
+        tail_step = step(tail, lambda j: full * chunk + j * tail, lambda j: j < tails)
+        carry = jax.lax.while_loop(lambda c: c[0] < jnp.max(tails), tail_step, (jnp.int32(0), *carry[1:]))
+    return carry[1:]
+
+
+def _packed(forward, context, req: Requests, carry, *, active, chunk: int):
+    """(cache, draft cache, last hidden [R, H]) after the active requests' pieces ran, R * C / g of
+    them a step ([R * C / g, g] tokens, g = C / 4), laid end to end in request order."""
+    (r, p), piece = req.tokens.shape, tail_chunk(chunk)
+    per_step = r * chunk // piece
+    count = jnp.where(active, piece_count(req.lengths, chunk), 0)  # [R] pieces per request
+    ends = jnp.cumsum(count)  # request i's pieces are [ends[i] - count[i], ends[i]) of the pass
+    arange = jnp.arange(piece, dtype=jnp.int32)
+    causal = arange[None, :] <= arange[:, None]  # [g, g]
+
+    def run(carry):
+        k, cache, draft_cache, last = carry
+        index = k * per_step + jnp.arange(per_step, dtype=jnp.int32)  # [S] the step's pieces
+        owner = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)  # [S]; R: past the last
+        live = index < ends[-1]
+        o = jnp.minimum(owner, r - 1)
+        start = (index - (ends - count)[o]) * piece  # [S] the piece's first position in its prompt
+        positions = start[:, None] + arange[None, :]  # [S, g]
+        tokens = req.tokens[o[:, None], jnp.minimum(positions, p - 1)]
+        real = live[:, None] & (positions < req.lengths[o][:, None])
+        mask = causal[None] & real[:, None, :]
+        row = jnp.where(live, owner, r)  # the pass's cache row each piece writes and reads (r: none)
+        out = forward(tokens, positions, mask, kv_cache.SharedRows(cache.layers, start, row, p))
+        cache = kv_cache.write_rows(cache, out.kv, row, start)
+        if draft_cache is not None:
+            draft_cache = kv_cache.write_rows(draft_cache, context(out.features, positions), row, start)
+        here = req.lengths[o] - 1 - start  # the prompt's last token's index in this piece
+        inside = live & (here >= 0) & (here < piece)
+        picked = out.hidden[jnp.arange(per_step), jnp.clip(here, 0, piece - 1)]  # [S, H]
+        return k + 1, cache, draft_cache, last.at[jnp.where(inside, owner, r)].set(picked, mode="drop")
+
+    carry = jax.lax.while_loop(lambda c: c[0] * per_step < ends[-1], run, (jnp.int32(0), *carry))
+    return carry[1:]
 
 
 def _zeros(tree):

@@ -159,14 +159,14 @@ def one_pass_prefill(params, dparams, cfg, dcfg, prompts, lengths):
     return out.kv, ctx, jnp.argmax(logits[:, 0], axis=-1)
 
 
-@pytest.mark.parametrize("own_schedules", [False, True])
-def test_chunked_prefill_equals_one_pass(own_schedules):
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_prefill_equals_one_pass(packed):
     """A 900-token prompt in chunks of 128 (7, then a tail chunk of 32) and of 1024 (one) against one
     causal pass; in chunks of 256 with the chunks' attention composed of two flash-attention calls
-    (attention.causal_chunk through XLA, what cuDNN runs on CUDA). Each request on its own schedule
-    (own_schedules: the 77-token prompt's three tail chunks while the other's full chunks run) in chunks
-    of 128 only: one chunk of 1024 is one pass on either schedule, and the composed attention reads the
-    same per-request cache lengths on either (each prefill program compiles in ~10 CPU-s)."""
+    (attention.causal_chunk through XLA, what cuDNN runs on CUDA). In packed pieces (the continuous
+    job's passes: pieces of 32 tokens, 8 a step, the 77-token prompt's three after the other's 29, so
+    steps hold pieces of both prompts and several of one) in chunks of 128 only (each prefill program
+    compiles in ~10 CPU-s)."""
     cfg, params = load_target(TP)
     dcfg, dparams = load_drafter(DRAFT)
     rng = np.random.default_rng(0)
@@ -181,10 +181,10 @@ def test_chunked_prefill_equals_one_pass(own_schedules):
     kv, ctx, first = one_pass_prefill(params, dparams, cfg, dcfg, jnp.asarray(prompts), jnp.asarray(lengths))
     stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
     cases = ((128, "reference"), (1024, "reference"), (256, "causal-xla"))
-    for chunk, impl in cases[:1] if own_schedules else cases:
+    for chunk, impl in cases[:1] if packed else cases:
         got = prefill.prefill(
             params, dparams, req, stop, plan=plan, rows=2, capacity=1088, chunk=chunk, attention=impl,
-            own_schedules=own_schedules,
+            packed=packed,
         )  # fmt: skip
         np.testing.assert_array_equal(got.bonus, first)
         np.testing.assert_array_equal(got.cache.lengths, lengths)

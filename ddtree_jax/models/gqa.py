@@ -18,6 +18,7 @@ from ddtree_jax.attention import kernel
 from ddtree_jax.collectives import Axis
 from ddtree_jax.config import LayerDims
 from ddtree_jax.kernels.tree_attention import tree_attention_reference
+from ddtree_jax.kv_cache import SharedRows
 from ddtree_jax.models.common import all_reduce, apply_rope, rms_norm
 from ddtree_jax.sharding import DATA, MODEL
 from ddtree_jax.weights import WeightSpec, fused_weight, linear, norm
@@ -197,13 +198,20 @@ def attention(
 
 
 def cache_attend(
-    impl: str, entry: KVEntry, lengths: jax.Array, mask: jax.Array, window: int | None = None
+    impl: str,
+    entry: KVEntry,
+    lengths: jax.Array,
+    mask: jax.Array,
+    window: int | None = None,
+    shared: SharedRows | None = None,
 ) -> Attend:
-    """attend(q, k_new, v_new) over one cached layer up to `lengths` [B] plus the new tokens under mask."""
+    """attend(q, k_new, v_new) over one cached layer up to `lengths` [B] plus the new tokens under mask;
+    with `shared`, over the rows the sequences share once the new tokens are in them (`SharedRows`)."""
     fn = kernel(impl, "gqa")
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return fn(q, entry.k, entry.v, lengths, k, v, mask, window=window)
+        cached = entry if shared is None else shared.view(entry, KVEntry(k, v))
+        return fn(q, cached.k, cached.v, lengths, k, v, mask, window=window)
 
     return attend
 
@@ -229,4 +237,5 @@ def layer_attend(
         return self_attend(mask)
     first = cache.layers[0]
     entry = layer_entry(first, layer) if isinstance(first, StackedKVEntry) else cache.layers[layer]
-    return cache_attend(impl, entry, cache.lengths, mask, window)
+    shared = cache if isinstance(cache, SharedRows) else None
+    return cache_attend(impl, entry, cache.lengths, mask, window, shared)

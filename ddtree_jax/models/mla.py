@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.attention import kernel
 from ddtree_jax.collectives import Axis
 from ddtree_jax.kernels.flash import MASK_VALUE
+from ddtree_jax.kv_cache import SharedRows
 from ddtree_jax.models.common import all_reduce, apply_rope, dense_weight, matmul, rms_norm
 from ddtree_jax.sharding import DATA
 from ddtree_jax.weights import WeightSpec, linear, norm
@@ -180,19 +181,22 @@ def absorbed_attend(
     mask: jax.Array,
     dims: MLADims,
     window: int | None = None,
+    shared: SharedRows | None = None,
 ) -> Attend:
     """attend over one cached layer up to `lengths` [B] plus the new tokens under mask [B, T, T], in the
-    absorbed form (`impl`: an MLA implementation of attention.KERNELS)."""
+    absorbed form (`impl`: an MLA implementation of attention.KERNELS); with `shared`, over the rows
+    the sequences share once the new tokens are in them (`SharedRows`)."""
     fn = kernel(impl, "mla")
 
     def attend(p: dict, q_nope: jax.Array, q_rope: jax.Array, new: LatentEntry) -> jax.Array:
         w_uk, w_uv = kv_b(p, dims, q_nope.dtype)
         q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+        cached = entry if shared is None else shared.view(entry, new)
         o = fn(
             q_latent,
             q_rope,
-            entry.latent,
-            entry.k_rope,
+            cached.latent,
+            cached.k_rope,
             lengths,
             new.latent,
             new.k_rope,
@@ -228,4 +232,5 @@ def layer_attend(
     """The attend of decoder layer `layer`: absorbed over its cache entry, expanded when cache is None."""
     if cache is None:
         return expanded_attend(mask, dims)
-    return absorbed_attend(impl, cache.layers[layer], cache.lengths, mask, dims, window)
+    shared = cache if isinstance(cache, SharedRows) else None
+    return absorbed_attend(impl, cache.layers[layer], cache.lengths, mask, dims, window, shared)
