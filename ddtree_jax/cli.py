@@ -255,7 +255,9 @@ def summarize(results, gen, wall: float, batch_size: int, busy: dict | None = No
     occ = gen.occupancy
     if occ.host_returns:
         passes = (
-            f"prefill passes: {occ.refills} ({occ.prefilled / occ.refills:.1f} prompts a pass)"
+            f"prefill passes: {occ.refills} ({occ.prefilled / occ.refills:.1f} prompts"
+            + (f", {occ.prefill_steps / occ.refills:.1f} steps" if occ.prefill_steps else "")
+            + " a pass)"
             if occ.prefilled and occ.refills
             else f"refills: {occ.refills}"
         )

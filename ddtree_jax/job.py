@@ -5,8 +5,8 @@ One call of `run_job` is a stretch of the job: a `lax.while_loop` whose every it
   1. harvests the rows that finished (eos, stop ids, limits) into the call's `Finished` buffer and
      frees them,
   2. admits the next queued prompts into free rows while enough rows are free (`refill_at`, or no row
-     is running), up to R at once in each prefill pass (prefill.py: each prompt on its own chunk
-     schedule, so its tokens do not depend on its companions or its slot),
+     is running), up to R at once in each prefill pass (prefill.py: the prompts' pieces packed into
+     fixed-shape steps, so a prompt's tokens do not depend on its companions or its slot),
   3. runs `stride` decoding rounds (engine.decode_round; a row that finishes among them waits for
      the next harvest, frozen).
 It returns to the host after `most` rounds, when the Finished buffer could not take another
@@ -96,6 +96,7 @@ class Counters:
     waiting_rounds: jax.Array  # rounds run while prompts waited
     passes: jax.Array  # prefill passes
     admitted: jax.Array  # prompts prefilled
+    prefill_steps: jax.Array  # the passes' steps (forwards of R * C token slots: prefill.packed_steps)
 
 
 @jax.tree_util.register_dataclass
@@ -114,7 +115,11 @@ class Job:
 def job_specs(plan: Plan, observe: bool = False) -> Job:
     """PartitionSpecs of a Job: by rows (its [1] counters and its rank counts: one per "data" device)."""
     ranks = RankCounts(ROW, ROW) if observe else None
-    return Job(engine.state_specs(plan), ROW, ROW, ROW, Counters(*[ROW] * 6), ranks)
+    return Job(engine.state_specs(plan), ROW, ROW, ROW, _counter_specs(), ranks)
+
+
+def _counter_specs() -> Counters:
+    return Counters(*[ROW] * len(dataclasses.fields(Counters)))
 
 
 def queue_specs() -> Queue:
@@ -126,7 +131,7 @@ def finished_specs(plan: Plan, observe: bool = False) -> Finished:
     """PartitionSpecs of a Finished buffer: by entries (each device's own)."""
     lp = Logprobs(ROW, ROW, ROW) if plan.logprobs else None
     ranks = RankCounts(ROW, ROW) if observe else None
-    return Finished(ROW, ROW, ROW, ROW, ROW, ROW, ROW, lp, ROW, ROW, ROW, Counters(*[ROW] * 6), ranks)
+    return Finished(ROW, ROW, ROW, ROW, ROW, ROW, ROW, lp, ROW, ROW, ROW, _counter_specs(), ranks)
 
 
 def _count(x: jax.Array, plan: Plan) -> jax.Array:
@@ -137,7 +142,7 @@ def _count(x: jax.Array, plan: Plan) -> jax.Array:
 def new_counters() -> Counters:
     """Zero counters ([1] each)."""
     zero = jnp.zeros((1,), jnp.int32)
-    return Counters(zero, zero, zero, zero, zero, zero)
+    return Counters(*[zero] * len(dataclasses.fields(Counters)))
 
 
 def new_rank_counts(depth: int, devices: int = 1) -> RankCounts:
@@ -235,7 +240,10 @@ def _refill(params, draft_params, job: Job, req: Requests, n, call, *, plan, chu
     occupant = job.occupant.at[req.rows].set(job.next[0] + j, mode="drop")
     admitted = job.admitted.at[req.rows].set(call, mode="drop")
     c = job.counters
-    counters = dataclasses.replace(c, passes=c.passes + (n > 0), admitted=c.admitted + n)
+    steps = prefill.packed_steps(req.lengths, req.rows < rows, min(chunk, req.tokens.shape[1]))
+    counters = dataclasses.replace(
+        c, passes=c.passes + (n > 0), admitted=c.admitted + n, prefill_steps=c.prefill_steps + steps
+    )
     return dataclasses.replace(
         job, state=state, occupant=occupant, admitted=admitted, next=job.next + n, counters=counters
     )

@@ -43,6 +43,13 @@ def piece_count(length, chunk: int):
     return (length + piece - 1) // piece
 
 
+def packed_steps(lengths: jax.Array, active: jax.Array, chunk: int) -> jax.Array:
+    """The steps of a packed pass over requests of `lengths` [R] (those `active`): their pieces, R * C /
+    (C / 4) a step, rounded up."""
+    per_step = lengths.shape[0] * chunk // tail_chunk(chunk)
+    return (jnp.sum(jnp.where(active, piece_count(lengths, chunk), 0)) + per_step - 1) // per_step
+
+
 def chunk_steps(length, chunk: int) -> tuple:
     """(full chunks, tail chunks) of a prompt of `length` tokens (an int, or an int array on the
     device, one schedule per request): full chunks while more than C - C / 4 tokens are left (four
@@ -225,7 +232,8 @@ def _packed(forward, context, req: Requests, carry, *, active, chunk: int):
         picked = out.hidden[jnp.arange(per_step), jnp.clip(here, 0, piece - 1)]  # [S, H]
         return k + 1, cache, draft_cache, last.at[jnp.where(inside, owner, r)].set(picked, mode="drop")
 
-    carry = jax.lax.while_loop(lambda c: c[0] * per_step < ends[-1], run, (jnp.int32(0), *carry))
+    steps = packed_steps(req.lengths, active, chunk)
+    carry = jax.lax.while_loop(lambda c: c[0] < steps, run, (jnp.int32(0), *carry))
     return carry[1:]
 
 

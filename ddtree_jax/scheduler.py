@@ -104,6 +104,7 @@ class Occupancy:
     waiting_busy: int = 0  # of those, busy ones
     refills: int = 0  # prefill passes run (programs on the host loop; passes inside the device job)
     prefilled: int = 0  # prompts prefilled
+    prefill_steps: int = 0  # steps of the device job's prefill passes (forwards of R x C token slots)
     host_returns: int = 0  # device programs whose results the host waited for (round loops, job calls)
 
     def waiting_fraction(self) -> float:
@@ -438,6 +439,7 @@ class Generator:
         occ.waiting_row_rounds += int(c["waiting_rounds"][0]) * rows
         occ.refills += int(c["passes"].max())
         occ.prefilled += int(c["admitted"].sum())
+        occ.prefill_steps += int(c["prefill_steps"].max())
 
     def _order(self, prompts: list[Prompt], kept: list[bool]) -> list[int]:
         """The order prompts enter rows: static, input order in batches cut from the whole list (a

@@ -172,6 +172,7 @@ def summary(results, gen: Generator, wall: float) -> dict:
             "busy_while_waiting": round(occ.waiting_fraction(), 4),
             "refills": occ.refills,
             "prefilled": occ.prefilled,
+            "prefill_steps": occ.prefill_steps,
             "host_returns": occ.host_returns,
             "loop": gen.loop,
         }
