@@ -364,6 +364,9 @@ def generate_all(run: Prepared, llm: LLM | None, writer: Writer, status: Status 
             for result in finished:
                 if start is not None:
                     bar.start_t = start + (llm.compile_seconds - compiled)  # the ETA from generation only
+                    # (a bar whose last print is before its start is one tqdm's close takes for never
+                    # shown: it would leave the line unended, and an interruption's message after it)
+                    bar.last_print_t = max(bar.last_print_t, bar.start_t)
                 if not results:
                     bar.set_description("prompts", refresh=False)
                 if not results and status is not None and status.enabled:
