@@ -306,33 +306,37 @@ class Generator:
                 self._warm_up(start(), queue, slots, stride, size, self._budget_programs(n))
         state = start()
         pending = None
-        while True:
-            starts[call], programs = time.perf_counter(), self.programs
-            if chooser is not None:  # (from the counts of the calls read so far: all but the last one)
-                plan_of[call] = chooser.next_plan(rows, most)
-                programs = self._budget_programs(plan_choice.parse_plan(plan_of[call])[1])
-            state, finished = programs.job(
-                state, queue, most, self.schedule.refill_at, call, slots=slots,
-                stride=stride, finished_size=size,
-            )  # fmt: skip
-            if pending is None:  # the first call: nothing to read yet
+        try:
+            while True:
+                starts[call], programs = time.perf_counter(), self.programs
+                if chooser is not None:  # (from the counts of the calls read so far: all but the last one)
+                    plan_of[call] = chooser.next_plan(rows, most)
+                    programs = self._budget_programs(plan_choice.parse_plan(plan_of[call])[1])
+                state, finished = programs.job(
+                    state, queue, most, self.schedule.refill_at, call, slots=slots,
+                    stride=stride, finished_size=size,
+                )  # fmt: skip
+                if pending is None:  # the first call: nothing to read yet
+                    pending, call = (call, finished), call + 1
+                    continue
+                done_call, out = pending[0], fetch(_finished_outputs(pending[1]))
+                now = time.perf_counter()
                 pending, call = (call, finished), call + 1
-                continue
-            done_call, out = pending[0], fetch(_finished_outputs(pending[1]))
-            now = time.perf_counter()
-            pending, call = (call, finished), call + 1
-            occ.host_returns += 1
-            yield from self._harvested(run, share, out, size, starts, now, compiled)
-            if chooser is not None:
-                self._observed(chooser, seen, out, plan_of[done_call])
-            elif jax.process_count() == 1:  # (several processes must run the same calls: K stays fixed)
-                most = _next_most(most, now - starts[done_call])
-            if out["occupied"].sum() == 0 and all(out["next"][d] >= len(share[d]) for d in range(dp)):
-                break  # (the call dispatched last found nothing to do)
-            used = all(out["next"][d] >= min(base + block, len(share[d])) for d in range(dp))
-            if used and base + block < max(map(len, share)):
-                base += block  # every device used its block: the next one
-                queue = self._queue(run, share, base, block)
+                occ.host_returns += 1
+                yield from self._harvested(run, share, out, size, starts, now, compiled)
+                if chooser is not None:
+                    self._observed(chooser, seen, out, plan_of[done_call])
+                elif jax.process_count() == 1:  # (several processes must run the same calls: K stays fixed)
+                    most = _next_most(most, now - starts[done_call])
+                if out["occupied"].sum() == 0 and all(out["next"][d] >= len(share[d]) for d in range(dp)):
+                    break  # (the call dispatched last found nothing to do)
+                used = all(out["next"][d] >= min(base + block, len(share[d])) for d in range(dp))
+                if used and base + block < max(map(len, share)):
+                    base += block  # every device used its block: the next one
+                    queue = self._queue(run, share, base, block)
+        finally:  # a consumer that stops early (an interruption): the call still running ends first,
+            # else the process exits under a running computation and XLA's threads abort it
+            jax.block_until_ready(pending)
         self._job_counters(out, run.rows)
         self.generate_seconds += time.perf_counter() - begin - (self.compile_seconds - compiled)
         self.generate_seconds -= self.warmup_seconds - warmed
