@@ -96,7 +96,7 @@ class Counters:
     waiting_rounds: jax.Array  # rounds run while prompts waited
     passes: jax.Array  # prefill passes
     admitted: jax.Array  # prompts prefilled
-    prefill_steps: jax.Array  # the passes' steps (forwards of R * C token slots: prefill.packed_steps)
+    prefill_steps: jax.Array  # the passes' steps (forwards of [R, C / 4] tokens: prefill.packed_steps)
 
 
 @jax.tree_util.register_dataclass

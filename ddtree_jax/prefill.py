@@ -7,15 +7,16 @@ The drafter's context entries of each chunk come from the chunk's target feature
 
 R prompts prefill together, one weight read per step for all of them. In a static batch they share
 the longest prompt's chunk schedule ([R, C] steps). The continuous job's passes (`packed`) must not
-let a prompt's tokens depend on its companions, and must not compute its companions' padding: each
-prompt is cut into pieces of C / 4 tokens (`piece_count`), the pass's pieces are laid end to end,
-prompt after prompt, and each step runs the next R * 4 of them, a forward of [R * 4, C / 4] tokens
-whatever prompts they belong to. Piece i of a prompt attends to its row of the pass's cache up to
-i * C / 4 (the prompt's earlier pieces, whether an earlier step or this one wrote them:
-`kv_cache.SharedRows`) and causally to itself. A prompt then sees the same arithmetic (fixed shapes,
-its own tokens, its own pieces; a matmul's rows are independent of their neighbours at a fixed
-shape) whichever prompts share its pass and wherever its pieces land, and a pass computes its
-prompts' tokens rounded up to pieces, plus the last step's unused pieces: where the shared schedule
+let a prompt's tokens depend on its companions, and should not compute its companions' padding: each
+prompt is cut into pieces of g = C / 4 tokens (`piece_count`), the pass's pieces are laid end to end,
+prompt after prompt, and each step runs the next R of them, one forward of [R, g] tokens whatever
+prompts they belong to (512 tokens at 8 slots of 256: about where a GPU's matmuls turn from reading
+weights to computing, so a larger step would mostly compute more padding). Piece i of a prompt attends
+to its row of the pass's cache up to i g (its prompt's earlier pieces, whether an earlier step or this
+one wrote them: `kv_cache.SharedRows`) and causally to itself. A prompt then sees the same arithmetic
+(fixed shapes, its own tokens, its own pieces; a matmul's rows do not depend on their neighbours at a
+fixed shape) whichever prompts share its pass and wherever its pieces land, and a pass computes its
+prompts' tokens rounded up to pieces, plus its last step's unused pieces, where the shared schedule
 computed every slot for as many steps as the longest prompt needs.
 """
 
@@ -44,10 +45,10 @@ def piece_count(length, chunk: int):
 
 
 def packed_steps(lengths: jax.Array, active: jax.Array, chunk: int) -> jax.Array:
-    """The steps of a packed pass over requests of `lengths` [R] (those `active`): their pieces, R * C /
-    (C / 4) a step, rounded up."""
-    per_step = lengths.shape[0] * chunk // tail_chunk(chunk)
-    return (jnp.sum(jnp.where(active, piece_count(lengths, chunk), 0)) + per_step - 1) // per_step
+    """The steps of a packed pass over requests of `lengths` [R] (those `active`): their pieces, R a
+    step, rounded up."""
+    r = lengths.shape[0]
+    return (jnp.sum(jnp.where(active, piece_count(lengths, chunk), 0)) + r - 1) // r
 
 
 def chunk_steps(length, chunk: int) -> tuple:
@@ -202,10 +203,9 @@ def _chunked(forward, context, req: Requests, carry, *, active, chunk: int):
 
 
 def _packed(forward, context, req: Requests, carry, *, active, chunk: int):
-    """(cache, draft cache, last hidden [R, H]) after the active requests' pieces ran, R * C / g of
-    them a step ([R * C / g, g] tokens, g = C / 4), laid end to end in request order."""
+    """(cache, draft cache, last hidden [R, H]) after the active requests' pieces ran, R of them a step
+    ([R, g] tokens, g = C / 4), laid end to end in request order."""
     (r, p), piece = req.tokens.shape, tail_chunk(chunk)
-    per_step = r * chunk // piece
     count = jnp.where(active, piece_count(req.lengths, chunk), 0)  # [R] pieces per request
     ends = jnp.cumsum(count)  # request i's pieces are [ends[i] - count[i], ends[i]) of the pass
     arange = jnp.arange(piece, dtype=jnp.int32)
@@ -213,12 +213,12 @@ def _packed(forward, context, req: Requests, carry, *, active, chunk: int):
 
     def run(carry):
         k, cache, draft_cache, last = carry
-        index = k * per_step + jnp.arange(per_step, dtype=jnp.int32)  # [S] the step's pieces
-        owner = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)  # [S]; R: past the last
+        index = k * r + jnp.arange(r, dtype=jnp.int32)  # [R] the step's pieces
+        owner = jnp.searchsorted(ends, index, side="right").astype(jnp.int32)  # [R]; R: past the last
         live = index < ends[-1]
         o = jnp.minimum(owner, r - 1)
-        start = (index - (ends - count)[o]) * piece  # [S] the piece's first position in its prompt
-        positions = start[:, None] + arange[None, :]  # [S, g]
+        start = (index - (ends - count)[o]) * piece  # [R] the piece's first position in its prompt
+        positions = start[:, None] + arange[None, :]  # [R, g]
         tokens = req.tokens[o[:, None], jnp.minimum(positions, p - 1)]
         real = live[:, None] & (positions < req.lengths[o][:, None])
         mask = causal[None] & real[:, None, :]
@@ -229,7 +229,7 @@ def _packed(forward, context, req: Requests, carry, *, active, chunk: int):
             draft_cache = kv_cache.write_rows(draft_cache, context(out.features, positions), row, start)
         here = req.lengths[o] - 1 - start  # the prompt's last token's index in this piece
         inside = live & (here >= 0) & (here < piece)
-        picked = out.hidden[jnp.arange(per_step), jnp.clip(here, 0, piece - 1)]  # [S, H]
+        picked = out.hidden[jnp.arange(r), jnp.clip(here, 0, piece - 1)]  # [R, H]
         return k + 1, cache, draft_cache, last.at[jnp.where(inside, owner, r)].set(picked, mode="drop")
 
     steps = packed_steps(req.lengths, active, chunk)

@@ -104,7 +104,7 @@ class Occupancy:
     waiting_busy: int = 0  # of those, busy ones
     refills: int = 0  # prefill passes run (programs on the host loop; passes inside the device job)
     prefilled: int = 0  # prompts prefilled
-    prefill_steps: int = 0  # steps of the device job's prefill passes (forwards of R x C token slots)
+    prefill_steps: int = 0  # steps of the device job's prefill passes (forwards of [R, C / 4] tokens)
     host_returns: int = 0  # device programs whose results the host waited for (round loops, job calls)
 
     def waiting_fraction(self) -> float:

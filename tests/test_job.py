@@ -52,7 +52,7 @@ def test_device_job_equals_host_loop(method, sampling, job, monkeypatch):
     assert gen.loop == "device" and fields(device) == fields(host)
     occ = gen.occupancy  # one iteration (harvest, admission, `stride` rounds) a call
     assert occ.host_returns * scheduler.job_defaults(gen.schedule)[1] >= occ.rounds
-    # the passes' steps: each runs R * C / g = R pieces of g = 16 tokens (chunk 16), a pass's pieces
+    # the passes' steps: each runs R pieces of g = 16 tokens (chunk 16), a pass's pieces
     # rounded up to whole steps, so every prompt's pieces plus less than one step a pass
     per_step, pieces = job.get("prefill_slots", 1), sum(-(-len(p) // 16) for p in PROMPTS)
     assert occ.prefilled == len(PROMPTS)

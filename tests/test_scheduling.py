@@ -164,8 +164,8 @@ def test_chunked_prefill_equals_one_pass(packed):
     """A 900-token prompt in chunks of 128 (7, then a tail chunk of 32) and of 1024 (one) against one
     causal pass; in chunks of 256 with the chunks' attention composed of two flash-attention calls
     (attention.causal_chunk through XLA, what cuDNN runs on CUDA). In packed pieces (the continuous
-    job's passes: pieces of 32 tokens, 8 a step, the 77-token prompt's three after the other's 29, so
-    steps hold pieces of both prompts and several of one) in chunks of 128 only (each prefill program
+    job's passes: pieces of 32 tokens, 2 a step, the 77-token prompt's three after the other's 29, so
+    a step holds pieces of both prompts, or two of one) in chunks of 128 only (each prefill program
     compiles in ~10 CPU-s)."""
     cfg, params = load_target(TP)
     dcfg, dparams = load_drafter(DRAFT)
