@@ -35,7 +35,7 @@ from ddtree_jax.api import (
 from ddtree_jax.errors import DDTreeError
 from ddtree_jax.outfile import STDOUT, Interrupted, Writer, check_out, critical, finished_ids, interruptible
 from ddtree_jax.prompts import KNOWN_KEYS, LOGPROBS, SAMPLES, id_key, sample_key, scan_prompts, tokenize
-from ddtree_jax.settings import BUNDLED, GENERATE, Parser, Settings, add_flags
+from ddtree_jax.settings import BUNDLED, GENERATE, HelpFormatter, Parser, Settings, add_flags
 
 __all__ = ["BUNDLED", "check_lengths", "main"]
 
@@ -65,24 +65,13 @@ exit status: 0 done; {EXIT_ERROR} an error (flag, input, checkpoint or output pa
   {EXIT_SIGNAL + 13} when standard output closes early (--out - | head)."""
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Help lines end with the flag's default unless they already say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        quiet = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if not quiet and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = Parser(
         prog="ddtree-generate",
         description="Batched generation with autoregressive, DFlash or DDTree decoding.",
         epilog=EPILOG,
-        formatter_class=_Formatter,
+        formatter_class=HelpFormatter,
     )
     add_flags(p, GENERATE)
     return p

@@ -220,6 +220,17 @@ def suggestion(name: str, known: list[str], flags: bool = True) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help lines end with the flag's default unless they already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not quiet and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse for every command: no abbreviations (a script keeps working the day a flag is added),
     usage errors in one line that exit 1, and a "did you mean" for each unknown flag (a close one of

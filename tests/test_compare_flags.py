@@ -33,6 +33,19 @@ def test_each_subcommand_offers_its_group_only(name):
     assert ("temperature" in offered(name)) == (name != "reference")  # the PyTorch side is greedy
 
 
+@pytest.mark.parametrize("name", cli.SUBCOMMANDS)
+def test_each_subcommand_help_shows_its_defaults(name):
+    """Every flag with a default other than none/off says it in `ddtree-compare NAME --help`, as
+    ddtree-generate's do: the sub-parsers format their help with ddtree-generate's formatter."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+    text = " ".join(sub.format_help().split())
+    for action in sub._actions:
+        if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            continue
+        assert f"(default: {action.default})" in text or "default" in (action.help or ""), action.dest
+
+
 @pytest.mark.parametrize(
     "name,flags",
     [

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     subs = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     for name in SUBCOMMANDS:
         module = subcommand(name)
-        sub = subs.add_parser(name, help=module.HELP, description=module.HELP)
+        sub = subs.add_parser(
+            name, help=module.HELP, description=module.HELP, formatter_class=settings.HelpFormatter
+        )
         sub.add_argument("--report", required=True, help="directory for report.md, report.json and plots")
         add_generation_flags(sub, name)
         module.add_arguments(sub)
