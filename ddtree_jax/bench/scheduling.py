@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refill-at", type=int, default=1, help="continuous: refill once this many rows are free")
     p.add_argument("--host-loop", action="store_true", help="continuous batching driven from the host")
     p.add_argument("--stride", type=int, help="continuous: rounds between harvests (default by backend)")
-    p.add_argument("--repeats", type=int, default=1, help="continuous runs (the fastest reported)")
+    p.add_argument("--reps", type=int, default=1, help="continuous runs (the fastest reported)")
+    report.add_deprecated(p, "--repeats", "--reps", type=int)
     p.add_argument(
         "--stop-fraction", type=float, default=0.3, help="share of rows a chosen stop id ends early (0: none)"
     )
@@ -275,7 +276,7 @@ def run(args: argparse.Namespace, command: list[str], deadline: report.Deadline)
 
     if deadline.allows("continuous"):
         runs = []
-        for _ in range(max(args.repeats, 1)):  # (the programs compile once, in the first)
+        for _ in range(max(args.reps, 1)):  # (the programs compile once, in the first)
             gen = make_generator(args, cfg, params, dcfg, dparams, stop)
             cont, wall = timed(lambda gen=gen: sorted(gen.run(prompts), key=lambda r: r.id))
             runs.append(summary(cont, gen, wall))

@@ -47,7 +47,7 @@ if [ -n "${EIGHT_B:-}" ]; then  # the Qwen3-8B shape: 64 prompts of 128 tokens x
     > "$OUT/anchor-8b-b16.txt" 2>&1
   timeout 240 python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas \
     --prompts 64 --min-len 128 --max-len 128 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 \
-    --method ar --repeats 2 --deadline-s 200 --out "$OUT/8b-ar-b16.json" > "$OUT/8b-ar-b16.txt" 2>&1
+    --method ar --reps 2 --deadline-s 200 --out "$OUT/8b-ar-b16.json" > "$OUT/8b-ar-b16.txt" 2>&1
 fi
 python3 - "$OUT" <<'PY'
 import json, re, sys

@@ -31,7 +31,7 @@ done | tee $OUT/hlo-copies.txt; echo "t=$(( $(date +%s) - T0 ))"
 for f in $R/b64.log $R/b64/*.txt $R/slots-*.txt; do echo "#### $f"; cat $f; done > $OUT/b64-all.txt
 cp $R/b64/rounds.json $OUT/b64-rounds.json 2>/dev/null
 S="python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas --prompts 64
-  --min-len 16 --max-len 512 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 --repeats 2 --method ar --min-new-tokens 8"
+  --min-len 16 --max-len 512 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 --reps 2 --method ar --min-new-tokens 8"
 # refill_at 1 (today's), 4 (wait for more free rows), and prefill slots 4 (less padding a pass: docs/scheduling.md)
 for v in "r1 --refill-at 1" "r4 --refill-at 4" "s4 --prefill-slots 4"; do
   l=$(left 460); [ $l -gt 40 ] || break

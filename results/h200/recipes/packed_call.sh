@@ -14,6 +14,7 @@ R=/tmp/r; mkdir -p $R; T0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - T0) )); }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log -1 --format=%H 2>/dev/null; date -u; } > $OUT/device.txt
 cat $OUT/device.txt
+# (--repeats, not --reps: the base code of before 2026-12-08 knows only that spelling)
 S="-m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas --prompts 64
   --min-len 16 --max-len 512 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 --repeats 2 --method ar"
 run8b() {  # name, code path, extra flags

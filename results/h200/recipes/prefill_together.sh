@@ -7,7 +7,7 @@
 set -u
 OUT=${OUT:-/tmp/prefill-together}; mkdir -p "$OUT"
 S="python3 -m ddtree_jax.bench scheduling --shape qwen3-8b --dtype bfloat16 --attention pallas --prompts 64
-  --min-len 16 --max-len 512 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 --repeats 2"
+  --min-len 16 --max-len 512 --max-new-tokens 64 --stop-fraction 0 --batch-size 16 --reps 2"
 for run in ${RUNS:-ar ddtree spread}; do
   case $run in
     ar) $S --method ar --deadline-s 90 --out "$OUT/8b-ar-b16.json" > "$OUT/8b-ar-b16.txt" 2>&1 ;;
