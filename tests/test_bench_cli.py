@@ -87,6 +87,19 @@ def test_each_subcommand_help_lists_deadline_and_out(capsys, name):
     assert "--deadline-s DEADLINE_S" in text and f"{out} {out.lstrip('-').replace('-', '_').upper()}" in text
 
 
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_each_flag_has_a_help_line(capsys, name):
+    """Every flag of `ddtree-bench NAME --help` says what it does (a flag line followed by its text on
+    the same line or the next, never straight by the next flag)."""
+    assert main([name, "--help"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    options = lines[next(i for i, line in enumerate(lines) if line.startswith("options")) + 1 :]
+    for line, after in zip(options, [*options[1:], ""], strict=True):
+        flag = re.match(r"^  (--[\w-]+)", line)
+        if flag and len(line[2:].split("  ", 1)) == 1:  # no text on the flag's own line
+            assert re.match(r"^ {10,}\S", after), flag.group(1)
+
+
 def test_unknown_subcommand_is_one_line(capsys):
     assert main(["roundz", "--shape", "tiny"]) == 1
     captured = capsys.readouterr()

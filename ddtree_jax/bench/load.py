@@ -147,12 +147,17 @@ def timed_checks(checkpoint: Path, tp: int) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-bench load's flags (their defaults shown by --help)."""
     p = report.parser("load", __doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-8b",
+        help="the checkpoint's shape (random weights, written to --dir)",
+    )
     p.add_argument("--num-layers", type=int, help="the shape cut to this many layers (default: all)")
     p.add_argument("--vocab-size", type=int, help="the shape's vocabulary replaced (default: its own)")
     p.add_argument("--dir", default="/tmp/ddtree_load", help="scratch directory")
     p.add_argument("--keep", action="store_true", help="reuse --dir's checkpoint and keep it afterwards")
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices the weights are split over")
     p.add_argument("--reps", type=int, default=2, help="cold and warm loads of each kind")
     report.add_deprecated(p, "--repeats", "--reps", type=int)
     p.add_argument(

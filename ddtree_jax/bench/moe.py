@@ -127,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dispatches", default=default, help="comma list, in the order to run them")
     ap.add_argument("--formats", default="plain", help=f"comma list of {', '.join(FORMATS)}")
     ap.add_argument("--layers", type=int, default=8, help="expert layers stacked (ms are per layer)")
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--experts-per-token", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=128, help="routed experts per layer")
+    ap.add_argument(
+        "--experts-per-token", type=int, default=8, help="experts each token is routed to (top-k)"
+    )
+    ap.add_argument("--hidden", type=int, default=2048, help="the model's hidden size")
     ap.add_argument("--width", type=int, default=768, help="each expert's intermediate size")
     ap.add_argument("--gather-max", type=int, default=16, help="largest token count timed for gather")
     ap.add_argument("--split-max", type=int, default=8, help="largest token count timed for grouped_split")

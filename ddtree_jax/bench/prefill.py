@@ -110,16 +110,18 @@ def one_run(args, cfg, dcfg, params, dparams, length: int, chunk: int) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-bench prefill's flags (their defaults shown by --help)."""
     p = report.parser("prefill", __doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen3-8b", help="the target's shape (random weights)"
+    )
     p.add_argument("--runs", default="1024:1024,32768:1024", help="LENGTH:CHUNK pairs, in order")
-    p.add_argument("--attention", default="pallas")
+    p.add_argument("--attention", default="pallas", help="the plan's attention: reference, pallas or mosaic")
     p.add_argument("--method", default="ddtree", help="ar: no drafter context")
     p.add_argument(
         "--prefill-attention",
         default="same",
         help="the chunks' attention: same (as --attention), causal-cudnn, causal-xla, pallas, reference",
     )
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timed prefills of each run (after one that compiles)")
     p.add_argument("--out", required=True, help="the JSON written (rewritten after every run)")
     report.add_deadline(p)
     return p

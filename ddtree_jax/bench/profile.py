@@ -401,12 +401,14 @@ def _line(r: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """ddtree-bench profile's flags (their defaults shown by --help)."""
     p = report.parser("profile", __doc__)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen3-8b", help="the target's shape (random weights)"
+    )
     p.add_argument("--num-layers", type=int, help="the target's depth (default: the shape's)")
-    p.add_argument("--draft-layers", type=int, default=5)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--draft-layers", type=int, default=5, help="the drafter's decoder layers")
+    p.add_argument("--block-size", type=int, default=16, help="the drafter's block (depth = block - 1)")
+    p.add_argument("--batch-size", type=int, default=1, help="rows of the profiled state")
+    p.add_argument("--context", type=int, default=1024, help="tokens cached in each row")
     p.add_argument("--methods", default="ar,ddtree", help="comma list of ar,dflash,ddtree")
     p.add_argument("--budgets", default="63", help="comma list of ddtree budgets")
     p.add_argument("--attention", default="pallas", help="reference or pallas (or pallas-invariant)")
